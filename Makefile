@@ -1,0 +1,32 @@
+# Two commands do all the set-up on a fresh machine: `make run` and `make test`.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check -q
+STAMP := $(VENV)/.installed
+# A machine without an NVIDIA driver takes the CPU build of torch that lies on disk.
+TORCH_SPEC := $(if $(shell command -v nvidia-smi 2>/dev/null),torch,torch==2.13.0)
+PYTEST_ARGS ?=
+
+.PHONY: setup test test-slow run clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PIP) install --upgrade pip setuptools wheel
+	@$(PY) -c 'import torch' 2>/dev/null || $(PIP) install '$(TORCH_SPEC)'
+	@$(PIP) install -e '.[test]'
+	@touch $(STAMP)
+
+# pytest exits 5 when it collects nothing: that is a failure here, never a pass.
+test: setup
+	@$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	  if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+test-slow: setup
+	@$(PY) -m pytest -m slow $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .hypothesis

@@ -1,0 +1,1 @@
+"""Benchmarks: one script per area, each writing bench/results/<area>-<gpu>.json."""

@@ -1,0 +1,1 @@
+"""`infctl`, the command line over the cluster's client library."""

@@ -1,0 +1,1 @@
+"""The instance daemon `infinited`: one model instance, its KV pool and its peers."""

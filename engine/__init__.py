@@ -1,0 +1,1 @@
+"""The model runner: a Llama-family decoder over paged, distributable KV."""

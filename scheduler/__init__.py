@@ -1,0 +1,1 @@
+"""The global manager: performance model, placement policy, leader election."""

@@ -1,0 +1,1 @@
+"""Messages between daemons over UCX, and an in-memory transport for tests."""
