@@ -25,8 +25,11 @@ _ATTENTION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPE = torch.int32
 # A split shorter than this many KV tiles costs more in its merge than it gains in parallelism.
 _MIN_TILES_PER_SPLIT = 4
-# Programs per SM the split count aims for: enough loads in flight to saturate HBM.
-_PROGRAMS_PER_SM = 4
+# Launch shapes that measured well on an H200 (bench/results/kernels-sweep-h200.json): either
+# at most about two programs per SM, each streaming a long run of keys, or at least about
+# eight per SM; between the two, bandwidth dropped by up to 15%.
+_FEW_PROGRAMS_PER_SM = 2
+_MANY_PROGRAMS_PER_SM = 8
 # SMs assumed when the Triton kernels run on the CPU under the interpreter.
 _INTERPRETER_SMS = 8
 
@@ -58,7 +61,8 @@ class MicroAttentionConfig:
                 raise ValueError(f"MicroAttentionConfig.{name} must be a power of two >= 16, got {value}")
 
 
-DECODE_CONFIG = MicroAttentionConfig(tile_n=64, rows_per_program=16, num_warps=4, num_stages=3)
+# Decode: the best of a sweep of tile sizes, warps and stages on an H200 (bf16, head_dim 128).
+DECODE_CONFIG = MicroAttentionConfig(tile_n=128, rows_per_program=16, num_warps=4, num_stages=3)
 PREFILL_CONFIG = MicroAttentionConfig(tile_n=64, rows_per_program=64, num_warps=4, num_stages=2)
 
 
@@ -130,18 +134,36 @@ def _num_sms(device: torch.device) -> int:
 
 
 def choose_num_splits(
-    num_programs_per_split: int, max_kv_tiles: int, num_sms: int
+    num_programs_per_split: int,
+    max_kv_tiles: int,
+    num_sms: int,
+    *,
+    programs_per_sm: int | None = None,
+    min_tiles_per_split: int = _MIN_TILES_PER_SPLIT,
 ) -> tuple[int, int]:
     """Split the keys of each sequence so that the launch fills the GPU.
 
-    Returns ``(num_splits, tiles_per_split)``: enough splits to put about
-    ``_PROGRAMS_PER_SM`` programs on each SM, no split shorter than ``_MIN_TILES_PER_SPLIT``
-    tiles (unless one split covers everything).
+    Args:
+        num_programs_per_split: programs of one split (query tiles x KV heads).
+        max_kv_tiles: KV tiles of the longest sequence.
+        num_sms: streaming multiprocessors of the device.
+        programs_per_sm: aim for this many programs per SM; default: as many splits as fit
+            in about two programs per SM when the batch is small, else about eight per SM.
+        min_tiles_per_split: no split shorter than this (unless one split covers everything).
+
+    Returns:
+        ``(num_splits, tiles_per_split)``.
     """
     if max_kv_tiles <= 0:
         return 1, 1
-    wanted = math.ceil(_PROGRAMS_PER_SM * num_sms / max(1, num_programs_per_split))
-    most = max(1, max_kv_tiles // _MIN_TILES_PER_SPLIT)
+    most = max(1, max_kv_tiles // min_tiles_per_split)
+    base = max(1, num_programs_per_split)
+    if programs_per_sm is not None:
+        wanted = math.ceil(programs_per_sm * num_sms / base)
+    elif base <= _FEW_PROGRAMS_PER_SM * num_sms:
+        wanted = (_FEW_PROGRAMS_PER_SM * num_sms) // base
+    else:
+        wanted = math.ceil(_MANY_PROGRAMS_PER_SM * num_sms / base)
     num_splits = max(1, min(wanted, most))
     tiles_per_split = math.ceil(max_kv_tiles / num_splits)
     return math.ceil(max_kv_tiles / tiles_per_split), tiles_per_split
@@ -230,11 +252,19 @@ def plan_micro_attention(
             raise ValueError("query_start_loc must start at 0 and never decrease")
         if bool((lens < 0).any()):
             raise ValueError("kv_lens must be >= 0")
+        longest_query = int(q_lens.max()) if num_seqs else 0
+        longest_kv = int(lens.max()) if num_seqs else 0
         if max_query_len is None:
-            max_query_len = int(q_lens.max()) if num_seqs else 0
+            max_query_len = longest_query
         if max_kv_len is None:
-            max_kv_len = int(lens.max()) if num_seqs else 0
+            max_kv_len = longest_kv
         if check_bounds:
+            # The launch grid and the key splits are sized from these: too small a value leaves
+            # rows unwritten or keys unread.
+            if max_query_len < longest_query:
+                raise ValueError(f"max_query_len {max_query_len} is less than the longest query ({longest_query} rows)")
+            if max_kv_len < longest_kv:
+                raise ValueError(f"max_kv_len {max_kv_len} is less than the longest sequence ({longest_kv} keys)")
             blocks_needed = (lens + block_size - 1) // block_size
             if num_seqs and int(blocks_needed.max()) > block_tables.shape[1]:
                 seq = int(blocks_needed.argmax())
@@ -335,6 +365,7 @@ def run_micro_attention(
     *,
     sm_scale: float | None = None,
     out_dtype: torch.dtype = torch.float32,
+    return_lse: bool = True,
 ) -> AttentionState:
     """Run a planned MicroAttention for one layer.
 
@@ -345,6 +376,8 @@ def run_micro_attention(
         layer: the layer whose K and V are read.
         sm_scale: softmax scale, default ``1 / sqrt(head_dim)``.
         out_dtype: dtype of the returned partial output (float32 keeps merges exact).
+        return_lse: False when the caller needs the output alone (the whole sequence is
+            here): the log-sum-exp is then left unwritten (its tensor holds garbage).
 
     Returns:
         ``AttentionState(out [num_q_tokens, num_heads, head_dim] out_dtype,
@@ -385,7 +418,7 @@ def run_micro_attention(
             plan.kv_start_pos, plan.q_pos, sm_scale, out_dtype,
         )
         return AttentionState(out, lse)
-    return _micro_attention_triton(plan, q, kv_pool, layer, sm_scale, out_dtype)
+    return _micro_attention_triton(plan, q, kv_pool, layer, sm_scale, out_dtype, return_lse)
 
 
 def _micro_attention_triton(
@@ -395,6 +428,7 @@ def _micro_attention_triton(
     layer: int,
     sm_scale: float,
     out_dtype: torch.dtype,
+    return_lse: bool,
 ) -> AttentionState:
     from .triton_kernels import micro_attention_kernel
 
@@ -445,12 +479,13 @@ def _micro_attention_triton(
         MULTI_ROW=multi_row,
         IEEE_DOT=q.dtype == torch.float32,
         DOT_IN_FP32=q.dtype == torch.bfloat16 and q.device.type != "cuda",
+        WRITE_LSE=return_lse or splits > 1,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
     if splits == 1:
         return AttentionState(out, lse)
-    return _merge_triton(out_split, lse_split, lse_is_log2=False, out_dtype=out_dtype, write_lse=True)
+    return _merge_triton(out_split, lse_split, lse_is_log2=False, out_dtype=out_dtype, write_lse=return_lse)
 
 
 def micro_attention(

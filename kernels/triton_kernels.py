@@ -7,7 +7,7 @@ leaves a kernel is a natural logarithm.
 import triton
 import triton.language as tl
 
-LN2 = 0.6931471805599453
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
@@ -48,6 +48,7 @@ def micro_attention_kernel(
     MULTI_ROW: tl.constexpr,
     IEEE_DOT: tl.constexpr,  # exact fp32 products for fp32 inputs (no tf32)
     DOT_IN_FP32: tl.constexpr,  # upcast dot operands: Triton's CPU interpreter has no bf16 dot
+    WRITE_LSE: tl.constexpr,
 ):
     """One program: BLOCK_Q query rows x the query heads of one KV head x one split of the keys.
 
@@ -154,11 +155,12 @@ def micro_attention_kernel(
         out.to(out_ptr.dtype.element_ty),
         mask=row_valid[:, None] & d_valid[None, :],
     )
-    tl.store(
-        lse_ptr + split.to(tl.int64) * stride_l_split + q_row64 * stride_l_tok + q_head,
-        lse,
-        mask=row_valid,
-    )
+    if WRITE_LSE:
+        tl.store(
+            lse_ptr + split.to(tl.int64) * stride_l_split + q_row64 * stride_l_tok + q_head,
+            lse,
+            mask=row_valid,
+        )
 
 
 @triton.jit
