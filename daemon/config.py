@@ -1,0 +1,169 @@
+"""The configuration of one `infinited` instance: one validated dataclass from TOML and flags.
+
+Precedence: defaults < the TOML file < command-line flags. Unknown keys are errors, so that a
+misspelt setting is never silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+_DEVICES = ("cpu", "cuda")
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, of the wrong type or out of range."""
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Every bounded wait of the daemon, in seconds."""
+
+    heartbeat_interval_s: float = 1.0  # instance -> gManager
+    peer_request_s: float = 5.0  # one request to a peer (attend, try-move, commit)
+    reservation_s: float = 10.0  # a reserved move not committed in time is released
+    debtor_lost_s: float = 30.0  # segments held for a silent debtor are freed after this
+    drain_s: float = 600.0  # graceful stop: time to finish or hand over work
+    connect_s: float = 1.0  # opening a connection to a peer
+
+
+@dataclass(frozen=True)
+class InstanceConfig:
+    """Settings of one instance.
+
+    KV pool size: give ``kv_pool_blocks`` or ``kv_pool_bytes`` (not both); with neither, the
+    engine's default applies.
+    """
+
+    instance_id: int = 0
+    model: str | None = None  # GGUF file or Hugging Face folder; None: the embedded SmolLM2
+    device: str = "cpu"  # "cpu", "cuda" or "cuda:N"
+    dtype: str = "auto"  # "auto": bfloat16 on CUDA, float32 on the CPU
+    block_size: int = 16  # tokens per KV block
+    kv_pool_blocks: int | None = None
+    kv_pool_bytes: int | None = None
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512  # tokens per step: the prefill chunk
+    peer_host: str = "127.0.0.1"  # UCX listener, for other instances
+    peer_port: int = 0  # 0: any free port (reported in the heartbeat)
+    http_host: str = "127.0.0.1"  # OpenAI-compatible API and /metrics
+    http_port: int = 8000  # 0: no TCP API
+    socket_path: Path = Path("/run/infinite-llm/infinited.sock")  # local admin API
+    admin_group: str | None = None  # besides root, members may call mutating local endpoints
+    etcd_endpoints: tuple[str, ...] = ()  # empty: local discovery through state_dir
+    state_dir: Path = Path("/var/lib/infinite-llm")  # local election and membership files
+    timeouts: Timeouts = field(default_factory=Timeouts)
+
+    def __post_init__(self) -> None:
+        _check_int("instance_id", self.instance_id, minimum=0)
+        if self.model is not None and not isinstance(self.model, str):
+            raise ConfigError(f"model must be a path string, got {self.model!r}")
+        if not isinstance(self.device, str) or not (
+            self.device in _DEVICES or (self.device.startswith("cuda:") and self.device[5:].isdigit())
+        ):
+            raise ConfigError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if self.dtype not in _DTYPES:
+            raise ConfigError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+        _check_int("block_size", self.block_size, minimum=1)
+        if self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
+        if self.kv_pool_blocks is not None and self.kv_pool_bytes is not None:
+            raise ConfigError("give kv_pool_blocks or kv_pool_bytes, not both")
+        if self.kv_pool_blocks is not None:
+            _check_int("kv_pool_blocks", self.kv_pool_blocks, minimum=1)
+        if self.kv_pool_bytes is not None:
+            _check_int("kv_pool_bytes", self.kv_pool_bytes, minimum=1)
+        _check_int("max_num_seqs", self.max_num_seqs, minimum=1)
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, minimum=self.block_size)
+        for name in ("peer_port", "http_port"):
+            _check_int(name, getattr(self, name), minimum=0, maximum=65535)
+        for name in ("peer_host", "http_host"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ConfigError(f"{name} must be a non-empty host string")
+        if self.admin_group is not None and (not isinstance(self.admin_group, str) or not self.admin_group):
+            raise ConfigError(f"admin_group must be a group name, got {self.admin_group!r}")
+        if any(not isinstance(e, str) or not e for e in self.etcd_endpoints):
+            raise ConfigError(f"etcd_endpoints must be host:port strings, got {self.etcd_endpoints!r}")
+        for name, value in dataclasses.asdict(self.timeouts).items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigError(f"timeouts.{name} must be a positive number of seconds, got {value!r}")
+
+    @property
+    def discovery(self) -> str:
+        """``"etcd"`` when etcd endpoints are set, else ``"local"`` (files in ``state_dir``)."""
+        return "etcd" if self.etcd_endpoints else "local"
+
+
+def _check_int(name: str, value: object, *, minimum: int, maximum: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} must be an integer, got {value!r}")
+    if value < minimum or (maximum is not None and value > maximum):
+        bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise ConfigError(f"{name} must be {bound}, got {value}")
+
+
+def _coerce(name: str, value: Any, annotation: str) -> Any:
+    """Turn TOML values into the field's type where TOML has no such type (paths, tuples)."""
+    if value is None:
+        return None
+    if "Path" in annotation:
+        if not isinstance(value, (str, Path)):
+            raise ConfigError(f"{name} must be a path string, got {value!r}")
+        return Path(value)
+    if "tuple" in annotation:
+        if isinstance(value, str):
+            return tuple(v for v in value.split(",") if v)
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{name} must be a list, got {value!r}")
+        return tuple(value)
+    if annotation.startswith("float") and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
+def _build(cls: type, values: Mapping[str, Any], where: str) -> Any:
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise ConfigError(f"unknown setting{'s' if len(unknown) > 1 else ''} in {where}: {', '.join(unknown)}")
+    kwargs = {}
+    for name, value in values.items():
+        annotation = str(known[name].type)
+        if name == "timeouts":
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"[timeouts] must be a table, got {value!r}")
+            kwargs[name] = _build(Timeouts, value, f"{where} [timeouts]")
+        else:
+            kwargs[name] = _coerce(name, value, annotation)
+    return cls(**kwargs)
+
+
+def load_config(path: Path | str | None = None, overrides: Mapping[str, Any] | None = None) -> InstanceConfig:
+    """Read the TOML file (if any), apply ``overrides`` (from flags; None values are ignored).
+
+    Raises:
+        ConfigError: an unreadable file, invalid TOML, an unknown key or an invalid value.
+    """
+    values: dict[str, Any] = {}
+    where = "flags"
+    if path is not None:
+        where = str(path)
+        try:
+            values = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+    for key, value in (overrides or {}).items():
+        if value is None:
+            continue
+        if key.startswith("timeouts."):
+            values.setdefault("timeouts", {})[key.split(".", 1)[1]] = value
+        else:
+            values[key] = value
+    return _build(InstanceConfig, values, where)

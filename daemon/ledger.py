@@ -1,0 +1,166 @@
+"""What one instance holds for others, and the leader epochs it has seen: pure bookkeeping.
+
+The creditor side of a KV move: ``reserve`` takes free blocks first-come-first-served (or
+refuses), ``commit`` turns a reservation into a held segment, ``release_expired`` frees
+reservations whose commit never came, ``free_segment`` and ``free_lost_debtors`` give blocks
+back. Time is passed in (seconds on any monotonic clock), so tests drive it by hand.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+
+class LedgerError(ValueError):
+    """A reservation or segment that does not exist or does not match."""
+
+
+@dataclass(frozen=True)
+class Reservation:
+    reservation_id: int
+    home_inst_id: int  # the request's home
+    req_id: int
+    block_ids: tuple[int, ...]  # blocks in this pool, in the order the moved blocks fill them
+    expires_at: float  # clock seconds
+
+
+@dataclass(frozen=True)
+class HeldSegment:
+    """A run of another instance's request, held in this pool."""
+
+    home_inst_id: int
+    req_id: int
+    segment_id: int  # the home's id for this segment
+    block_ids: tuple[int, ...]
+
+
+@dataclass
+class CreditorLedger:
+    """Reservations and held segments of one pool.
+
+    ``allocate(n) -> list[int] | None`` and ``free(block_ids)`` are the pool's allocator (the
+    engine's block allocator in the daemon): the ledger decides, the allocator hands out ids.
+    """
+
+    allocate: Callable[[int], list[int] | None]
+    free: Callable[[Iterable[int]], None]
+    reservation_ttl_s: float  # an uncommitted reservation lives this long
+    reservations: dict[int, Reservation] = field(default_factory=dict)
+    held: dict[tuple[int, int, int], HeldSegment] = field(default_factory=dict)  # (home, req, segment)
+    last_heard: dict[int, float] = field(default_factory=dict)  # home -> clock seconds
+    _next_reservation_id: int = 1
+
+    @property
+    def num_blocks_reserved(self) -> int:
+        return sum(len(r.block_ids) for r in self.reservations.values())
+
+    @property
+    def num_blocks_held(self) -> int:
+        """Blocks of this pool holding other instances' requests (committed)."""
+        return sum(len(s.block_ids) for s in self.held.values())
+
+    def reserve(self, home_inst_id: int, req_id: int, num_blocks: int, now: float) -> Reservation | None:
+        """Reserve ``num_blocks`` free blocks, or None when the pool has fewer free."""
+        if num_blocks <= 0:
+            raise LedgerError(f"num_blocks must be positive, got {num_blocks}")
+        block_ids = self.allocate(num_blocks)
+        if block_ids is None:
+            return None
+        reservation = Reservation(self._next_reservation_id, home_inst_id, req_id, tuple(block_ids),
+                                  now + self.reservation_ttl_s)
+        self._next_reservation_id += 1
+        self.reservations[reservation.reservation_id] = reservation
+        self.last_heard[home_inst_id] = now
+        return reservation
+
+    def reservation(self, reservation_id: int) -> Reservation:
+        try:
+            return self.reservations[reservation_id]
+        except KeyError:
+            raise LedgerError(f"no reservation {reservation_id} (expired or never made)") from None
+
+    def commit(self, reservation_id: int, home_inst_id: int, req_id: int, segment_id: int, now: float) -> HeldSegment:
+        """The home switched its block table: the reserved blocks become a held segment."""
+        reservation = self.reservation(reservation_id)
+        if (reservation.home_inst_id, reservation.req_id) != (home_inst_id, req_id):
+            raise LedgerError(
+                f"reservation {reservation_id} is for request {reservation.req_id} of instance "
+                f"{reservation.home_inst_id}, not request {req_id} of instance {home_inst_id}"
+            )
+        key = (home_inst_id, req_id, segment_id)
+        if key in self.held:
+            raise LedgerError(f"segment {segment_id} of request {req_id} of instance {home_inst_id} is already held")
+        del self.reservations[reservation_id]
+        segment = HeldSegment(home_inst_id, req_id, segment_id, reservation.block_ids)
+        self.held[key] = segment
+        self.last_heard[home_inst_id] = now
+        return segment
+
+    def segment(self, home_inst_id: int, req_id: int, segment_id: int) -> HeldSegment:
+        try:
+            return self.held[(home_inst_id, req_id, segment_id)]
+        except KeyError:
+            raise LedgerError(f"no segment {segment_id} of request {req_id} of instance {home_inst_id} here") from None
+
+    def free_segment(self, home_inst_id: int, req_id: int, segment_id: int) -> int:
+        """Free one held segment; returns the blocks freed (0 if it was not held: frees repeat)."""
+        segment = self.held.pop((home_inst_id, req_id, segment_id), None)
+        if segment is None:
+            return 0
+        self.free(segment.block_ids)
+        return len(segment.block_ids)
+
+    def free_request(self, home_inst_id: int, req_id: int) -> int:
+        """Free every segment and reservation of one request (finished or cancelled)."""
+        freed = 0
+        for key in [k for k in self.held if k[:2] == (home_inst_id, req_id)]:
+            freed += self.free_segment(*key)
+        for rid in [r.reservation_id for r in self.reservations.values() if (r.home_inst_id, r.req_id) == (home_inst_id, req_id)]:
+            freed += self._release(rid)
+        return freed
+
+    def heard_from(self, home_inst_id: int, now: float) -> None:
+        self.last_heard[home_inst_id] = now
+
+    def release_expired(self, now: float) -> list[Reservation]:
+        """Release reservations whose commit did not come in time; returns them."""
+        expired = [r for r in self.reservations.values() if r.expires_at <= now]
+        for r in expired:
+            self._release(r.reservation_id)
+        return expired
+
+    def free_lost_debtors(self, now: float, timeout_s: float) -> dict[int, int]:
+        """Free everything held for homes silent longer than ``timeout_s``: {home: blocks freed}."""
+        lost = [home for home, t in self.last_heard.items() if now - t > timeout_s]
+        freed: dict[int, int] = {}
+        for home in lost:
+            count = 0
+            for key in [k for k in self.held if k[0] == home]:
+                count += self.free_segment(*key)
+            for rid in [r.reservation_id for r in self.reservations.values() if r.home_inst_id == home]:
+                count += self._release(rid)
+            del self.last_heard[home]
+            freed[home] = count
+        return freed
+
+    def _release(self, reservation_id: int) -> int:
+        reservation = self.reservations.pop(reservation_id)
+        self.free(reservation.block_ids)
+        return len(reservation.block_ids)
+
+
+@dataclass
+class EpochFence:
+    """Refuses commands from deposed leaders: an epoch older than the newest seen is stale."""
+
+    newest_epoch: int = 0
+    num_refused: int = 0
+
+    def admit(self, epoch: int) -> bool:
+        """True (and remember the epoch) unless ``epoch`` is older than the newest seen."""
+        if epoch < self.newest_epoch:
+            self.num_refused += 1
+            return False
+        self.newest_epoch = epoch
+        return True

@@ -1,0 +1,54 @@
+"""Who is calling on the local Unix socket: SO_PEERCRED, and who may change things.
+
+Reading the daemon's state is open to anyone who can open the socket (mode 0660 limits that to
+the socket's group); mutations (drain, generate) need root or membership of the admin group.
+"""
+
+from __future__ import annotations
+
+import grp
+import os
+import pwd
+import socket
+import struct
+from dataclasses import dataclass
+
+_UCRED = struct.Struct("3i")  # struct ucred {pid_t pid; uid_t uid; gid_t gid;}
+
+
+@dataclass(frozen=True)
+class PeerCredentials:
+    pid: int
+    uid: int
+    gid: int
+
+
+def peer_credentials(sock: socket.socket) -> PeerCredentials:
+    """The credentials of the process at the other end of a connected Unix socket."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+    return PeerCredentials(*_UCRED.unpack(raw))
+
+
+def admin_group_id(name: str | None) -> int | None:
+    """The gid of the configured admin group; ValueError when it does not exist."""
+    if name is None:
+        return None
+    try:
+        return grp.getgrnam(name).gr_gid
+    except KeyError:
+        raise ValueError(f"admin group {name!r} does not exist") from None
+
+
+def may_mutate(creds: PeerCredentials, admin_gid: int | None) -> bool:
+    """Root, the daemon's own user, or a member of the admin group (primary or supplementary)."""
+    if creds.uid == 0 or creds.uid == os.geteuid():
+        return True
+    if admin_gid is None:
+        return False
+    if creds.gid == admin_gid:
+        return True
+    try:
+        user = pwd.getpwuid(creds.uid).pw_name
+    except KeyError:
+        return False
+    return admin_gid in os.getgrouplist(user, creds.gid)

@@ -1,0 +1,245 @@
+"""OpenAI-compatible requests and responses: validation and response bodies, no I/O.
+
+The HTTP server (``http_api.py``) calls :func:`parse_completion_request` or
+:func:`parse_chat_request`, runs the engine, and renders with the ``*_response`` and ``*_chunk``
+functions. Errors carry the status code and the body OpenAI clients expect:
+``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from infinite_llm.engine.sampling import SamplingParams
+
+_COMMON_FIELDS = {
+    "model", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options",
+    "stop", "seed", "user", "presence_penalty", "frequency_penalty", "ignore_eos",
+}
+_COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "logprobs", "suffix", "best_of"}
+_CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+_ROLES = ("system", "user", "assistant")
+DEFAULT_MAX_TOKENS = 256
+
+
+class OpenAIError(Exception):
+    """A request the API refuses, with its HTTP status and OpenAI error body."""
+
+    def __init__(self, message: str, *, status: int = 400, param: str | None = None,
+                 error_type: str = "invalid_request_error", code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.param = param
+        self.error_type = error_type
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": str(self), "type": self.error_type, "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A validated completion or chat request."""
+
+    model: str
+    prompt: str | tuple[int, ...] | None  # completions
+    messages: tuple[dict[str, str], ...] | None  # chat
+    params: SamplingParams
+    stream: bool
+    include_usage: bool  # stream_options.include_usage: a last chunk with token counts
+
+
+def _require_object(body: object) -> Mapping[str, Any]:
+    if not isinstance(body, Mapping):
+        raise OpenAIError("the request body must be a JSON object")
+    return body
+
+
+def _check_fields(body: Mapping[str, Any], allowed: set[str]) -> None:
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise OpenAIError(f"Unrecognized request argument supplied: {unknown[0]}", param=unknown[0])
+
+
+def _number(body: Mapping[str, Any], name: str, default: float, low: float, high: float) -> float:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise OpenAIError(f"{name} must be a number in [{low}, {high}], got {value!r}", param=name)
+    return float(value)
+
+
+def _integer(body: Mapping[str, Any], name: str, default: int | None, low: int) -> int | None:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise OpenAIError(f"{name} must be an integer >= {low}, got {value!r}", param=name)
+    return value
+
+
+def _sampling_params(body: Mapping[str, Any], max_tokens: int | None) -> SamplingParams:
+    n = _integer(body, "n", 1, 1)
+    if n != 1:
+        raise OpenAIError("only n = 1 is supported", param="n")
+    if body.get("best_of") not in (None, 1):
+        raise OpenAIError("only best_of = 1 is supported", param="best_of")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if _number(body, name, 0.0, -2.0, 2.0) != 0.0:
+            raise OpenAIError(f"{name} is not supported (it must be 0)", param=name)
+    if body.get("logprobs") not in (None, False, 0):
+        raise OpenAIError("logprobs are not supported", param="logprobs")
+    stop = body.get("stop")
+    if stop is None:
+        stop = ()
+    elif isinstance(stop, str):
+        stop = (stop,)
+    elif isinstance(stop, list) and len(stop) <= 4 and all(isinstance(s, str) and s for s in stop):
+        stop = tuple(stop)
+    else:
+        raise OpenAIError("stop must be a non-empty string or a list of at most 4 of them", param="stop")
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise OpenAIError("ignore_eos must be a boolean", param="ignore_eos")
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens if max_tokens is not None else DEFAULT_MAX_TOKENS,
+            temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+            top_p=_number(body, "top_p", 1.0, 0.0, 1.0) or 1e-9,
+            top_k=_integer(body, "top_k", 0, 0) or 0,
+            seed=_integer(body, "seed", None, 0),
+            stop=stop,
+            ignore_eos=ignore_eos,
+        )
+    except ValueError as exc:
+        raise OpenAIError(str(exc)) from None
+
+
+def _stream_flags(body: Mapping[str, Any]) -> tuple[bool, bool]:
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise OpenAIError("stream must be a boolean", param="stream")
+    options = body.get("stream_options")
+    include_usage = False
+    if options is not None:
+        if not stream:
+            raise OpenAIError("stream_options is only allowed with stream = true", param="stream_options")
+        if not isinstance(options, Mapping) or set(options) - {"include_usage"}:
+            raise OpenAIError("stream_options must be an object with include_usage", param="stream_options")
+        include_usage = options.get("include_usage", False)
+        if not isinstance(include_usage, bool):
+            raise OpenAIError("stream_options.include_usage must be a boolean", param="stream_options")
+    return stream, include_usage
+
+
+def _model(body: Mapping[str, Any], served_model: str) -> str:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise OpenAIError("model is required", param="model")
+    if model != served_model:
+        raise OpenAIError(f"The model `{model}` does not exist.", status=404, param="model", code="model_not_found")
+    return model
+
+
+def parse_completion_request(body: object, served_model: str) -> GenerationRequest:
+    """Validate a ``/v1/completions`` body; raises :class:`OpenAIError`."""
+    body = _require_object(body)
+    _check_fields(body, _COMPLETION_FIELDS)
+    model = _model(body, served_model)
+    if body.get("echo") not in (None, False):
+        raise OpenAIError("echo is not supported", param="echo")
+    if body.get("suffix") is not None:
+        raise OpenAIError("suffix is not supported", param="suffix")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise OpenAIError("prompt must not be empty", param="prompt")
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
+        prompt = tuple(prompt)
+    else:
+        raise OpenAIError("prompt must be a non-empty string or a list of token ids (one prompt per request)", param="prompt")
+    max_tokens = _integer(body, "max_tokens", None, 1)
+    stream, include_usage = _stream_flags(body)
+    return GenerationRequest(model, prompt, None, _sampling_params(body, max_tokens), stream, include_usage)
+
+
+def parse_chat_request(body: object, served_model: str) -> GenerationRequest:
+    """Validate a ``/v1/chat/completions`` body; raises :class:`OpenAIError`."""
+    body = _require_object(body)
+    _check_fields(body, _CHAT_FIELDS)
+    model = _model(body, served_model)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise OpenAIError("messages must be a non-empty list", param="messages")
+    parsed = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping) or message.get("role") not in _ROLES:
+            raise OpenAIError(f"messages[{i}].role must be one of {', '.join(_ROLES)}", param=f"messages[{i}].role")
+        content = message.get("content")
+        if isinstance(content, list):
+            # The content-parts form: text parts only.
+            if not all(isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+                raise OpenAIError(f"messages[{i}].content: only text parts are supported", param=f"messages[{i}].content")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise OpenAIError(f"messages[{i}].content must be a string", param=f"messages[{i}].content")
+        parsed.append({"role": message["role"], "content": content})
+    max_tokens = _integer(body, "max_completion_tokens", None, 1)
+    if max_tokens is None:
+        max_tokens = _integer(body, "max_tokens", None, 1)
+    stream, include_usage = _stream_flags(body)
+    return GenerationRequest(model, None, tuple(parsed), _sampling_params(body, max_tokens), stream, include_usage)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_response(request_id: str, model: str, text: str, finish_reason: str | None,
+                        prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    return {
+        "id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+        "usage": usage(prompt_tokens, completion_tokens),
+    }
+
+
+def completion_chunk(request_id: str, model: str, text: str, finish_reason: str | None) -> dict[str, Any]:
+    return {
+        "id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+    }
+
+
+def chat_response(request_id: str, model: str, text: str, finish_reason: str | None,
+                  prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    return {
+        "id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                     "finish_reason": finish_reason}],
+        "usage": usage(prompt_tokens, completion_tokens),
+    }
+
+
+def chat_chunk(request_id: str, model: str, delta: Mapping[str, str], finish_reason: str | None) -> dict[str, Any]:
+    return {
+        "id": request_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
+        "choices": [{"index": 0, "delta": dict(delta), "logprobs": None, "finish_reason": finish_reason}],
+    }
+
+
+def usage_chunk(request_id: str, model: str, obj: str, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    """The last streamed chunk when ``stream_options.include_usage`` is set: no choices."""
+    return {"id": request_id, "object": obj, "created": int(time.time()), "model": model, "choices": [],
+            "usage": usage(prompt_tokens, completion_tokens)}

@@ -1,0 +1,56 @@
+from pathlib import Path
+
+import pytest
+
+from infinite_llm.daemon.config import ConfigError, InstanceConfig, Timeouts, load_config
+
+
+def test_defaults_are_valid() -> None:
+    config = load_config()
+    assert config == InstanceConfig()
+    assert config.discovery == "local"
+
+
+def test_toml_then_flags(tmp_path: Path) -> None:
+    path = tmp_path / "infinited.toml"
+    path.write_text(
+        'instance_id = 3\ndevice = "cuda:1"\nkv_pool_blocks = 4096\n'
+        'etcd_endpoints = ["10.0.0.1:2379", "10.0.0.2:2379"]\nsocket_path = "/tmp/x.sock"\n'
+        "[timeouts]\nheartbeat_interval_s = 2\n"
+    )
+    config = load_config(path, {"kv_pool_blocks": 128, "http_port": None, "timeouts.drain_s": 5})
+    assert config.instance_id == 3
+    assert config.device == "cuda:1"
+    assert config.kv_pool_blocks == 128  # the flag wins
+    assert config.http_port == 8000  # a flag left unset keeps the file's or default value
+    assert config.etcd_endpoints == ("10.0.0.1:2379", "10.0.0.2:2379")
+    assert config.discovery == "etcd"
+    assert config.socket_path == Path("/tmp/x.sock")
+    assert config.timeouts == Timeouts(heartbeat_interval_s=2.0, drain_s=5)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("block_sise = 16", "unknown setting in .*: block_sise"),
+        ("block_size = 24", "block_size must be a power of two"),
+        ('device = "tpu"', "device must be"),
+        ("kv_pool_blocks = 10\nkv_pool_bytes = 10", "not both"),
+        ("kv_pool_blocks = 0", "kv_pool_blocks must be >= 1"),
+        ("http_port = 70000", r"http_port must be in \[0, 65535\]"),
+        ("max_num_seqs = true", "max_num_seqs must be an integer"),
+        ("[timeouts]\npeer_request_s = -1", "timeouts.peer_request_s must be a positive number"),
+        ("[timeouts]\nretry = 1", r"unknown setting in .*\[timeouts\]: retry"),
+        ("block_size = ", "invalid TOML"),
+    ],
+)
+def test_bad_values_are_refused_with_the_reason(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(text + "\n")
+    with pytest.raises(ConfigError, match=message):
+        load_config(path)
+
+
+def test_missing_file() -> None:
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config("/nonexistent/infinited.toml")

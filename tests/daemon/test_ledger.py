@@ -1,0 +1,92 @@
+import pytest
+
+from infinite_llm.daemon.ledger import CreditorLedger, EpochFence, HeldSegment, LedgerError
+
+
+class FreeList:
+    """A tiny allocator handing out the lowest free ids, as a pool's allocator would."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.free_ids = list(range(num_blocks))
+
+    def allocate(self, n: int):
+        if n > len(self.free_ids):
+            return None
+        taken, self.free_ids = self.free_ids[:n], self.free_ids[n:]
+        return taken
+
+    def free(self, ids) -> None:
+        self.free_ids = sorted(self.free_ids + list(ids))
+
+
+def make(num_blocks: int = 8, ttl: float = 10.0):
+    pool = FreeList(num_blocks)
+    return pool, CreditorLedger(pool.allocate, pool.free, reservation_ttl_s=ttl)
+
+
+def test_reserve_commit_free_with_exact_block_ids() -> None:
+    pool, ledger = make()
+    first = ledger.reserve(home_inst_id=1, req_id=7, num_blocks=3, now=0.0)
+    second = ledger.reserve(home_inst_id=2, req_id=9, num_blocks=2, now=0.0)
+    assert first.block_ids == (0, 1, 2) and second.block_ids == (3, 4)
+    assert ledger.num_blocks_reserved == 5 and pool.free_ids == [5, 6, 7]
+    assert ledger.reserve(3, 1, 4, now=0.0) is None  # first come, first served: only 3 left
+
+    segment = ledger.commit(first.reservation_id, 1, 7, segment_id=0, now=1.0)
+    assert segment == HeldSegment(1, 7, 0, (0, 1, 2))
+    assert ledger.num_blocks_held == 3 and ledger.num_blocks_reserved == 2
+    assert ledger.free_segment(1, 7, 0) == 3
+    assert ledger.free_segment(1, 7, 0) == 0  # a repeated free is harmless
+    assert pool.free_ids == [0, 1, 2, 5, 6, 7]
+
+
+def test_uncommitted_reservation_is_released_after_its_ttl() -> None:
+    pool, ledger = make(ttl=5.0)
+    r = ledger.reserve(1, 7, 4, now=100.0)
+    assert ledger.release_expired(now=104.9) == []
+    assert ledger.release_expired(now=105.0) == [r]
+    assert pool.free_ids == list(range(8))
+    with pytest.raises(LedgerError, match="expired or never made"):
+        ledger.commit(r.reservation_id, 1, 7, 0, now=106.0)
+
+
+def test_commit_must_match_the_reservation() -> None:
+    _, ledger = make()
+    r = ledger.reserve(1, 7, 2, now=0.0)
+    with pytest.raises(LedgerError, match="is for request 7 of instance 1, not request 8"):
+        ledger.commit(r.reservation_id, 1, 8, 0, now=0.0)
+    ledger.commit(r.reservation_id, 1, 7, 0, now=0.0)
+    r2 = ledger.reserve(1, 7, 1, now=0.0)
+    with pytest.raises(LedgerError, match="already held"):
+        ledger.commit(r2.reservation_id, 1, 7, 0, now=0.0)
+
+
+def test_a_silent_debtor_loses_its_segments() -> None:
+    pool, ledger = make()
+    r1 = ledger.reserve(1, 7, 2, now=0.0)
+    ledger.commit(r1.reservation_id, 1, 7, 0, now=0.0)
+    r2 = ledger.reserve(2, 3, 2, now=0.0)
+    ledger.commit(r2.reservation_id, 2, 3, 0, now=0.0)
+    ledger.heard_from(2, now=25.0)
+    assert ledger.free_lost_debtors(now=31.0, timeout_s=30.0) == {1: 2}
+    assert ledger.segment(2, 3, 0).block_ids == (2, 3)
+    with pytest.raises(LedgerError, match="no segment 0 of request 7 of instance 1"):
+        ledger.segment(1, 7, 0)
+    assert pool.free_ids == [0, 1, 4, 5, 6, 7]
+
+
+def test_free_request_frees_segments_and_reservations() -> None:
+    pool, ledger = make()
+    r = ledger.reserve(1, 7, 2, now=0.0)
+    ledger.commit(r.reservation_id, 1, 7, 0, now=0.0)
+    ledger.reserve(1, 7, 3, now=0.0)
+    ledger.reserve(1, 8, 1, now=0.0)
+    assert ledger.free_request(1, 7) == 5
+    assert pool.free_ids == [0, 1, 2, 3, 4, 6, 7]
+
+
+def test_epoch_fence() -> None:
+    fence = EpochFence()
+    assert fence.admit(5) and fence.admit(5) and fence.admit(9)
+    assert not fence.admit(5)
+    assert fence.num_refused == 1 and fence.newest_epoch == 9

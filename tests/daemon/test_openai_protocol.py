@@ -1,0 +1,81 @@
+import pytest
+
+from infinite_llm.daemon.openai_protocol import (
+    OpenAIError,
+    chat_chunk,
+    completion_response,
+    parse_chat_request,
+    parse_completion_request,
+)
+
+MODEL = "smollm2-135m-instruct"
+
+
+def test_completion_request_maps_to_sampling_params() -> None:
+    req = parse_completion_request(
+        {"model": MODEL, "prompt": "Hi", "max_tokens": 5, "temperature": 0, "stop": ["\n"], "seed": 7, "top_k": 3},
+        MODEL,
+    )
+    assert req.prompt == "Hi" and req.messages is None and not req.stream
+    assert (req.params.max_tokens, req.params.temperature, req.params.stop, req.params.seed, req.params.top_k) == (
+        5, 0.0, ("\n",), 7, 3)
+
+
+def test_token_id_prompt_and_chat_content_parts() -> None:
+    assert parse_completion_request({"model": MODEL, "prompt": [1, 2, 3]}, MODEL).prompt == (1, 2, 3)
+    req = parse_chat_request(
+        {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+         "max_completion_tokens": 9, "stream": True, "stream_options": {"include_usage": True}},
+        MODEL,
+    )
+    assert req.messages == ({"role": "user", "content": "ab"},)
+    assert req.params.max_tokens == 9 and req.stream and req.include_usage
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param", "message"),
+    [
+        ([], 400, None, "must be a JSON object"),
+        ({"model": MODEL, "prompt": "x", "temprature": 1}, 400, "temprature", "Unrecognized request argument supplied: temprature"),
+        ({"model": MODEL, "prompt": "x", "max_tokens": -1}, 400, "max_tokens", "max_tokens must be an integer >= 1"),
+        ({"model": MODEL, "prompt": "x", "max_tokens": 1.5}, 400, "max_tokens", "must be an integer"),
+        ({"model": MODEL, "prompt": ""}, 400, "prompt", "must not be empty"),
+        ({"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt", "one prompt per request"),
+        ({"model": MODEL, "prompt": "x", "n": 2}, 400, "n", "only n = 1"),
+        ({"model": MODEL, "prompt": "x", "temperature": 3}, 400, "temperature", r"temperature must be a number in \[0.0, 2.0\]"),
+        ({"model": MODEL, "prompt": "x", "stop": [1]}, 400, "stop", "stop must be"),
+        ({"model": MODEL, "prompt": "x", "stream": "yes"}, 400, "stream", "stream must be a boolean"),
+        ({"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options", "only allowed with stream"),
+        ({"model": "gpt-4", "prompt": "x"}, 404, "model", "does not exist"),
+        ({"prompt": "x"}, 400, "model", "model is required"),
+        ({"model": MODEL, "prompt": "x", "logprobs": 2}, 400, "logprobs", "not supported"),
+    ],
+)
+def test_bad_completion_requests(body, status, param, message) -> None:
+    with pytest.raises(OpenAIError, match=message) as info:
+        parse_completion_request(body, MODEL)
+    assert info.value.status == status and info.value.param == param
+    assert info.value.body()["error"]["message"] == str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"model": MODEL, "messages": []}, "messages must be a non-empty list"),
+        ({"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, "role must be one of"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": 5}]}, "content must be a string"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "only text parts"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": []}, "Unrecognized request argument supplied: tools"),
+    ],
+)
+def test_bad_chat_requests(body, message) -> None:
+    with pytest.raises(OpenAIError, match=message):
+        parse_chat_request(body, MODEL)
+
+
+def test_response_bodies() -> None:
+    body = completion_response("cmpl-1", MODEL, "hello", "stop", 3, 2)
+    assert body["choices"][0]["text"] == "hello"
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    chunk = chat_chunk("chatcmpl-1", MODEL, {"content": "he"}, None)
+    assert chunk["object"] == "chat.completion.chunk" and chunk["choices"][0]["delta"] == {"content": "he"}

@@ -1,0 +1,77 @@
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+from infinite_llm.daemon.local_auth import PeerCredentials, admin_group_id, may_mutate, peer_credentials
+from infinite_llm.daemon.sd_notify import SystemdNotifier
+
+
+@pytest.fixture
+def notify_socket(tmp_path: Path):
+    path = tmp_path / "notify"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(path))
+    sock.settimeout(5)
+    yield path, sock
+    sock.close()
+
+
+def test_messages_reach_the_notify_socket(notify_socket) -> None:
+    path, sock = notify_socket
+    notifier = SystemdNotifier({"NOTIFY_SOCKET": str(path), "WATCHDOG_USEC": "4000000", "WATCHDOG_PID": str(os.getpid())})
+    assert notifier.enabled and notifier.watchdog_interval_s == 2.0
+    assert notifier.ready("serving on port 9")
+    assert sock.recv(4096) == b"READY=1\nSTATUS=serving on port 9"
+    assert notifier.watchdog()
+    assert sock.recv(4096) == b"WATCHDOG=1"
+    assert notifier.stopping("draining")
+    assert sock.recv(4096) == b"STOPPING=1\nSTATUS=draining"
+
+
+def test_abstract_socket_address() -> None:
+    name = f"infllm-test-{os.getpid()}"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind("\0" + name)
+        sock.settimeout(5)
+        assert SystemdNotifier({"NOTIFY_SOCKET": "@" + name}).status("x")
+        assert sock.recv(100) == b"STATUS=x"
+
+
+def test_without_systemd_nothing_is_sent() -> None:
+    notifier = SystemdNotifier({})
+    assert not notifier.enabled
+    assert notifier.watchdog_interval_s is None
+    assert notifier.ready("x") is False
+
+
+def test_watchdog_meant_for_another_process_is_ignored() -> None:
+    notifier = SystemdNotifier({"NOTIFY_SOCKET": "/nonexistent", "WATCHDOG_USEC": "1000", "WATCHDOG_PID": "1"})
+    assert notifier.watchdog_interval_s is None
+
+
+def test_a_vanished_socket_is_not_an_error(tmp_path: Path) -> None:
+    assert SystemdNotifier({"NOTIFY_SOCKET": str(tmp_path / "gone")}).ready("x") is False
+
+
+def test_peer_credentials_of_a_real_connection() -> None:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with a, b:
+        creds = peer_credentials(a)
+    assert creds == PeerCredentials(os.getpid(), os.getuid(), os.getgid())
+
+
+def test_who_may_mutate() -> None:
+    assert may_mutate(PeerCredentials(1, 0, 0), None)  # root
+    assert may_mutate(PeerCredentials(1, os.geteuid(), 0), None)  # the daemon's own user
+    stranger = PeerCredentials(1, 54321, 54321)
+    assert not may_mutate(stranger, None)
+    assert may_mutate(stranger, 54321)  # primary group is the admin group
+    assert not may_mutate(stranger, 54322)
+
+
+def test_unknown_admin_group_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="admin group 'no-such-group-x' does not exist"):
+        admin_group_id("no-such-group-x")
+    assert admin_group_id("root") == 0
