@@ -1,0 +1,88 @@
+"""The creditor's share of a step: attention over the segments this instance holds for others.
+
+An ``AttendRequest`` names, per request, the held segment and how many of its tokens to attend
+over; the keys of a held segment are all older than the home's query rows (only complete,
+earlier blocks are ever moved), so no causal mask applies here. The plan (block tables, lengths)
+is the same for every layer of a home's step and is kept until that home's next step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from infinite_llm.kernels import MicroAttentionPlan, plan_micro_attention, run_micro_attention
+from infinite_llm.transport.messages import AttendRequest, AttendResult
+
+from .ledger import CreditorLedger, LedgerError
+
+
+class AttendError(ValueError):
+    """An attend request that does not match what this instance holds."""
+
+
+class CreditorAttention:
+    """Serves ``AttendRequest`` messages from the pool and the ledger of one instance."""
+
+    def __init__(self, ledger: CreditorLedger, kv_pool: torch.Tensor, num_heads: int) -> None:
+        self.ledger = ledger
+        self.kv_pool = kv_pool
+        self.num_heads = num_heads
+        self.sm_scale = 1.0 / math.sqrt(kv_pool.shape[-1])
+        self._plans: dict[int, tuple[int, tuple, MicroAttentionPlan]] = {}  # home -> (step, slices, plan)
+
+    def _plan(self, request: AttendRequest) -> MicroAttentionPlan:
+        cached = self._plans.get(request.home_inst_id)
+        if cached is not None and cached[0] == request.step_id and cached[1] == request.slices:
+            return cached[2]
+        block_size = self.kv_pool.shape[3]
+        tables, lens, starts = [], [], [0]
+        for s in request.slices:
+            try:
+                segment = self.ledger.segment(request.home_inst_id, s.req_id, s.segment_id)
+            except LedgerError as exc:
+                raise AttendError(str(exc)) from None
+            if not 0 < s.num_tokens <= len(segment.block_ids) * block_size:
+                raise AttendError(
+                    f"request {s.req_id} segment {s.segment_id}: {s.num_tokens} tokens asked, "
+                    f"{len(segment.block_ids) * block_size} held"
+                )
+            tables.append(segment.block_ids[: -(-s.num_tokens // block_size)])
+            lens.append(s.num_tokens)
+            starts.append(starts[-1] + s.num_rows)
+        width = max(len(t) for t in tables)
+        device = self.kv_pool.device
+        block_tables = torch.tensor([list(t) + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device)
+        plan = plan_micro_attention(
+            block_tables,
+            torch.tensor(lens, dtype=torch.int32, device=device),
+            torch.tensor(starts, dtype=torch.int32, device=device),
+            num_heads=self.num_heads, num_kv_heads=self.kv_pool.shape[4], head_dim=self.kv_pool.shape[5],
+            block_size=block_size, num_blocks=self.kv_pool.shape[0],
+            max_query_len=max(s.num_rows for s in request.slices), max_kv_len=max(lens),
+            check_bounds=False,  # block ids come from this instance's own ledger
+        )
+        self._plans[request.home_inst_id] = (request.step_id, request.slices, plan)
+        return plan
+
+    def attend(self, request: AttendRequest) -> AttendResult:
+        """Partial attention of the request's rows over the held segments.
+
+        ``request.q``: ``[num_rows, num_heads, head_dim]``; the result's ``out`` has that shape
+        (float32) and ``lse`` is ``[num_rows, num_heads]`` float32, natural log.
+        """
+        if not 0 <= request.layer < self.kv_pool.shape[1]:
+            raise AttendError(f"layer {request.layer} outside [0, {self.kv_pool.shape[1]})")
+        q = torch.as_tensor(request.q, device=self.kv_pool.device)
+        if q.dtype != self.kv_pool.dtype:
+            q = q.to(self.kv_pool.dtype)
+        if tuple(q.shape[1:]) != (self.num_heads, self.kv_pool.shape[5]):
+            raise AttendError(f"q has shape {list(q.shape)}; this model has {self.num_heads} heads of dim {self.kv_pool.shape[5]}")
+        plan = self._plan(request)
+        state = run_micro_attention(plan, q, self.kv_pool, request.layer, sm_scale=self.sm_scale, out_dtype=torch.float32)
+        return AttendResult(request.home_inst_id, request.creditor_inst_id, request.step_id, request.layer,
+                            state.out, state.lse)
+
+    def forget(self, home_inst_id: int) -> None:
+        self._plans.pop(home_inst_id, None)

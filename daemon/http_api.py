@@ -1,0 +1,288 @@
+"""The daemon's two HTTP faces (aiohttp).
+
+* The local admin API on a Unix socket (mode 0660): ``GET /v1/status``, ``POST /v1/drain``,
+  ``POST /v1/generate`` (NDJSON stream). The caller's uid comes from SO_PEERCRED; mutations
+  need root, the daemon's own user, or the admin group (else 403).
+* The OpenAI-compatible API on TCP: ``/v1/models``, ``/v1/completions``,
+  ``/v1/chat/completions`` (SSE streaming or not), ``/metrics``, ``/health``.
+
+Both call an :class:`InstanceService`; this module does HTTP and nothing else.
+"""
+
+from __future__ import annotations
+
+import grp
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, AsyncIterator, Mapping, Protocol
+
+import orjson
+from aiohttp import web
+
+from infinite_llm.engine.sampling import SamplingParams
+
+from .local_auth import PeerCredentials, may_mutate, peer_credentials
+from .metrics import InstanceMetrics
+from .openai_protocol import (
+    GenerationRequest,
+    OpenAIError,
+    chat_chunk,
+    chat_response,
+    completion_chunk,
+    completion_response,
+    new_id,
+    parse_chat_request,
+    parse_completion_request,
+    usage_chunk,
+)
+
+_MAX_BODY_BYTES = 16 << 20
+
+
+class RequestRefused(Exception):
+    """The service will not take a request: bad input (400), or no capacity / draining (503)."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class GenerationEvent:
+    """One step's progress of one request."""
+
+    request_id: str
+    new_text: str
+    new_token_ids: tuple[int, ...]
+    finished: bool
+    finish_reason: str | None  # "stop", "length", "abort" once finished
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+
+class InstanceService(Protocol):
+    """What the HTTP layer needs from an instance."""
+
+    served_model: str
+    metrics: InstanceMetrics
+
+    def generate(
+        self, prompt: str | tuple[int, ...] | None, messages: tuple[dict[str, str], ...] | None,
+        params: SamplingParams,
+    ) -> AsyncIterator[GenerationEvent]:
+        """Stream a request's progress; raises :class:`RequestRefused` before the first event."""
+        ...
+
+    def status(self) -> dict[str, Any]: ...
+
+    async def drain(self) -> dict[str, Any]: ...
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
+
+
+def _openai_error(error: OpenAIError) -> web.Response:
+    return _json(error.body(), status=error.status)
+
+
+async def _read_json(request: web.Request) -> Any:
+    if request.content_length is not None and request.content_length > _MAX_BODY_BYTES:
+        raise OpenAIError(f"the request body is larger than {_MAX_BODY_BYTES} bytes", status=413)
+    raw = await request.read()
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise OpenAIError(f"the request body is not valid JSON: {exc}") from None
+
+
+async def _first_event(stream: AsyncIterator[GenerationEvent]) -> GenerationEvent:
+    """Pull the first event so that a refusal becomes an HTTP error, not a broken stream."""
+    try:
+        return await anext(stream)
+    except RequestRefused as exc:
+        error_type = "invalid_request_error" if exc.status < 500 else "service_unavailable"
+        raise OpenAIError(str(exc), status=exc.status, error_type=error_type) from None
+
+
+async def _events(first: GenerationEvent, stream: AsyncIterator[GenerationEvent]) -> AsyncIterator[GenerationEvent]:
+    yield first
+    async for event in stream:
+        yield event
+
+
+class OpenAIApp:
+    """Routes of the OpenAI-compatible TCP API."""
+
+    def __init__(self, service: InstanceService) -> None:
+        self.service = service
+
+    def build(self) -> web.Application:
+        app = web.Application(client_max_size=_MAX_BODY_BYTES)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/health", self.health)
+        return app
+
+    async def models(self, request: web.Request) -> web.Response:
+        return _json({"object": "list", "data": [
+            {"id": self.service.served_model, "object": "model", "created": 0, "owned_by": "infinite-llm"}]})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        body, content_type = self.service.metrics.render()
+        return web.Response(body=body, headers={"Content-Type": content_type})
+
+    async def health(self, request: web.Request) -> web.Response:
+        return _json({"status": "ok"})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=True)
+
+    async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        try:
+            body = await _read_json(request)
+            parse = parse_chat_request if chat else parse_completion_request
+            req = parse(body, self.service.served_model)
+            stream = self.service.generate(req.prompt, req.messages, req.params)
+            first = await _first_event(stream)
+        except OpenAIError as exc:
+            return _openai_error(exc)
+        events = _events(first, stream)
+        if req.stream:
+            return await self._stream(request, req, events, chat)
+        text, last = [], first
+        async for event in events:
+            text.append(event.new_text)
+            last = event
+        render = chat_response if chat else completion_response
+        rid = new_id("chatcmpl" if chat else "cmpl")
+        return _json(render(rid, req.model, "".join(text), last.finish_reason, last.num_prompt_tokens, last.num_output_tokens))
+
+    async def _stream(self, request: web.Request, req: GenerationRequest, events: AsyncIterator[GenerationEvent],
+                      chat: bool) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        rid = new_id("chatcmpl" if chat else "cmpl")
+        last = None
+        try:
+            if chat:
+                await _sse(response, chat_chunk(rid, req.model, {"role": "assistant", "content": ""}, None))
+            async for event in events:
+                last = event
+                if event.new_text or event.finished:
+                    if chat:
+                        delta = {"content": event.new_text} if event.new_text else {}
+                        chunk = chat_chunk(rid, req.model, delta, event.finish_reason)
+                    else:
+                        chunk = completion_chunk(rid, req.model, event.new_text, event.finish_reason)
+                    await _sse(response, chunk)
+            if req.include_usage and last is not None:
+                obj = "chat.completion.chunk" if chat else "text_completion"
+                await _sse(response, usage_chunk(rid, req.model, obj, last.num_prompt_tokens, last.num_output_tokens))
+            await response.write(b"data: [DONE]\n\n")
+        finally:
+            # A client that went away ends the generator, which aborts the request in the engine.
+            await events.aclose()
+        return response
+
+
+async def _sse(response: web.StreamResponse, data: Mapping[str, Any]) -> None:
+    await response.write(b"data: " + orjson.dumps(data) + b"\n\n")
+
+
+class LocalApp:
+    """Routes of the local admin API on the Unix socket."""
+
+    def __init__(self, service: InstanceService, admin_gid: int | None) -> None:
+        self.service = service
+        self.admin_gid = admin_gid
+
+    def build(self) -> web.Application:
+        app = web.Application(client_max_size=_MAX_BODY_BYTES)
+        app.router.add_get("/v1/status", self.status)
+        app.router.add_post("/v1/drain", self.drain)
+        app.router.add_post("/v1/generate", self.generate)
+        return app
+
+    def _caller(self, request: web.Request) -> PeerCredentials | None:
+        sock = request.transport.get_extra_info("socket") if request.transport else None
+        if sock is None:
+            return None
+        return peer_credentials(sock)
+
+    def _forbidden(self, request: web.Request) -> web.Response | None:
+        creds = self._caller(request)
+        if creds is None or not may_mutate(creds, self.admin_gid):
+            who = "unknown caller" if creds is None else f"uid {creds.uid}"
+            return _json({"error": f"{who} may not change this instance: root or the admin group only"}, status=403)
+        return None
+
+    async def status(self, request: web.Request) -> web.Response:
+        return _json(self.service.status())
+
+    async def drain(self, request: web.Request) -> web.Response:
+        if (refusal := self._forbidden(request)) is not None:
+            return refusal
+        return _json(await self.service.drain())
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        if (refusal := self._forbidden(request)) is not None:
+            return refusal
+        try:
+            body = await _read_json(request)
+            if not isinstance(body, Mapping):
+                raise OpenAIError("the request body must be a JSON object")
+            unknown = sorted(set(body) - {"prompt", "messages", "params"})
+            if unknown:
+                raise OpenAIError(f"unknown field: {unknown[0]}")
+            prompt, messages = body.get("prompt"), body.get("messages")
+            if (prompt is None) == (messages is None):
+                raise OpenAIError("give exactly one of prompt and messages")
+            if isinstance(prompt, list):
+                prompt = tuple(prompt)
+            if messages is not None:
+                messages = tuple(messages)
+            params_body = body.get("params", {})
+            if not isinstance(params_body, Mapping):
+                raise OpenAIError("params must be an object")
+            try:
+                params = SamplingParams(**params_body)
+            except TypeError as exc:
+                raise OpenAIError(f"params: {exc}") from None
+            except ValueError as exc:
+                raise OpenAIError(f"params: {exc}") from None
+            stream = self.service.generate(prompt, messages, params)
+            first = await _first_event(stream)
+        except OpenAIError as exc:
+            return _json({"error": str(exc)}, status=exc.status)
+        response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        await response.prepare(request)
+        events = _events(first, stream)
+        try:
+            async for event in events:
+                await response.write(orjson.dumps({
+                    "request_id": event.request_id, "text": event.new_text, "token_ids": list(event.new_token_ids),
+                    "finished": event.finished, "finish_reason": event.finish_reason,
+                }) + b"\n")
+        finally:
+            await events.aclose()
+        return response
+
+
+async def start_local_site(runner: web.AppRunner, path: Path, admin_group: str | None) -> web.UnixSite:
+    """Listen on the Unix socket, mode 0660, group-owned by the admin group when one is set."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.is_socket():
+        path.unlink()  # left by a previous run that was killed
+    site = web.UnixSite(runner, str(path))
+    await site.start()
+    os.chmod(path, 0o660)
+    if admin_group is not None:
+        os.chown(path, -1, grp.getgrnam(admin_group).gr_gid)
+    return site

@@ -1,0 +1,44 @@
+"""Prometheus metrics of one instance, all named ``infllm_*``, in a registry of its own."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+MOVE_RESULTS = ("committed", "rejected", "failed", "stale_epoch")
+
+
+@dataclass
+class InstanceMetrics:
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    def __post_init__(self) -> None:
+        r = self.registry
+        self.requests_running = Gauge("infllm_requests_running", "Requests in the running batch", registry=r)
+        self.requests_waiting = Gauge("infllm_requests_waiting", "Requests queued for admission", registry=r)
+        self.kv_usage_ratio = Gauge("infllm_kv_usage_ratio", "Used KV blocks / pool blocks, 0..1", registry=r)
+        self.kv_blocks_total = Gauge("infllm_kv_blocks_total", "KV blocks in this instance's pool", registry=r)
+        self.kv_blocks_lent = Gauge(
+            "infllm_kv_blocks_lent", "Blocks of this pool holding other instances' requests", registry=r)
+        self.kv_blocks_borrowed = Gauge(
+            "infllm_kv_blocks_borrowed", "Blocks of this instance's requests held on other instances", registry=r)
+        self.moves = Counter("infllm_kv_moves", "KV block moves by result", ["result"], registry=r)
+        for result in MOVE_RESULTS:
+            self.moves.labels(result=result)
+        self.stale_epoch_commands = Counter(
+            "infllm_stale_epoch_commands", "gManager commands refused for an epoch older than the newest seen", registry=r)
+        self.remote_attention_seconds = Histogram(
+            "infllm_remote_attention_seconds", "Wait for one layer's remote attention parts, seconds",
+            buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0), registry=r)
+        self.prompt_tokens = Counter("infllm_prompt_tokens", "Prompt tokens prefilled", registry=r)
+        self.generated_tokens = Counter("infllm_generated_tokens", "Output tokens generated", registry=r)
+        self.tokens_per_second = Gauge(
+            "infllm_tokens_per_second", "Output tokens per second over the last interval", registry=r)
+        self.requests_finished = Counter(
+            "infllm_requests_finished", "Finished requests by reason", ["reason"], registry=r)
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition text and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,67 @@
+import math
+
+import pytest
+import torch
+
+from infinite_llm.daemon.creditor import AttendError, CreditorAttention
+from infinite_llm.daemon.ledger import CreditorLedger
+from infinite_llm.transport.messages import AttendRequest, AttendSlice
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_LAYERS = 6, 2, 16, 4, 3
+
+
+def make_creditor(num_blocks: int = 12):
+    free = list(range(num_blocks))
+
+    def allocate(n):
+        nonlocal free
+        if n > len(free):
+            return None
+        taken, free = free[:n], free[n:]
+        return taken
+
+    ledger = CreditorLedger(allocate, lambda ids: free.extend(ids), reservation_ttl_s=10)
+    pool = torch.randn(num_blocks, NUM_LAYERS, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    return ledger, pool, CreditorAttention(ledger, pool, NUM_HEADS)
+
+
+def hold(ledger, home, req, segment_id, num_blocks):
+    r = ledger.reserve(home, req, num_blocks, now=0.0)
+    return ledger.commit(r.reservation_id, home, req, segment_id, now=0.0)
+
+
+def attention_over(pool, block_ids, num_tokens, layer, q):
+    """float64 attention of q [rows, H, D] over the first num_tokens keys of the blocks."""
+    k = pool[list(block_ids), layer, 0].reshape(-1, NUM_KV_HEADS, HEAD_DIM)[:num_tokens].double()
+    v = pool[list(block_ids), layer, 1].reshape(-1, NUM_KV_HEADS, HEAD_DIM)[:num_tokens].double()
+    k = k.repeat_interleave(NUM_HEADS // NUM_KV_HEADS, dim=1)
+    v = v.repeat_interleave(NUM_HEADS // NUM_KV_HEADS, dim=1)
+    scores = torch.einsum("rhd,nhd->rhn", q.double(), k) / math.sqrt(HEAD_DIM)
+    lse = torch.logsumexp(scores, -1)
+    return torch.einsum("rhn,nhd->rhd", torch.softmax(scores, -1), v), lse
+
+
+def test_attend_over_two_requests_segments() -> None:
+    ledger, pool, creditor = make_creditor()
+    a = hold(ledger, home=1, req=7, segment_id=0, num_blocks=3)
+    b = hold(ledger, home=1, req=9, segment_id=2, num_blocks=2)
+    q = torch.randn(3, NUM_HEADS, HEAD_DIM)
+    slices = (AttendSlice(7, 0, 1, 0, 10), AttendSlice(9, 1, 2, 2, 8))
+    result = creditor.attend(AttendRequest(1, 5, step_id=4, layer=2, slices=slices, q=q))
+    out_a, lse_a = attention_over(pool, a.block_ids, 10, 2, q[:1])
+    out_b, lse_b = attention_over(pool, b.block_ids, 8, 2, q[1:])
+    torch.testing.assert_close(result.out.double(), torch.cat([out_a, out_b]), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(result.lse.double(), torch.cat([lse_a, lse_b]), rtol=1e-4, atol=1e-5)
+    assert (result.step_id, result.layer, result.creditor_inst_id) == (4, 2, 5)
+
+
+def test_unknown_segment_and_too_many_tokens_are_refused() -> None:
+    ledger, _, creditor = make_creditor()
+    hold(ledger, home=1, req=7, segment_id=0, num_blocks=2)
+    q = torch.randn(1, NUM_HEADS, HEAD_DIM)
+    with pytest.raises(AttendError, match="no segment 3 of request 7 of instance 1"):
+        creditor.attend(AttendRequest(1, 5, 0, 0, (AttendSlice(7, 0, 1, 3, 4),), q))
+    with pytest.raises(AttendError, match="9 tokens asked, 8 held"):
+        creditor.attend(AttendRequest(1, 5, 0, 0, (AttendSlice(7, 0, 1, 0, 9),), q))
+    with pytest.raises(AttendError, match="layer 3 outside"):
+        creditor.attend(AttendRequest(1, 5, 0, 3, (AttendSlice(7, 0, 1, 0, 4),), q))
