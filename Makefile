@@ -28,6 +28,11 @@ test: setup
 	@$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
+# The embedded default: SmolLM2-135M on the CPU answers a long prompt whose KV is spread over
+# several in-process pools, and prints where each segment lives.
+run: setup
+	@$(PY) -m infinite_llm.engine.demo $(RUN_ARGS)
+
 test-slow: setup
 	@$(PY) -m pytest -m slow $(PYTEST_ARGS)
 

@@ -14,6 +14,9 @@ import torch
 # Query rows per matmul in the reference: bounds the [rows, keys] score matrix of a long
 # prefill chunk to a few hundred MB.
 _ROWS_PER_CHUNK = 1024
+# torch's fused CPU attention returns the log-sum-exp beside the output: several times faster
+# than scores + logsumexp + exp + matmul. A private op, so its absence falls back to those.
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 def micro_attention_torch(
@@ -68,27 +71,61 @@ def micro_attention_torch(
         # k, v: [num_kv_heads, num_keys, head_dim]
         k = kv[:, 0].reshape(-1, num_kv_heads, head_dim)[:num_keys].transpose(0, 1)
         v = kv[:, 1].reshape(-1, num_kv_heads, head_dim)[:num_keys].transpose(0, 1)
-        key_pos = kv_starts[seq] + torch.arange(num_keys, device=q.device)
         for lo in range(row_lo, row_hi, _ROWS_PER_CHUNK):
             hi = min(lo + _ROWS_PER_CHUNK, row_hi)
-            num_rows = hi - lo
-            # qg: [num_kv_heads, group * num_rows, head_dim], rows grouped per KV head
-            qg = q[lo:hi].float().view(num_rows, num_kv_heads, group, head_dim)
-            qg = qg.permute(1, 2, 0, 3).reshape(num_kv_heads, group * num_rows, head_dim)
-            scores = torch.bmm(qg, k.transpose(1, 2)) * sm_scale
-            if q_pos is not None:
-                visible = key_pos[None, :] <= q_pos[lo:hi].long()[:, None]  # [num_rows, num_keys]
-                scores = scores.view(num_kv_heads, group, num_rows, num_keys)
-                scores = scores.masked_fill(~visible, -math.inf).view(num_kv_heads, -1, num_keys)
-            row_lse = torch.logsumexp(scores, dim=-1)  # [num_kv_heads, group * num_rows]
-            safe_lse = torch.where(torch.isinf(row_lse), torch.zeros_like(row_lse), row_lse)
-            probs = torch.exp(scores - safe_lse[..., None])
-            row_out = torch.bmm(probs, v)  # [num_kv_heads, group * num_rows, head_dim]
-            out[lo:hi] = row_out.view(num_kv_heads, group, num_rows, head_dim).permute(2, 0, 1, 3).reshape(
-                num_rows, num_heads, head_dim
+            chunk_out, chunk_lse = _attend_rows(
+                q[lo:hi], k, v, kv_starts[seq], None if q_pos is None else q_pos[lo:hi].long(), sm_scale, group
             )
-            lse[lo:hi] = row_lse.view(num_kv_heads, group, num_rows).permute(2, 0, 1).reshape(num_rows, num_heads)
+            out[lo:hi] = chunk_out
+            lse[lo:hi] = chunk_lse
     return out.to(out_dtype), lse
+
+
+def _attend_rows(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_start: int,
+    q_pos: torch.Tensor | None,
+    sm_scale: float,
+    group: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``q [num_rows, num_heads, head_dim]`` over ``k, v [num_kv_heads, num_keys, head_dim]``
+    (float32) whose first key is at ``kv_start``. Returns out ``[num_rows, num_heads, head_dim]``
+    and lse ``[num_rows, num_heads]``, natural log."""
+    num_rows, num_heads, head_dim = q.shape
+    num_keys = k.shape[1]
+    visible = None
+    if q_pos is not None:
+        # Keys past the last row's position are masked for every row: leave them out.
+        num_keys = max(0, min(num_keys, int(q_pos.max()) - kv_start + 1))
+        k, v = k[:, :num_keys], v[:, :num_keys]
+        key_pos = kv_start + torch.arange(num_keys, device=q.device)
+        visible = key_pos[None, :] <= q_pos[:, None]  # [num_rows, num_keys]
+    if num_keys == 0:
+        return (torch.zeros(num_rows, num_heads, head_dim, device=q.device),
+                torch.full((num_rows, num_heads), -math.inf, device=q.device))
+    q32 = q.float().transpose(0, 1)  # [num_heads, num_rows, head_dim]
+    k = k.repeat_interleave(group, dim=0)
+    v = v.repeat_interleave(group, dim=0)
+    if _FLASH_CPU is not None and q.device.type == "cpu":
+        mask = None if visible is None else torch.where(visible, 0.0, -math.inf)[None, None]
+        out, lse = _FLASH_CPU(q32[None], k[None], v[None], 0.0, False, attn_mask=mask, scale=sm_scale)
+        out, lse = out[0], lse[0]  # [num_heads, num_rows, head_dim], [num_heads, num_rows]
+    else:
+        scores = torch.matmul(q32, k.transpose(1, 2)) * sm_scale
+        if visible is not None:
+            scores = scores.masked_fill(~visible, -math.inf)
+        lse = torch.logsumexp(scores, dim=-1)
+        safe_lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+        out = torch.matmul(torch.exp(scores - safe_lse[..., None]), v)
+    if visible is not None:
+        # Rows that see no key: zero output, -inf lse (the fused kernel leaves NaN there).
+        blind = ~visible.any(dim=1)
+        if bool(blind.any()):
+            out = out.masked_fill(blind[None, :, None], 0.0)
+            lse = lse.masked_fill(blind[None, :], -math.inf)
+    return out.transpose(0, 1), lse.transpose(0, 1)
 
 
 def merge_attention_states_torch(

@@ -1,0 +1,300 @@
+"""Block accounting: which KV blocks of which instance hold which tokens of each request.
+
+Pure logic: no tensors, no I/O. The engine asks it where to write new K and V (always the home
+instance), which blocks to attend over on each instance, and how to lend a request's oldest
+blocks to a creditor or take them back; it copies the data itself between ``lend``/``take_back``
+and ``commit_move``.
+
+A request's block table is a list of :class:`Segment` in token order. Every segment starts at a
+multiple of ``block_size``; consecutive segments on one instance are merged. New tokens go into
+the last segment, which is on the home instance (a new home segment is opened when the last one
+was lent out).
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+
+class OutOfBlocks(RuntimeError):
+    """An allocation or move asked for more free blocks than the instance has."""
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A run of one request's tokens whose K and V sit in blocks of one instance."""
+
+    instance_id: int
+    block_ids: tuple[int, ...]  # in token order
+    token_start: int  # absolute position of the first token, a multiple of block_size
+    num_tokens: int  # tokens with a slot here (at most len(block_ids) * block_size)
+
+    @property
+    def token_end(self) -> int:
+        return self.token_start + self.num_tokens
+
+
+@dataclass(frozen=True)
+class SegmentMove:
+    """A pending move of a run of blocks between instances, to be copied then committed.
+
+    ``src_block_ids[i]`` is copied into ``dst_block_ids[i]``; the tokens are
+    ``[token_start, token_start + num_tokens)``.
+    """
+
+    request_id: str
+    src_instance_id: int
+    src_block_ids: tuple[int, ...]
+    dst_instance_id: int
+    dst_block_ids: tuple[int, ...]
+    token_start: int
+    num_tokens: int
+
+    @property
+    def token_end(self) -> int:
+        return self.token_start + self.num_tokens
+
+
+class BlockAllocator:
+    """Free list of one instance's pool; hands out the lowest free ids first."""
+
+    def __init__(self, instance_id: int, num_blocks: int) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"instance {instance_id}: num_blocks must be positive, got {num_blocks}")
+        self.instance_id = instance_id
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks))  # a heap
+        self._used: set[int] = set()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, num_blocks: int) -> list[int]:
+        if num_blocks > len(self._free):
+            raise OutOfBlocks(
+                f"instance {self.instance_id} has {len(self._free)} free blocks, {num_blocks} were asked for"
+            )
+        ids = [heapq.heappop(self._free) for _ in range(num_blocks)]
+        self._used.update(ids)
+        return ids
+
+    def free(self, block_ids: Iterable[int]) -> None:
+        for block_id in block_ids:
+            if block_id not in self._used:
+                raise ValueError(f"instance {self.instance_id}: block {block_id} is not allocated")
+            self._used.remove(block_id)
+            heapq.heappush(self._free, block_id)
+
+
+class BlockManager:
+    """Per-request block tables over one home pool and any number of creditor pools."""
+
+    def __init__(self, block_size: int, pool_blocks: Sequence[int], home_instance_id: int = 0) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        if not 0 <= home_instance_id < len(pool_blocks):
+            raise ValueError(f"home_instance_id {home_instance_id} is not one of the {len(pool_blocks)} pools")
+        self.block_size = block_size
+        self.home_instance_id = home_instance_id
+        self._allocators = [BlockAllocator(i, n) for i, n in enumerate(pool_blocks)]
+        self._tables: dict[str, list[Segment]] = {}
+        self._pending: dict[tuple[str, int], SegmentMove] = {}  # (request, token_start) -> move
+
+    # ---- queries -------------------------------------------------------------------------
+    @property
+    def instance_ids(self) -> range:
+        return range(len(self._allocators))
+
+    def num_free_blocks(self, instance_id: int) -> int:
+        return self._allocator(instance_id).num_free
+
+    def num_total_blocks(self, instance_id: int | None = None) -> int:
+        """Blocks of one pool, or of all pools together."""
+        if instance_id is None:
+            return sum(a.num_blocks for a in self._allocators)
+        return self._allocator(instance_id).num_blocks
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._tables
+
+    def block_table(self, request_id: str) -> tuple[Segment, ...]:
+        return tuple(self._tables.get(request_id, ()))
+
+    def num_tokens(self, request_id: str) -> int:
+        """Tokens of the request that have a KV slot."""
+        table = self._tables.get(request_id)
+        return table[-1].token_end if table else 0
+
+    def blocks_needed(self, request_id: str, num_tokens: int) -> int:
+        """New home blocks that ``allocate(request_id, num_tokens)`` would take."""
+        table = self._tables.get(request_id, [])
+        have = table[-1].token_end if table else 0
+        if num_tokens <= have:
+            return 0
+        tail = table[-1] if table and table[-1].instance_id == self.home_instance_id else None
+        capacity = (tail.token_start + len(tail.block_ids) * self.block_size) if tail else have
+        return -(-max(0, num_tokens - capacity) // self.block_size)
+
+    # ---- allocation ----------------------------------------------------------------------
+    def can_allocate(self, request_id: str, num_tokens: int) -> bool:
+        """Whether the home pool can give ``request_id`` slots for ``num_tokens`` tokens in all."""
+        return self.blocks_needed(request_id, num_tokens) <= self.num_free_blocks(self.home_instance_id)
+
+    def allocate(self, request_id: str, num_tokens: int) -> None:
+        """Grow the request's home tail so that its first ``num_tokens`` tokens have slots."""
+        needed = self.blocks_needed(request_id, num_tokens)
+        new_ids = tuple(self._allocator(self.home_instance_id).allocate(needed))
+        table = self._tables.setdefault(request_id, [])
+        have = table[-1].token_end if table else 0
+        if num_tokens <= have:
+            return
+        if table and table[-1].instance_id == self.home_instance_id:
+            tail = table[-1]
+            table[-1] = Segment(tail.instance_id, tail.block_ids + new_ids, tail.token_start, num_tokens - tail.token_start)
+        else:
+            table.append(Segment(self.home_instance_id, new_ids, have, num_tokens - have))
+
+    def free(self, request_id: str) -> None:
+        """Return every block of the request, on every instance; pending moves are cancelled."""
+        for key in [k for k in self._pending if k[0] == request_id]:
+            self.abort_move(self._pending[key])
+        for segment in self._tables.pop(request_id, []):
+            self._allocator(segment.instance_id).free(segment.block_ids)
+
+    # ---- slots ---------------------------------------------------------------------------
+    def slot_mapping(self, request_id: str, start: int, end: int) -> list[int]:
+        """Home-pool slots (``block_id * block_size + offset``) of positions ``[start, end)``."""
+        tail = self._tables[request_id][-1]
+        if tail.instance_id != self.home_instance_id or start < tail.token_start or end > tail.token_end:
+            raise ValueError(
+                f"request {request_id}: positions [{start}, {end}) are not in its home tail "
+                f"[{tail.token_start}, {tail.token_end}) on instance {tail.instance_id}"
+            )
+        slots = []
+        for pos in range(start, end):
+            offset = pos - tail.token_start
+            slots.append(tail.block_ids[offset // self.block_size] * self.block_size + offset % self.block_size)
+        return slots
+
+    # ---- lending -------------------------------------------------------------------------
+    def num_lendable_blocks(self, request_id: str, num_written: int) -> int:
+        """Oldest home blocks of the request that are full of written tokens (so may move)."""
+        for segment in self._tables.get(request_id, []):
+            if segment.instance_id != self.home_instance_id:
+                continue
+            if (request_id, segment.token_start) in self._pending:
+                return 0
+            full = (min(num_written, segment.token_end) - segment.token_start) // self.block_size
+            return max(0, full)
+        return 0
+
+    def can_lend(self, request_id: str, num_blocks: int, dst_instance_id: int, num_written: int) -> bool:
+        return (
+            num_blocks > 0
+            and dst_instance_id != self.home_instance_id
+            and num_blocks <= self.num_lendable_blocks(request_id, num_written)
+            and num_blocks <= self.num_free_blocks(dst_instance_id)
+        )
+
+    def lend(self, request_id: str, num_blocks: int, dst_instance_id: int, num_written: int) -> SegmentMove:
+        """Reserve blocks on a creditor for the request's oldest ``num_blocks`` home blocks.
+
+        ``num_written`` is how many of the request's tokens have K and V written; only full,
+        written blocks move. The table changes at :meth:`commit_move`.
+        """
+        if not self.can_lend(request_id, num_blocks, dst_instance_id, num_written):
+            raise OutOfBlocks(
+                f"request {request_id}: cannot lend {num_blocks} blocks to instance {dst_instance_id} "
+                f"({self.num_lendable_blocks(request_id, num_written)} lendable, "
+                f"{self.num_free_blocks(dst_instance_id)} free there)"
+            )
+        segment = next(s for s in self._tables[request_id] if s.instance_id == self.home_instance_id)
+        dst_ids = tuple(self._allocator(dst_instance_id).allocate(num_blocks))
+        move = SegmentMove(
+            request_id, self.home_instance_id, segment.block_ids[:num_blocks], dst_instance_id, dst_ids,
+            segment.token_start, num_blocks * self.block_size,
+        )
+        self._pending[(request_id, move.token_start)] = move
+        return move
+
+    def take_back(self, request_id: str, segment_index: int) -> SegmentMove:
+        """Reserve home blocks for a lent segment, to bring its KV back home."""
+        table = self._tables[request_id]
+        segment = table[segment_index]
+        if segment.instance_id == self.home_instance_id:
+            raise ValueError(f"request {request_id}: segment {segment_index} is already on the home instance")
+        if (request_id, segment.token_start) in self._pending:
+            raise ValueError(f"request {request_id}: segment {segment_index} is already moving")
+        dst_ids = tuple(self._allocator(self.home_instance_id).allocate(len(segment.block_ids)))
+        move = SegmentMove(
+            request_id, segment.instance_id, segment.block_ids, self.home_instance_id, dst_ids,
+            segment.token_start, segment.num_tokens,
+        )
+        self._pending[(request_id, move.token_start)] = move
+        return move
+
+    def commit_move(self, move: SegmentMove) -> None:
+        """The data is in the destination blocks: switch the table, free the source blocks."""
+        if self._pending.pop((move.request_id, move.token_start), None) != move:
+            raise ValueError(f"move of request {move.request_id} at token {move.token_start} is not pending")
+        table = self._tables[move.request_id]
+        index = next(i for i, s in enumerate(table) if s.token_start == move.token_start)
+        source = table[index]
+        moved = Segment(move.dst_instance_id, move.dst_block_ids, move.token_start, move.num_tokens)
+        rest = source.block_ids[len(move.src_block_ids):]
+        pieces = [moved]
+        if rest:
+            pieces.append(Segment(source.instance_id, rest, move.token_end, source.token_end - move.token_end))
+        table[index:index + 1] = pieces
+        self._tables[move.request_id] = _coalesce(table)
+        self._allocator(move.src_instance_id).free(move.src_block_ids)
+
+    def abort_move(self, move: SegmentMove) -> None:
+        """Give back the destination blocks of a move that will not happen."""
+        if self._pending.pop((move.request_id, move.token_start), None) != move:
+            raise ValueError(f"move of request {move.request_id} at token {move.token_start} is not pending")
+        self._allocator(move.dst_instance_id).free(move.dst_block_ids)
+
+    def plan_spill(self, num_blocks: int, num_written: dict[str, int]) -> list[tuple[str, int, int]]:
+        """Choose lends that free ``num_blocks`` home blocks: ``[(request_id, num_blocks, dst)]``.
+
+        The requests with the most lendable blocks go first, each to the creditor with the most
+        free blocks. Returns what is possible, which may free fewer blocks than asked.
+        """
+        free = {i: self.num_free_blocks(i) for i in self.instance_ids if i != self.home_instance_id}
+        lendable = sorted(
+            ((self.num_lendable_blocks(r, n), r) for r, n in num_written.items()), key=lambda x: (-x[0], x[1])
+        )
+        plan = []
+        for count, request_id in lendable:
+            if num_blocks <= 0 or not free:
+                break
+            dst = max(free, key=lambda i: (free[i], -i))
+            take = min(count, num_blocks, free[dst])
+            if take <= 0:
+                continue
+            plan.append((request_id, take, dst))
+            free[dst] -= take
+            num_blocks -= take
+        return plan
+
+    def _allocator(self, instance_id: int) -> BlockAllocator:
+        if not 0 <= instance_id < len(self._allocators):
+            raise ValueError(f"no instance {instance_id}: there are {len(self._allocators)}")
+        return self._allocators[instance_id]
+
+
+def _coalesce(table: list[Segment]) -> list[Segment]:
+    """Merge consecutive segments on one instance (only when the first is block-aligned full)."""
+    out: list[Segment] = []
+    for segment in table:
+        if out and out[-1].instance_id == segment.instance_id and out[-1].token_end == segment.token_start:
+            prev = out[-1]
+            out[-1] = Segment(prev.instance_id, prev.block_ids + segment.block_ids, prev.token_start,
+                              prev.num_tokens + segment.num_tokens)
+        else:
+            out.append(segment)
+    return out

@@ -1,0 +1,255 @@
+"""DistAttention on the home instance: local MicroAttention, remote parts, exact merge.
+
+Each step, :func:`build_step_attention` turns the scheduled chunks and the block tables into
+one :class:`AttendBatch` per instance holding segments of the batch's requests (the home
+included). A segment is one "sequence" of the MicroAttention kernel: its query rows are the
+rows of the request's chunk, its keys the segment's tokens, placed by ``kv_start_pos`` so that
+the causal mask holds across segments. Per layer, :class:`DistAttention` writes the new K and V
+into the home pool, sends one :meth:`RemoteAttention.attend` per remote instance (all of them in
+flight together), computes the local part meanwhile, awaits the rest and merges every part of a
+row with :func:`merge_attention_states`.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import torch
+
+from infinite_llm.kernels import (
+    AttentionState,
+    MicroAttentionPlan,
+    merge_attention_states,
+    plan_micro_attention,
+    run_micro_attention,
+    write_kv,
+)
+
+from .block_manager import Segment
+from .scheduler import ScheduledChunk
+
+
+@dataclass(frozen=True)
+class AttendBatch:
+    """One step's attention work on one instance; the same for every layer of the step.
+
+    Entry ``e`` is one segment of one request: query rows
+    ``[query_start_loc[e], query_start_loc[e + 1])`` of the q sent with each call attend to the
+    ``kv_lens[e]`` keys in ``block_tables[e]``, the first of which is at ``kv_start_pos[e]``.
+    All tensors are int32 on the home's device.
+    """
+
+    step_id: int
+    instance_id: int
+    block_tables: torch.Tensor  # [num_entries, max_blocks_per_entry]
+    kv_lens: torch.Tensor  # [num_entries]
+    kv_start_pos: torch.Tensor  # [num_entries]
+    query_start_loc: torch.Tensor  # [num_entries + 1]
+    q_pos: torch.Tensor | None  # [num_entry_rows] absolute query positions; None: every key is older
+    max_query_len: int
+    max_kv_len: int
+
+    @property
+    def num_entries(self) -> int:
+        return self.kv_lens.shape[0]
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.query_start_loc[-1])
+
+
+class RemoteAttention(abc.ABC):
+    """Partial attention over the blocks another instance holds (the creditor side of a step).
+
+    One call per remote instance per layer, batched over every request with segments there.
+    Implementations: :class:`InProcessRemoteAttention` (pools in this process); a transport
+    sends the batch's metadata once per step and q per layer.
+    """
+
+    @abc.abstractmethod
+    async def attend(self, batch: AttendBatch, layer: int, q: torch.Tensor, sm_scale: float) -> AttentionState:
+        """Args: q ``[batch.num_rows, num_heads, head_dim]``.
+
+        Returns: ``AttentionState(out [num_rows, num_heads, head_dim] float32, lse [num_rows,
+        num_heads] float32 natural log)``, one row per query row of the batch.
+        """
+
+    def end_step(self, step_id: int) -> None:
+        """The step is over: drop whatever was kept for it."""
+
+
+class InProcessRemoteAttention(RemoteAttention):
+    """Creditor pools living in this process (tests, the single-machine demo)."""
+
+    def __init__(self, pools: Mapping[int, torch.Tensor], *, num_heads: int) -> None:
+        self._pools = pools
+        self._num_heads = num_heads
+        self._plans: dict[tuple[int, int], MicroAttentionPlan] = {}
+        self.num_calls = 0  # attend calls served: tests count one per instance per layer
+
+    async def attend(self, batch: AttendBatch, layer: int, q: torch.Tensor, sm_scale: float) -> AttentionState:
+        pool = self._pools[batch.instance_id]
+        key = (batch.step_id, batch.instance_id)
+        if key not in self._plans:
+            self._plans[key] = _plan(batch, pool, self._num_heads)
+        self.num_calls += 1
+        return run_micro_attention(self._plans[key], q, pool, layer, sm_scale=sm_scale, out_dtype=torch.float32)
+
+    def end_step(self, step_id: int) -> None:
+        for key in [k for k in self._plans if k[0] == step_id]:
+            del self._plans[key]
+
+
+def _plan(batch: AttendBatch, pool: torch.Tensor, num_heads: int) -> MicroAttentionPlan:
+    num_blocks, _, _, block_size, num_kv_heads, head_dim = pool.shape
+    return plan_micro_attention(
+        batch.block_tables, batch.kv_lens, batch.query_start_loc,
+        num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        block_size=block_size, num_blocks=num_blocks,
+        kv_start_pos=batch.kv_start_pos if batch.q_pos is not None else None, q_pos=batch.q_pos,
+        max_query_len=batch.max_query_len, max_kv_len=batch.max_kv_len,
+        check_bounds=pool.device.type != "cuda",  # on CUDA the check would sync every step
+    )
+
+
+@dataclass(frozen=True)
+class _Placement:
+    """Where an instance's result rows go in the merge: part ``part`` of token row ``row``."""
+
+    rows: torch.Tensor  # [num_entry_rows] int64, token rows of the step
+    parts: torch.Tensor  # [num_entry_rows] int64
+    identity: bool  # rows == arange(num_tokens) and parts == 0: the state is used as it is
+
+
+@dataclass(frozen=True)
+class StepAttention:
+    """The step's attention layout, built once and used by every layer."""
+
+    step_id: int
+    num_tokens: int
+    num_parts: int  # most parts any token row merges (1: nothing to merge)
+    slot_mapping: torch.Tensor  # [num_tokens] int64 home slots of the new K/V
+    batches: dict[int, AttendBatch]  # instance id -> its work
+    placements: dict[int, _Placement]
+
+
+def build_step_attention(
+    step_id: int,
+    chunks: Sequence[ScheduledChunk],
+    block_tables: Mapping[str, Sequence[Segment]],
+    slot_mapping: Sequence[int],
+    *,
+    home_instance_id: int,
+    block_size: int,
+    device: torch.device,
+) -> StepAttention:
+    """Lay out one step's attention over the segments of each chunk's request."""
+    # instance id -> entries (row, num_rows, first q position, block ids, kv_start_pos, num_keys, part)
+    entries: dict[int, list[tuple[int, int, int, tuple[int, ...], int, int, int]]] = {}
+    num_parts = 1
+    row = 0
+    for chunk in chunks:
+        end = chunk.start + chunk.num_tokens
+        part = 0
+        for segment in block_tables[chunk.request_id]:
+            num_keys = min(segment.token_end, end) - segment.token_start
+            if num_keys <= 0:
+                continue
+            used_blocks = segment.block_ids[: -(-num_keys // block_size)]
+            entries.setdefault(segment.instance_id, []).append(
+                (row, chunk.num_tokens, chunk.start, used_blocks, segment.token_start, num_keys, part)
+            )
+            part += 1
+        num_parts = max(num_parts, part)
+        row += chunk.num_tokens
+    num_tokens = row
+
+    batches: dict[int, AttendBatch] = {}
+    placements: dict[int, _Placement] = {}
+    for instance_id, rows in entries.items():
+        max_blocks = max(len(e[3]) for e in rows)
+        table = torch.zeros(len(rows), max_blocks, dtype=torch.int32)
+        for i, e in enumerate(rows):
+            table[i, : len(e[3])] = torch.tensor(e[3], dtype=torch.int32)
+        q_lens = torch.tensor([e[1] for e in rows], dtype=torch.int64)
+        starts = torch.zeros(len(rows) + 1, dtype=torch.int32)
+        starts[1:] = torch.cumsum(q_lens, 0)
+        q_pos = torch.cat([torch.arange(e[2], e[2] + e[1]) for e in rows])
+        token_rows = torch.cat([torch.arange(e[0], e[0] + e[1]) for e in rows])
+        parts = torch.repeat_interleave(torch.tensor([e[6] for e in rows]), q_lens)
+        # Segments whose keys all precede their queries (lent, older blocks) need no mask.
+        causal = any(e[4] + e[5] - 1 > e[2] for e in rows)
+        identity = num_parts == 1 and len(token_rows) == num_tokens and bool((token_rows == torch.arange(num_tokens)).all())
+        batches[instance_id] = AttendBatch(
+            step_id=step_id,
+            instance_id=instance_id,
+            block_tables=table.to(device),
+            kv_lens=torch.tensor([e[5] for e in rows], dtype=torch.int32).to(device),
+            kv_start_pos=torch.tensor([e[4] for e in rows], dtype=torch.int32).to(device),
+            query_start_loc=starts.to(device),
+            q_pos=q_pos.to(torch.int32).to(device) if causal else None,
+            max_query_len=int(q_lens.max()),
+            max_kv_len=max(e[5] for e in rows),
+        )
+        placements[instance_id] = _Placement(token_rows.to(device), parts.to(device), identity)
+    if home_instance_id not in batches:
+        raise ValueError("every chunk must have its newest tokens on the home instance")
+    return StepAttention(
+        step_id=step_id,
+        num_tokens=num_tokens,
+        num_parts=num_parts,
+        slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64).to(device),
+        batches=batches,
+        placements=placements,
+    )
+
+
+class DistAttention:
+    """The per-layer attention of one step on the home instance (an ``AttentionFn``)."""
+
+    def __init__(self, step: StepAttention, home_pool: torch.Tensor, home_instance_id: int,
+                 remote: RemoteAttention | None, *, num_heads: int, sm_scale: float) -> None:
+        self.step = step
+        self.home_pool = home_pool
+        self.home_instance_id = home_instance_id
+        self.remote = remote
+        self.sm_scale = sm_scale
+        self.local_plan = _plan(step.batches[home_instance_id], home_pool, num_heads)
+        self.remote_ids = [i for i in step.batches if i != home_instance_id]
+        if self.remote_ids and remote is None:
+            raise ValueError(f"the step attends over instances {self.remote_ids} but no RemoteAttention was given")
+
+    def _rows(self, q: torch.Tensor, instance_id: int) -> torch.Tensor:
+        placement = self.step.placements[instance_id]
+        return q if placement.identity else q.index_select(0, placement.rows)
+
+    async def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        write_kv(k, v, self.home_pool, layer, self.step.slot_mapping, check_bounds=False)
+        pending = [
+            asyncio.ensure_future(self.remote.attend(self.step.batches[i], layer, self._rows(q, i), self.sm_scale))
+            for i in self.remote_ids
+        ]
+        home = self.home_instance_id
+        simple = not pending and self.step.placements[home].identity
+        local = run_micro_attention(
+            self.local_plan, self._rows(q, home), self.home_pool, layer,
+            sm_scale=self.sm_scale, out_dtype=q.dtype if simple else torch.float32,
+        )
+        if simple:
+            return local.out
+        states = dict(zip(self.remote_ids, await asyncio.gather(*pending)))
+        states[home] = local
+        return self._merge(states, q)
+
+    def _merge(self, states: dict[int, AttentionState], q: torch.Tensor) -> torch.Tensor:
+        num_tokens, num_heads, head_dim = q.shape
+        out_parts = torch.zeros(self.step.num_parts, num_tokens, num_heads, head_dim, dtype=torch.float32, device=q.device)
+        lse_parts = torch.full((self.step.num_parts, num_tokens, num_heads), float("-inf"), device=q.device)
+        for instance_id, state in states.items():
+            placement = self.step.placements[instance_id]
+            out_parts[placement.parts, placement.rows] = state.out.float()
+            lse_parts[placement.parts, placement.rows] = state.lse
+        return merge_attention_states(out_parts, lse_parts, out_dtype=q.dtype).out

@@ -1,0 +1,313 @@
+"""The engine: requests in, tokens out, one step at a time (schedule, run, postprocess).
+
+One :class:`LLMEngine` is one home instance. Its KV pools are ``config.pool_blocks``: pool 0
+is the home's, where every new token's K and V are written; the others stand for creditor
+instances in this process and are reached only through :class:`RemoteAttention`, so a
+transport can take their place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+
+from infinite_llm.kernels import KVPoolShape, allocate_kv_pool
+
+from .block_manager import BlockManager, Segment, SegmentMove
+from .config import EngineConfig
+from .dist_attention import DistAttention, InProcessRemoteAttention, RemoteAttention, build_step_attention
+from .loader import Checkpoint, load_checkpoint
+from .model import LlamaModel
+from .sampling import Sampler, SamplingParams
+from .scheduler import Request, Scheduler, SchedulerOutput
+from .tokenizer import ChatMessage, IncrementalDetokenizer
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class RequestRejected(ValueError):
+    """A request that this engine can never serve (bad input, or more KV than all pools hold)."""
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]  # sampled in this step
+    new_text: str  # text completed in this step (held back while it may start a stop string)
+    token_ids: tuple[int, ...]  # every output token so far
+    text: str  # the output text so far (final once finished)
+    finished: bool
+    finish_reason: str | None  # "stop", "length", "abort" once finished
+
+
+@dataclass
+class _RequestState:
+    detokenizer: IncrementalDetokenizer
+    emitted_chars: int = 0  # characters of text already handed out
+
+
+class LLMEngine:
+    def __init__(self, checkpoint: Checkpoint, config: EngineConfig = EngineConfig(),
+                 remote: RemoteAttention | None = None) -> None:
+        self.config = config
+        self.model_config = checkpoint.config
+        self.tokenizer = checkpoint.tokenizer
+        self.device = torch.device(config.device)
+        if config.dtype == "auto":
+            self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        else:
+            self.dtype = _DTYPES[config.dtype]
+        limit = checkpoint.config.max_position
+        self.max_model_len = min(config.max_model_len, limit) if config.max_model_len else limit
+        self.model = LlamaModel(checkpoint.config, checkpoint.weights, device=self.device, dtype=self.dtype,
+                                max_position=self.max_model_len)
+        mc = checkpoint.config
+        self.pools = [
+            allocate_kv_pool(KVPoolShape(n, mc.num_layers, config.block_size, mc.num_kv_heads, mc.head_dim),
+                             self.dtype, self.device)
+            for n in config.pool_blocks
+        ]
+        self.home_instance_id = config.home_instance_id
+        self.block_manager = BlockManager(config.block_size, config.pool_blocks, self.home_instance_id)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens)
+        creditors = {i: p for i, p in enumerate(self.pools) if i != self.home_instance_id}
+        self.remote = remote if remote is not None else InProcessRemoteAttention(creditors, num_heads=mc.num_heads)
+        self.sampler = Sampler()
+        self._states: dict[str, _RequestState] = {}
+        self._ids = itertools.count()
+        self._step_ids = itertools.count()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        # Next-token logits ([vocab] float32) of each request sampled in the last step.
+        self.last_step_logits: dict[str, torch.Tensor] = {}
+
+    @classmethod
+    def from_path(cls, path: str | None = None, config: EngineConfig = EngineConfig(), *,
+                  show_progress: bool = True) -> "LLMEngine":
+        """Load a GGUF file or Hugging Face folder (None: the embedded SmolLM2) and build an engine."""
+        return cls(load_checkpoint(path, show_progress=show_progress), config)
+
+    # ---- requests ------------------------------------------------------------------------
+    def add_request(self, prompt: str | Sequence[int] | Sequence[ChatMessage | dict[str, str]],
+                    params: SamplingParams = SamplingParams(), request_id: str | None = None) -> str:
+        """Queue a request: a text prompt, token ids, or chat messages (rendered with the template)."""
+        if not isinstance(params, SamplingParams):
+            raise RequestRejected(f"params must be SamplingParams, got {type(params).__name__}")
+        token_ids = self._prompt_token_ids(prompt)
+        if not token_ids:
+            raise RequestRejected("the prompt is empty: give at least one token")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestRejected(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if len(token_ids) >= self.max_model_len:
+            raise RequestRejected(
+                f"the prompt has {len(token_ids)} tokens; the model's context is {self.max_model_len} tokens "
+                "and at least one must be left for the output"
+            )
+        # Output stops at the context's end anyway; what must fit is the KV of the longest run.
+        most_tokens = min(len(token_ids) + params.max_tokens, self.max_model_len)
+        blocks = -(-most_tokens // self.config.block_size)
+        capacity = self.block_manager.num_total_blocks() if self.config.spill_to_creditors and len(self.pools) > 1 \
+            else self.block_manager.num_total_blocks(self.home_instance_id)
+        if blocks > capacity:
+            raise RequestRejected(
+                f"the request needs up to {most_tokens} tokens = {blocks} KV blocks, but the pools hold "
+                f"{capacity} blocks in all; lower max_tokens or the prompt"
+            )
+        request_id = str(next(self._ids)) if request_id is None else request_id
+        if request_id in self._states:
+            raise RequestRejected(f"request id {request_id!r} is already in use")
+        self.scheduler.add(Request(request_id, token_ids, params))
+        self._states[request_id] = _RequestState(IncrementalDetokenizer(self.tokenizer))
+        return request_id
+
+    def _prompt_token_ids(self, prompt: object) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        items = list(prompt)  # type: ignore[call-overload]
+        if items and all(isinstance(m, (ChatMessage, dict)) for m in items):
+            return self.tokenizer.encode(self.tokenizer.apply_chat_template(items), add_special_tokens=False)
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in items):
+            return list(items)
+        raise RequestRejected("a prompt is a string, a list of token ids or a list of chat messages")
+
+    def abort(self, request_id: str) -> None:
+        if request_id in self.scheduler.requests:
+            self.scheduler.finish(request_id)
+        self._states.pop(request_id, None)
+        self.sampler.forget(request_id)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def placement(self, request_id: str) -> tuple[Segment, ...]:
+        """Where the request's KV lives: its segments in token order."""
+        return self.block_manager.block_table(request_id)
+
+    # ---- moving KV -----------------------------------------------------------------------
+    def lend(self, request_id: str, num_blocks: int, dst_instance_id: int) -> SegmentMove:
+        """Move the request's oldest ``num_blocks`` home blocks to a creditor pool (at a step boundary)."""
+        written = self.scheduler.requests[request_id].num_computed_tokens
+        move = self.block_manager.lend(request_id, num_blocks, dst_instance_id, written)
+        return self._copy_and_commit(move)
+
+    def take_back(self, request_id: str, segment_index: int) -> SegmentMove:
+        """Bring a lent segment's KV back into the home pool."""
+        return self._copy_and_commit(self.block_manager.take_back(request_id, segment_index))
+
+    def _copy_and_commit(self, move: SegmentMove) -> SegmentMove:
+        src = torch.tensor(move.src_block_ids, device=self.device)
+        dst = torch.tensor(move.dst_block_ids, device=self.device)
+        self.pools[move.dst_instance_id][dst] = self.pools[move.src_instance_id][src]
+        self.block_manager.commit_move(move)
+        return move
+
+    def _spill(self) -> None:
+        """Lend old blocks so that the home pool keeps room for the next step's new tokens."""
+        bm = self.block_manager
+        running = self.scheduler.running
+        head = self.scheduler.waiting[0] if self.scheduler.waiting else None
+        wanted = len(running) + -(-self.config.max_num_batched_tokens // self.config.block_size) + 1
+        if head is not None:
+            wanted = max(wanted, len(running) + bm.blocks_needed(head.request_id, head.num_computed_tokens + min(
+                head.num_tokens - head.num_computed_tokens, self.config.max_num_batched_tokens)))
+        shortfall = wanted - bm.num_free_blocks(self.home_instance_id)
+        if shortfall <= 0:
+            return
+        written = {r.request_id: r.num_computed_tokens for r in running}
+        for request_id, num_blocks, dst in bm.plan_spill(shortfall, written):
+            self.lend(request_id, num_blocks, dst)
+
+    # ---- the step ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; returns what each scheduled request produced."""
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+        return self._loop.run_until_complete(self.step_async())
+
+    async def step_async(self) -> list[RequestOutput]:
+        """One iteration inside a running event loop: schedule, run, postprocess."""
+        if self.config.spill_to_creditors and len(self.pools) > 1:
+            self._spill()
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_empty:
+            if self.scheduler.running or self.scheduler.waiting:
+                raise RuntimeError("no request can be scheduled: the home pool is too small for one chunk")
+            return []
+        sampled = await self._run(scheduled)
+        return self._postprocess(scheduled, sampled)
+
+    async def _run(self, scheduled: SchedulerOutput) -> list[int]:
+        """Run the model over the step's chunks; return one sampled token per sampling chunk."""
+        requests = self.scheduler.requests
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_rows: list[int] = []
+        for chunk in scheduled.chunks:
+            request = requests[chunk.request_id]
+            end = chunk.start + chunk.num_tokens
+            token_ids += request.all_token_ids[chunk.start:end]
+            positions += range(chunk.start, end)
+            slots += self.block_manager.slot_mapping(chunk.request_id, chunk.start, end)
+            if chunk.samples:
+                logits_rows.append(len(token_ids) - 1)
+        step_id = next(self._step_ids)
+        layout = build_step_attention(
+            step_id, scheduled.chunks, {c.request_id: self.block_manager.block_table(c.request_id) for c in scheduled.chunks},
+            slots, home_instance_id=self.home_instance_id, block_size=self.config.block_size, device=self.device,
+        )
+        attention = DistAttention(layout, self.pools[self.home_instance_id], self.home_instance_id, self.remote,
+                                  num_heads=self.model_config.num_heads, sm_scale=self.model.sm_scale)
+        ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        rows = torch.tensor(logits_rows, dtype=torch.int64, device=self.device)
+        try:
+            logits = await self.model.forward(ids, pos, attention, rows)
+        finally:
+            self.remote.end_step(step_id)
+        sampling = [c for c in scheduled.chunks if c.samples]
+        self.last_step_logits = {c.request_id: row for c, row in zip(sampling, logits)}
+        return self.sampler.sample(logits, [c.request_id for c in sampling],
+                                   [requests[c.request_id].params for c in sampling])
+
+    def _postprocess(self, scheduled: SchedulerOutput, sampled: list[int]) -> list[RequestOutput]:
+        outputs = []
+        tokens = iter(sampled)
+        for chunk in scheduled.chunks:
+            request = self.scheduler.requests[chunk.request_id]
+            request.num_computed_tokens = chunk.start + chunk.num_tokens
+            if not chunk.samples:
+                continue
+            token = next(tokens)
+            request.output_token_ids.append(token)
+            outputs.append(self._advance(request, token))
+        return outputs
+
+    def _advance(self, request: Request, token: int) -> RequestOutput:
+        """Append one token to the request's text and decide whether it is done."""
+        state = self._states[request.request_id]
+        params = request.params
+        reason = None
+        stopping_token = (not params.ignore_eos and token in self.tokenizer.eos_token_ids) or token in params.stop_token_ids
+        if stopping_token:
+            reason = "stop"
+        else:
+            state.detokenizer.add([token])
+        text = state.detokenizer.text
+        if params.stop and reason is None:
+            longest = max(len(s) for s in params.stop)
+            search_from = max(0, state.emitted_chars - longest)
+            hits = [i for i in (text.find(s, search_from) for s in params.stop) if i >= 0]
+            if hits:
+                text = text[: min(hits)]
+                reason = "stop"
+        if reason is None and (len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len):
+            reason = "length"
+        finished = reason is not None
+        if finished:
+            visible = len(text)
+        else:
+            # Hold back text that might be the start of a stop string.
+            holdback = max((len(s) for s in params.stop), default=1) - 1
+            visible = max(state.emitted_chars, len(text) - holdback)
+        new_text = text[state.emitted_chars:visible]
+        state.emitted_chars = visible
+        output = RequestOutput(request.request_id, (token,), new_text, tuple(request.output_token_ids),
+                               text[:visible], finished, reason)
+        if finished:
+            self.scheduler.finish(request.request_id)
+            self.sampler.forget(request.request_id)
+            del self._states[request.request_id]
+        return output
+
+    # ---- conveniences --------------------------------------------------------------------
+    def generate(self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams] = SamplingParams()
+                 ) -> list[RequestOutput]:
+        """Run prompts to completion together; the final output of each, in order."""
+        params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids):
+            for output in self.step():
+                if output.finished:
+                    final[output.request_id] = output
+        return [final[i] for i in ids]
+
+    def stream(self, prompt: str | Sequence[int], params: SamplingParams = SamplingParams()) -> Iterator[RequestOutput]:
+        """Yield the request's outputs as they are made (other queued requests run too)."""
+        request_id = self.add_request(prompt, params)
+        while True:
+            for output in self.step():
+                if output.request_id == request_id:
+                    yield output
+                    if output.finished:
+                        return

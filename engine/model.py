@@ -1,0 +1,133 @@
+"""A Llama-family decoder (Llama 2/3, SmolLM2, Qwen2) over paged KV.
+
+The model owns the weights and the non-attention compute. Attention is handed to an
+:class:`AttentionFn` per layer: it writes the new K and V, attends over the request's blocks
+wherever they live and returns the merged output, possibly awaiting other instances. So the
+forward pass is a coroutine, and its pieces between attention calls
+(:meth:`LlamaModel.pre_attention`, :meth:`LlamaModel.post_attention`) are what a CUDA graph
+captures.
+"""
+
+from __future__ import annotations
+
+from typing import Awaitable, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from .config import ModelConfig
+from .rope import RotaryEmbedding
+
+
+class AttentionFn(Protocol):
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Awaitable[torch.Tensor]:
+        """q ``[num_tokens, num_heads, head_dim]``, k and v ``[num_tokens, num_kv_heads, head_dim]``
+        -> attention output ``[num_tokens, num_heads, head_dim]`` in q's dtype."""
+        ...
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in float32, cast back before the weight (as the reference models do)."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+class LlamaModel:
+    """Weights on one device in one dtype, with q/k/v and gate/up fused into single matmuls."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], *, device: torch.device | str,
+                 dtype: torch.dtype, max_position: int | None = None) -> None:
+        self.config = config
+        self.device = torch.device(device)
+        self.dtype = dtype
+
+        def put(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device=self.device, dtype=dtype).contiguous()
+
+        self.embed_tokens = put(weights["embed_tokens"])
+        self.lm_head = self.embed_tokens if config.tie_word_embeddings else put(weights["lm_head"])
+        self.norm = put(weights["norm"])
+        self.layers: list[dict[str, torch.Tensor | None]] = []
+        for i in range(config.num_layers):
+            w = lambda name: weights[f"layers.{i}.{name}"]  # noqa: E731
+            qkv_bias = None
+            if config.attention_bias:
+                qkv_bias = put(torch.cat([w("q_bias"), w("k_bias"), w("v_bias")]))
+            self.layers.append(
+                {
+                    "input_norm": put(w("input_norm")),
+                    "post_attention_norm": put(w("post_attention_norm")),
+                    "qkv_proj": put(torch.cat([w("q_proj"), w("k_proj"), w("v_proj")])),  # [q + 2 kv, hidden]
+                    "qkv_bias": qkv_bias,
+                    "o_proj": put(w("o_proj")),
+                    "gate_up_proj": put(torch.cat([w("gate_proj"), w("up_proj")])),  # [2 ffn, hidden]
+                    "down_proj": put(w("down_proj")),
+                }
+            )
+        self.rope = RotaryEmbedding(
+            config, max_position or config.max_position, self.device, dtype, weights.get("rope_freq_factors")
+        )
+        self.sm_scale = config.head_dim**-0.5
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """token_ids ``[num_tokens]`` int64 -> hidden ``[num_tokens, hidden]``."""
+        return F.embedding(token_ids, self.embed_tokens)
+
+    def pre_attention(self, layer: int, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Norm, q/k/v projection and RoPE.
+
+        Args:
+            hidden: ``[num_tokens, hidden]``, the residual stream.
+            positions: ``[num_tokens]`` int64.
+
+        Returns:
+            q ``[num_tokens, num_heads, head_dim]``, k and v ``[num_tokens, num_kv_heads, head_dim]``.
+        """
+        c = self.config
+        w = self.layers[layer]
+        qkv = F.linear(rms_norm(hidden, w["input_norm"], c.rms_norm_eps), w["qkv_proj"], w["qkv_bias"])
+        q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q = self.rope.apply(q.view(-1, c.num_heads, c.head_dim), positions)
+        k = self.rope.apply(k.view(-1, c.num_kv_heads, c.head_dim), positions)
+        return q.contiguous(), k.contiguous(), v.reshape(-1, c.num_kv_heads, c.head_dim)
+
+    def post_attention(self, layer: int, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """Output projection, residual, norm, SwiGLU MLP, residual.
+
+        Args:
+            hidden: ``[num_tokens, hidden]``, the residual stream before this layer.
+            attn_out: ``[num_tokens, num_heads, head_dim]``.
+
+        Returns:
+            The residual stream after this layer, ``[num_tokens, hidden]``.
+        """
+        c = self.config
+        w = self.layers[layer]
+        hidden = hidden + F.linear(attn_out.reshape(attn_out.shape[0], -1), w["o_proj"])
+        gate_up = F.linear(rms_norm(hidden, w["post_attention_norm"], c.rms_norm_eps), w["gate_up_proj"])
+        gate, up = gate_up.chunk(2, dim=-1)
+        return hidden + F.linear(F.silu(gate) * up, w["down_proj"])
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden ``[num_rows, hidden]`` -> logits ``[num_rows, vocab]`` float32."""
+        return F.linear(rms_norm(hidden, self.norm, self.config.rms_norm_eps), self.lm_head).float()
+
+    async def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn,
+                      logits_rows: torch.Tensor) -> torch.Tensor:
+        """One step over a flat batch of tokens.
+
+        Args:
+            token_ids, positions: ``[num_tokens]`` int64.
+            attention: the step's attention (writes K/V, attends, merges remote parts).
+            logits_rows: ``[num_rows]`` int64, the token rows whose next-token logits are wanted.
+
+        Returns:
+            ``[num_rows, vocab]`` float32 logits.
+        """
+        hidden = self.embed(token_ids)
+        for layer in range(self.config.num_layers):
+            q, k, v = self.pre_attention(layer, hidden, positions)
+            attn_out = await attention(layer, q, k, v)
+            hidden = self.post_attention(layer, hidden, attn_out)
+        return self.logits(hidden[logits_rows])

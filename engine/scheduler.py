@@ -1,0 +1,143 @@
+"""Iteration-level scheduling with chunked prefill. Pure logic: token ids and block counts only.
+
+Each step the scheduler gives every running request its next tokens (one for a decoding
+request, a chunk of the prompt for a prefilling one) within a token budget, then admits waiting
+requests first-come-first-served while the budget, the request limit and the home pool allow.
+A running request that cannot get a block makes the newest running request give its blocks
+back (it waits and recomputes later), so a request never writes into blocks it does not own.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+
+from .block_manager import BlockManager
+from .sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    """A request's tokens and progress, as the scheduler sees them."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose K and V are written
+    status: RequestStatus = RequestStatus.WAITING
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Tokens ``[start, start + num_tokens)`` of one request, computed in this step."""
+
+    request_id: str
+    start: int
+    num_tokens: int
+    samples: bool  # the chunk reaches the request's last known token: a new token is sampled
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    chunks: tuple[ScheduledChunk, ...]
+    preempted: tuple[str, ...]  # requests sent back to waiting in this step
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order
+        self.requests: dict[str, Request] = {}
+
+    def add(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted: list[str] = []
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            end = request.num_computed_tokens + num_new
+            while not self.block_manager.can_allocate(request.request_id, end):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is request:
+                    break
+            if request.status is not RequestStatus.RUNNING:
+                break
+            self.block_manager.allocate(request.request_id, end)
+            chunks.append(ScheduledChunk(request.request_id, request.num_computed_tokens, num_new, end == request.num_tokens))
+            budget -= num_new
+            index += 1
+
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            request = self.waiting[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            end = request.num_computed_tokens + num_new
+            if not self.block_manager.can_allocate(request.request_id, end):
+                break  # wait for blocks to come back; first come, first served
+            self.waiting.popleft()
+            self.block_manager.allocate(request.request_id, end)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            chunks.append(ScheduledChunk(request.request_id, request.num_computed_tokens, num_new, end == request.num_tokens))
+            budget -= num_new
+        return SchedulerOutput(tuple(chunks), tuple(preempted))
+
+    def finish(self, request_id: str) -> None:
+        """Drop a request (done, stopped or aborted) and free its blocks."""
+        request = self.requests.pop(request_id)
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED
+        self.block_manager.free(request_id)
+
+    def _preempt(self, request: Request) -> None:
+        """Free the request's blocks; it goes back to the head of the queue and recomputes."""
+        self.running.remove(request)
+        self.block_manager.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)

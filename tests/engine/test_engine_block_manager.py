@@ -1,0 +1,124 @@
+"""Block accounting on tiny pools, with exact block ids."""
+
+import pytest
+
+from infinite_llm.engine.block_manager import BlockManager, OutOfBlocks, Segment
+
+
+def test_allocate_grows_the_home_tail_with_lowest_ids():
+    bm = BlockManager(block_size=4, pool_blocks=[8, 4])
+    assert bm.can_allocate("a", 6)
+    bm.allocate("a", 6)
+    assert bm.block_table("a") == (Segment(0, (0, 1), 0, 6),)
+    bm.allocate("b", 3)
+    bm.allocate("a", 9)  # one more block for tokens 8..9
+    assert bm.block_table("a") == (Segment(0, (0, 1, 3), 0, 9),)
+    assert bm.block_table("b") == (Segment(0, (2,), 0, 3),)
+    assert bm.slot_mapping("a", 6, 9) == [1 * 4 + 2, 1 * 4 + 3, 3 * 4 + 0]
+    assert bm.num_free_blocks(0) == 4
+
+
+def test_can_allocate_refuses_without_changing_anything():
+    bm = BlockManager(block_size=4, pool_blocks=[2])
+    bm.allocate("a", 8)
+    assert not bm.can_allocate("b", 1)
+    with pytest.raises(OutOfBlocks, match="instance 0 has 0 free blocks, 1 were asked for"):
+        bm.allocate("b", 1)
+    assert bm.block_table("a") == (Segment(0, (0, 1), 0, 8),)
+    assert not bm.has_request("b") or bm.block_table("b") == ()
+
+
+def test_free_returns_blocks_on_every_instance():
+    bm = BlockManager(block_size=4, pool_blocks=[4, 4])
+    bm.allocate("a", 12)
+    move = bm.lend("a", 2, 1, num_written=12)
+    bm.commit_move(move)
+    assert bm.num_free_blocks(0) == 3 and bm.num_free_blocks(1) == 2
+    bm.free("a")
+    assert bm.num_free_blocks(0) == 4 and bm.num_free_blocks(1) == 4
+    assert bm.block_table("a") == ()
+
+
+def test_lend_moves_the_oldest_full_blocks_and_commit_switches_the_table():
+    bm = BlockManager(block_size=4, pool_blocks=[6, 3, 3])
+    bm.allocate("a", 14)  # blocks 0..3, the last one half full
+    assert bm.num_lendable_blocks("a", num_written=14) == 3
+    assert bm.num_lendable_blocks("a", num_written=7) == 1  # only fully written blocks move
+    move = bm.lend("a", 2, 2, num_written=14)
+    assert (move.src_block_ids, move.dst_block_ids, move.token_start, move.num_tokens) == ((0, 1), (0, 1), 0, 8)
+    assert bm.block_table("a") == (Segment(0, (0, 1, 2, 3), 0, 14),)  # unchanged until committed
+    bm.commit_move(move)
+    assert bm.block_table("a") == (Segment(2, (0, 1), 0, 8), Segment(0, (2, 3), 8, 6))
+    assert bm.num_free_blocks(0) == 4
+    bm.commit_move(bm.lend("a", 1, 1, num_written=14))
+    assert bm.block_table("a") == (Segment(2, (0, 1), 0, 8), Segment(1, (0,), 8, 4), Segment(0, (3,), 12, 2))
+
+
+def test_consecutive_lends_to_one_instance_coalesce():
+    bm = BlockManager(block_size=2, pool_blocks=[8, 8])
+    bm.allocate("a", 10)
+    bm.commit_move(bm.lend("a", 1, 1, num_written=10))
+    bm.commit_move(bm.lend("a", 2, 1, num_written=10))
+    assert bm.block_table("a") == (Segment(1, (0, 1, 2), 0, 6), Segment(0, (3, 4), 6, 4))
+
+
+def test_lending_every_home_block_opens_a_new_home_segment():
+    bm = BlockManager(block_size=4, pool_blocks=[4, 4])
+    bm.allocate("a", 8)
+    bm.commit_move(bm.lend("a", 2, 1, num_written=8))
+    assert bm.block_table("a") == (Segment(1, (0, 1), 0, 8),)
+    bm.allocate("a", 9)
+    assert bm.block_table("a") == (Segment(1, (0, 1), 0, 8), Segment(0, (0,), 8, 1))
+    assert bm.slot_mapping("a", 8, 9) == [0]
+
+
+def test_take_back_returns_a_segment_home_and_coalesces():
+    bm = BlockManager(block_size=4, pool_blocks=[6, 4])
+    bm.allocate("a", 10)
+    bm.commit_move(bm.lend("a", 2, 1, num_written=10))
+    move = bm.take_back("a", 0)
+    assert (move.src_instance_id, move.src_block_ids, move.dst_instance_id, move.dst_block_ids) == (1, (0, 1), 0, (0, 1))
+    bm.commit_move(move)
+    assert bm.block_table("a") == (Segment(0, (0, 1, 2), 0, 10),)
+    assert bm.num_free_blocks(1) == 4
+
+
+def test_abort_move_releases_the_reservation():
+    bm = BlockManager(block_size=4, pool_blocks=[4, 2])
+    bm.allocate("a", 8)
+    move = bm.lend("a", 2, 1, num_written=8)
+    assert bm.num_free_blocks(1) == 0
+    assert not bm.can_lend("a", 1, 1, num_written=8)  # a pending move blocks another
+    bm.abort_move(move)
+    assert bm.num_free_blocks(1) == 2
+    assert bm.block_table("a") == (Segment(0, (0, 1), 0, 8),)
+    with pytest.raises(ValueError, match="not pending"):
+        bm.commit_move(move)
+
+
+def test_lend_refuses_bad_requests():
+    bm = BlockManager(block_size=4, pool_blocks=[4, 1])
+    bm.allocate("a", 8)
+    with pytest.raises(OutOfBlocks, match="cannot lend 2 blocks to instance 1"):
+        bm.lend("a", 2, 1, num_written=8)
+    with pytest.raises(OutOfBlocks):
+        bm.lend("a", 1, 0, num_written=8)  # the home cannot lend to itself
+    with pytest.raises(ValueError, match="already on the home instance"):
+        bm.take_back("a", 0)
+
+
+def test_slot_mapping_refuses_positions_outside_the_home_tail():
+    bm = BlockManager(block_size=4, pool_blocks=[4, 4])
+    bm.allocate("a", 8)
+    bm.commit_move(bm.lend("a", 1, 1, num_written=8))
+    with pytest.raises(ValueError, match=r"positions \[0, 2\) are not in its home tail \[4, 8\)"):
+        bm.slot_mapping("a", 0, 2)
+
+
+def test_plan_spill_takes_the_largest_lenders_first():
+    bm = BlockManager(block_size=4, pool_blocks=[10, 2, 3])
+    bm.allocate("a", 8)
+    bm.allocate("b", 20)
+    plan = bm.plan_spill(4, {"a": 8, "b": 20})
+    assert plan == [("b", 3, 2), ("a", 1, 1)]
+    assert bm.plan_spill(4, {"a": 0, "b": 0}) == []

@@ -1,0 +1,92 @@
+"""Bad input gives a clear error and leaves the engine usable."""
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import quants as gguf_quants
+
+from infinite_llm.engine.config import EngineConfig
+from infinite_llm.engine.engine import LLMEngine, RequestRejected
+from infinite_llm.engine.loader import load_checkpoint
+from infinite_llm.engine.quants import UnsupportedQuantization, dequantize
+from infinite_llm.engine.sampling import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2):
+    return LLMEngine(smollm2, EngineConfig(block_size=16, pool_blocks=(64,), max_num_batched_tokens=256))
+
+
+def test_empty_prompt(engine):
+    with pytest.raises(RequestRejected, match="the prompt is empty"):
+        engine.add_request("")
+    with pytest.raises(RequestRejected, match="the prompt is empty"):
+        engine.add_request([])
+
+
+def test_prompt_longer_than_the_context(engine):
+    with pytest.raises(RequestRejected, match="the prompt has 8192 tokens; the model's context is 8192 tokens"):
+        engine.add_request([1] * 8192)
+
+
+def test_token_outside_the_vocabulary(engine):
+    with pytest.raises(RequestRejected, match=r"prompt token id 49152 is outside the vocabulary \[0, 49152\)"):
+        engine.add_request([1, 49152])
+
+
+def test_request_larger_than_every_pool_is_refused(engine):
+    with pytest.raises(RequestRejected, match="needs up to 1100 tokens = 69 KV blocks, but the pools hold 64 blocks"):
+        engine.add_request([1] * 100, SamplingParams(max_tokens=1000))
+    assert not engine.has_unfinished
+
+
+def test_request_without_memory_waits_then_runs(engine):
+    # Each request may need all 64 blocks; the second waits until the first is done.
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    first = engine.add_request([1] * 1000, params)
+    second = engine.add_request([1] * 1000, params)
+    done = []
+    while engine.has_unfinished:
+        outputs = engine.step()
+        assert {o.request_id for o in outputs} <= {first, second}
+        if second in {o.request_id for o in outputs}:
+            assert first in done
+        done += [o.request_id for o in outputs if o.finished]
+    assert done == [first, second]
+
+
+def test_missing_file():
+    with pytest.raises(FileNotFoundError, match="no model at /nonexistent/model.gguf"):
+        load_checkpoint("/nonexistent/model.gguf")
+
+
+def test_not_a_gguf_file(tmp_path):
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"not a model")
+    with pytest.raises(ValueError, match="is not a GGUF file"):
+        load_checkpoint(path)
+
+
+def test_folder_without_config(tmp_path):
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        load_checkpoint(tmp_path)
+
+
+def test_unknown_quantisation_type_is_named(tmp_path):
+    """A tensor in IQ2_XXS (not decoded by this engine) fails loading with its name and type."""
+    writer = GGUFWriter(tmp_path / "tiny.gguf", "llama")
+    block, size = gguf_quants.GGML_QUANT_SIZES[GGMLQuantizationType.IQ2_XXS]
+    raw = np.zeros((4, size), dtype=np.uint8)
+    with pytest.raises(UnsupportedQuantization, match="tensor 'blk.0.attn_q.weight' is stored as GGML type IQ2_XXS"):
+        dequantize(raw, GGMLQuantizationType.IQ2_XXS, (4, block), "blk.0.attn_q.weight")
+    writer.close()
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "F16", "BF16"])
+def test_dequantize_matches_the_gguf_package(qtype):
+    qtype = GGMLQuantizationType[qtype]
+    weights = np.random.default_rng(0).standard_normal((8, 512)).astype(np.float32)
+    raw = gguf_quants.quantize(weights, qtype)
+    expected = gguf_quants.dequantize(raw, qtype)
+    got = dequantize(raw, qtype, (8, 512), "w").numpy()
+    np.testing.assert_array_equal(got, expected.astype(np.float32))

@@ -1,0 +1,75 @@
+"""Scheduling without a model: chunks, budgets, admission, preemption."""
+
+from infinite_llm.engine.block_manager import BlockManager
+from infinite_llm.engine.sampling import SamplingParams
+from infinite_llm.engine.scheduler import Request, RequestStatus, ScheduledChunk, Scheduler
+
+
+def _request(request_id: str, num_prompt: int) -> Request:
+    return Request(request_id, list(range(num_prompt)), SamplingParams(max_tokens=4))
+
+
+def _run(scheduler: Scheduler) -> list[ScheduledChunk]:
+    """One step as the engine does it: schedule, then mark the tokens computed and sample."""
+    out = scheduler.schedule()
+    for chunk in out.chunks:
+        request = scheduler.requests[chunk.request_id]
+        request.num_computed_tokens = chunk.start + chunk.num_tokens
+        if chunk.samples:
+            request.output_token_ids.append(7)
+    return list(out.chunks)
+
+
+def test_long_prompt_is_prefilled_in_chunks_then_decodes():
+    scheduler = Scheduler(BlockManager(4, [64]), max_num_seqs=4, max_num_batched_tokens=8)
+    scheduler.add(_request("a", 20))
+    assert _run(scheduler) == [ScheduledChunk("a", 0, 8, False)]
+    assert _run(scheduler) == [ScheduledChunk("a", 8, 8, False)]
+    assert _run(scheduler) == [ScheduledChunk("a", 16, 4, True)]
+    assert _run(scheduler) == [ScheduledChunk("a", 20, 1, True)]
+
+
+def test_new_requests_join_while_others_decode():
+    scheduler = Scheduler(BlockManager(4, [64]), max_num_seqs=4, max_num_batched_tokens=8)
+    scheduler.add(_request("a", 3))
+    assert _run(scheduler) == [ScheduledChunk("a", 0, 3, True)]
+    scheduler.add(_request("b", 10))
+    assert _run(scheduler) == [ScheduledChunk("a", 3, 1, True), ScheduledChunk("b", 0, 7, False)]
+    assert _run(scheduler) == [ScheduledChunk("a", 4, 1, True), ScheduledChunk("b", 7, 3, True)]
+
+
+def test_max_num_seqs_bounds_the_running_set():
+    scheduler = Scheduler(BlockManager(4, [64]), max_num_seqs=2, max_num_batched_tokens=16)
+    for name in "abc":
+        scheduler.add(_request(name, 2))
+    assert [c.request_id for c in _run(scheduler)] == ["a", "b"]
+    assert [r.request_id for r in scheduler.waiting] == ["c"]
+    scheduler.finish("a")
+    assert [c.request_id for c in _run(scheduler)] == ["b", "c"]
+
+
+def test_a_request_without_blocks_waits_first_come_first_served():
+    bm = BlockManager(4, [3])
+    scheduler = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=16)
+    scheduler.add(_request("a", 8))
+    scheduler.add(_request("b", 8))
+    scheduler.add(_request("c", 1))
+    assert [c.request_id for c in _run(scheduler)] == ["a"]  # b needs 2 blocks, 1 is free; c waits behind b
+    assert scheduler.requests["b"].status is RequestStatus.WAITING
+    scheduler.finish("a")
+    assert [c.request_id for c in _run(scheduler)] == ["b", "c"]
+
+
+def test_preemption_frees_the_newest_request_and_recomputes_it():
+    bm = BlockManager(2, [4])
+    scheduler = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=8)
+    scheduler.add(_request("a", 4))
+    scheduler.add(_request("b", 4))
+    _run(scheduler)  # both prefilled: 4 blocks used, each request sampled one token
+    out = scheduler.schedule()  # a's 5th token needs a block: b gives its blocks back
+    assert out.preempted == ("b",)
+    assert out.chunks == (ScheduledChunk("a", 4, 1, True),)
+    b = scheduler.requests["b"]
+    assert (b.status, b.num_computed_tokens, b.output_token_ids) == (RequestStatus.WAITING, 0, [7])
+    assert bm.block_table("b") == ()
+    assert len(bm.block_table("a")[0].block_ids) == 3
