@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from infinite_llm.engine.block_manager import Segment
 from infinite_llm.engine.config import ModelConfig, RopeScaling
+from infinite_llm.engine.cuda_graphs import PiecewiseDecodeGraphs
 from infinite_llm.engine.dist_attention import DistAttention, build_step_attention
 from infinite_llm.engine.model import LlamaModel
 from infinite_llm.engine.scheduler import ScheduledChunk
@@ -92,8 +93,10 @@ def copy_bandwidth(device: torch.device, num_bytes: int, measure) -> float:
     return 2 * num_bytes / seconds
 
 
-def decode_step(model: LlamaModel, pool: torch.Tensor, batch: int, context: int, block_size: int, measure) -> float:
-    """Median time of one decode step of ``batch`` requests that each hold ``context`` keys."""
+def decode_step(model: LlamaModel, pool: torch.Tensor, batch: int, context: int, block_size: int, measure,
+                graphs: PiecewiseDecodeGraphs | None) -> tuple[float, float | None]:
+    """Median seconds of one decode step of ``batch`` requests that each hold ``context`` keys:
+    eager, and replayed as piecewise CUDA graphs (None without them)."""
     blocks_per_seq = -(-(context + 1) // block_size)
     chunks, tables, slots = [], {}, []
     for b in range(batch):
@@ -108,7 +111,11 @@ def decode_step(model: LlamaModel, pool: torch.Tensor, batch: int, context: int,
     positions = torch.full((batch,), context, dtype=torch.int64, device=model.device)
     rows = torch.arange(batch, device=model.device)
     loop = asyncio.new_event_loop()
-    return measure(lambda: loop.run_until_complete(model.forward(token_ids, positions, attention, rows)), 16)
+    eager = measure(lambda: loop.run_until_complete(model.forward(token_ids, positions, attention, rows)), 16)
+    if graphs is None:
+        return eager, None
+    replayed = measure(lambda: loop.run_until_complete(graphs.forward(token_ids, positions, attention, rows)), 16)
+    return eager, replayed
 
 
 def prefill(model: LlamaModel, pool: torch.Tensor, length: int, block_size: int, measure, use_sdpa: bool) -> float:
@@ -168,17 +175,21 @@ def main() -> None:
                                         config.head_dim), dtype, device)
     pool.normal_()
 
+    graphs = PiecewiseDecodeGraphs(model, tuple(batches)) if device.type == "cuda" else None
     decode_rows = []
     for context in contexts:
         for batch in batches:
             if batch * (-(-(context + 1) // args.block_size)) > pool_blocks:
                 decode_rows.append({"batch": batch, "context": context, "skipped": "KV does not fit in memory"})
                 continue
-            seconds = decode_step(model, pool, batch, context, args.block_size, measure)
+            eager_s, graph_s = decode_step(model, pool, batch, context, args.block_size, measure, graphs)
+            seconds = graph_s if graph_s is not None else eager_s
             kv_read = batch * (context + 1) * kv_bytes_per_token
             decode_rows.append({"batch": batch, "context": context, "step_ms": seconds * 1e3,
+                                "eager_step_ms": eager_s * 1e3, "cuda_graphs": graph_s is not None,
                                 "tokens_per_s": batch / seconds, "bytes_read": weight_bytes + kv_read,
-                                "mbu": (weight_bytes + kv_read) / seconds / bandwidth})
+                                "mbu": (weight_bytes + kv_read) / seconds / bandwidth,
+                                "eager_mbu": (weight_bytes + kv_read) / eager_s / bandwidth})
     prefill_rows = []
     for length in lengths:
         engine_s = prefill(model, pool, length, args.block_size, measure, use_sdpa=False)
@@ -195,12 +206,13 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s, weights {weight_bytes / 1e9:.2f} GB")
-    print(f"{'batch':>5} {'context':>8} {'step ms':>9} {'MBU':>6}")
+    print(f"{'batch':>5} {'context':>8} {'step ms':>9} {'MBU':>6} {'eager ms':>9} {'eager MBU':>9}")
     for r in decode_rows:
         if "skipped" in r:
             print(f"{r['batch']:>5} {r['context']:>8} {'skipped: ' + r['skipped']}")
         else:
-            print(f"{r['batch']:>5} {r['context']:>8} {r['step_ms']:>9.2f} {r['mbu']:>6.2f}")
+            print(f"{r['batch']:>5} {r['context']:>8} {r['step_ms']:>9.2f} {r['mbu']:>6.2f} "
+                  f"{r['eager_step_ms']:>9.2f} {r['eager_mbu']:>9.2f}")
     print(f"{'prefill':>8} {'engine tok/s':>13} {'SDPA tok/s':>11} {'ratio':>6}")
     for r in prefill_rows:
         print(f"{r['length']:>8} {r['engine_tok_s']:>13.0f} {r['sdpa_tok_s']:>11.0f} {r['ratio']:>6.2f}")

@@ -104,6 +104,7 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "auto"  # "auto": bfloat16 on CUDA, float32 on the CPU
     spill_to_creditors: bool = True  # lend a request's oldest blocks when the home pool is full
+    cuda_graphs: bool = True  # replay decode steps as CUDA graphs (CUDA only)
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

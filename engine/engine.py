@@ -22,6 +22,7 @@ from .config import EngineConfig
 from .dist_attention import DistAttention, InProcessRemoteAttention, RemoteAttention, build_step_attention
 from .loader import Checkpoint, load_checkpoint
 from .model import LlamaModel
+from .cuda_graphs import DEFAULT_BATCH_SIZES, PiecewiseDecodeGraphs
 from .sampling import Sampler, SamplingParams
 from .scheduler import Request, Scheduler, SchedulerOutput
 from .tokenizer import ChatMessage, IncrementalDetokenizer
@@ -80,6 +81,10 @@ class LLMEngine:
         creditors = {i: p for i, p in enumerate(self.pools) if i != self.home_instance_id}
         self.remote = remote if remote is not None else InProcessRemoteAttention(creditors, num_heads=mc.num_heads)
         self.sampler = Sampler()
+        self.decode_graphs: PiecewiseDecodeGraphs | None = None
+        if self.device.type == "cuda" and config.cuda_graphs:
+            sizes = tuple(b for b in DEFAULT_BATCH_SIZES if b < config.max_num_seqs) + (config.max_num_seqs,)
+            self.decode_graphs = PiecewiseDecodeGraphs(self.model, sizes)
         self._states: dict[str, _RequestState] = {}
         self._ids = itertools.count()
         self._step_ids = itertools.count()
@@ -230,8 +235,12 @@ class LLMEngine:
         ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
         rows = torch.tensor(logits_rows, dtype=torch.int64, device=self.device)
+        decode = all(c.num_tokens == 1 for c in scheduled.chunks)
+        forward = self.model.forward
+        if decode and self.decode_graphs is not None and self.decode_graphs.can_run(len(token_ids)):
+            forward = self.decode_graphs.forward
         try:
-            logits = await self.model.forward(ids, pos, attention, rows)
+            logits = await forward(ids, pos, attention, rows)
         finally:
             self.remote.end_step(step_id)
         sampling = [c for c in scheduled.chunks if c.samples]
