@@ -60,6 +60,8 @@ def micro_attention_torch(
     starts = query_start_loc.tolist()
     lens = kv_lens.tolist()
     kv_starts = kv_start_pos.tolist() if kv_start_pos is not None else [0] * len(lens)
+    if q_pos is None and len(lens) > 1 and starts[-1] == len(lens) and all(b - a == 1 for a, b in zip(starts, starts[1:])):
+        return _decode_batch(q, kv_pool, layer, block_tables, kv_lens, lens, sm_scale, out_dtype)
     for seq, num_keys in enumerate(lens):
         row_lo, row_hi = starts[seq], starts[seq + 1]
         if row_hi == row_lo or num_keys == 0:
@@ -78,6 +80,57 @@ def micro_attention_torch(
             )
             out[lo:hi] = chunk_out
             lse[lo:hi] = chunk_lse
+    return out.to(out_dtype), lse
+
+
+def _decode_batch(
+    q: torch.Tensor,
+    kv_pool: torch.Tensor,
+    layer: int,
+    block_tables: torch.Tensor,
+    kv_lens: torch.Tensor,
+    lens: list[int],
+    sm_scale: float,
+    out_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One query row per sequence, no causal mask: every sequence in one padded attention call.
+
+    ``q [num_seqs, num_heads, head_dim]``; keys past each sequence's length are masked.
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    _, _, _, block_size, num_kv_heads, _ = kv_pool.shape
+    group = num_heads // num_kv_heads
+    num_cols = max(1, -(-max(lens) // block_size))
+    table = block_tables[:, :num_cols].long()
+    # Columns past a sequence's last block may hold anything: read block 0 there, masked below.
+    blocks_needed = (kv_lens.long() + block_size - 1) // block_size
+    used = torch.arange(num_cols, device=q.device)[None, :] < blocks_needed[:, None]
+    table = torch.where(used, table, torch.zeros_like(table))
+    kv = kv_pool[table, layer].float()  # [num_seqs, num_cols, 2, block_size, num_kv_heads, head_dim]
+    num_keys = num_cols * block_size
+    k = kv[:, :, 0].reshape(num_seqs, num_keys, num_kv_heads, head_dim).transpose(1, 2)
+    v = kv[:, :, 1].reshape(num_seqs, num_keys, num_kv_heads, head_dim).transpose(1, 2)
+    visible = torch.arange(num_keys, device=q.device)[None, :] < kv_lens.long()[:, None]  # [num_seqs, num_keys]
+    # Slots past a sequence's end hold stale data (anything, NaN included): zero them so that
+    # a masked key contributes exactly nothing.
+    hidden = ~visible[:, None, :, None]
+    k = k.masked_fill(hidden, 0.0).repeat_interleave(group, dim=1)  # [num_seqs, num_heads, num_keys, head_dim]
+    v = v.masked_fill(hidden, 0.0).repeat_interleave(group, dim=1)
+    q4 = q.float()[:, :, None, :]  # [num_seqs, num_heads, 1, head_dim]
+    if _FLASH_CPU is not None and q.device.type == "cpu":
+        mask = torch.where(visible, 0.0, -math.inf)[:, None, None, :]
+        out, lse = _FLASH_CPU(q4, k, v, 0.0, False, attn_mask=mask, scale=sm_scale)
+    else:
+        scores = torch.matmul(q4, k.transpose(-1, -2)) * sm_scale
+        scores = scores.masked_fill(~visible[:, None, None, :], -math.inf)
+        lse = torch.logsumexp(scores, dim=-1)
+        safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+        out = torch.matmul(torch.exp(scores - safe[..., None]), v)
+    out, lse = out[:, :, 0], lse[:, :, 0]  # [num_seqs, num_heads, head_dim], [num_seqs, num_heads]
+    empty = kv_lens == 0
+    if bool(empty.any()):
+        out = out.masked_fill(empty[:, None, None], 0.0)
+        lse = lse.masked_fill(empty[:, None], -math.inf)
     return out.to(out_dtype), lse
 
 
