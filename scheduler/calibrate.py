@@ -1,0 +1,276 @@
+"""Calibrate the performance model: time decode steps at a grid of batch sizes and contexts.
+
+Usage::
+
+    python -m infinite_llm.scheduler.calibrate --out bench/results/perf_model-cpu.json
+    python -m infinite_llm.scheduler.calibrate --device cuda --shape llama3-8b --out ...
+
+Steps are measured through one function, ``measure_step(batch, context) -> seconds``, so that
+the engine's own step can replace the probe used here. :class:`KernelLayerProbe` times one
+Llama-family decoder layer built from this project's kernels (``write_kv`` +
+``micro_attention`` over a paged pool) and torch matmuls (q/k/v/o projections, SwiGLU MLP,
+RMSNorm), and multiplies by the number of layers: every layer of a decoder does the same work,
+and one layer's weights and pool keep the CPU calibration within memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from infinite_llm.kernels import (
+    KVPoolShape,
+    allocate_kv_pool,
+    merge_attention_states,
+    plan_micro_attention,
+    run_micro_attention,
+    write_kv,
+)
+
+from .perf_model import Measurement, fit, save_model
+
+MeasureStep = Callable[[int, int], float]
+_MALLOC_ENV_PAIRS = (("MALLOC_MMAP_THRESHOLD_", str(1 << 32)), ("MALLOC_TRIM_THRESHOLD_", str(1 << 34)))
+_MALLOC_ENV = tuple(name for name, _ in _MALLOC_ENV_PAIRS)
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """Shapes of a Llama-family decoder layer."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """K and V bytes of one token over all layers."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * itemsize
+
+
+SHAPES = {
+    "smollm2-135m": LayerShape("smollm2-135m", 30, 576, 9, 3, 64, 1536),
+    "llama3-8b": LayerShape("llama3-8b", 32, 4096, 32, 8, 128, 14336),
+}
+CPU_BATCHES = (1, 2, 4, 8, 16, 32)
+CPU_CONTEXTS = (256, 1024, 2048, 4096)
+CUDA_BATCHES = (1, 4, 16, 32, 64, 128, 256)
+CUDA_CONTEXTS = (1024, 4096, 16384, 32768)
+
+
+class KernelLayerProbe:
+    """Times one decode step of a decoder built from the project's kernels.
+
+    Weights and the KV pool are random; the pool holds one layer and is sized for the largest
+    ``batch * context`` asked for, blocks of each request laid out contiguously after a
+    random permutation (a pool that has seen traffic is not in order).
+    """
+
+    def __init__(
+        self,
+        shape: LayerShape,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_tokens: int,
+        block_size: int = 16,
+        repeats: int = 7,
+        seed: int = 0,
+    ) -> None:
+        self.shape, self.device, self.dtype = shape, device, dtype
+        self.block_size, self.repeats = block_size, repeats
+        generator = torch.Generator(device="cpu").manual_seed(seed)
+
+        def weight(rows: int, cols: int) -> torch.Tensor:
+            w = torch.randn(rows, cols, generator=generator) / math.sqrt(cols)
+            return w.to(device=device, dtype=dtype)
+
+        h, d = shape.hidden_size, shape.head_dim
+        self.w_qkv = weight((shape.num_heads + 2 * shape.num_kv_heads) * d, h)
+        self.w_o = weight(h, shape.num_heads * d)
+        self.w_gate_up = weight(2 * shape.intermediate_size, h)
+        self.w_down = weight(h, shape.intermediate_size)
+        self.norm = torch.ones(h, device=device, dtype=dtype)
+        num_blocks = max_tokens // block_size + 2 * 256
+        self.pool_shape = KVPoolShape(num_blocks, 1, block_size, shape.num_kv_heads, d)
+        self.kv_pool = allocate_kv_pool(self.pool_shape, dtype, device)
+        self.kv_pool.normal_(generator=None)
+        self.block_order = torch.randperm(num_blocks, generator=generator).to(torch.int32)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _layer(self, x: torch.Tensor, plan, slot_mapping: torch.Tensor) -> torch.Tensor:
+        s = self.shape
+        # x: [batch, hidden]
+        residual = x
+        x = F.rms_norm(x, (s.hidden_size,), self.norm)
+        qkv = x @ self.w_qkv.T
+        q, k, v = qkv.split([s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.num_kv_heads * s.head_dim], -1)
+        q = q.reshape(-1, s.num_heads, s.head_dim)
+        write_kv(
+            k.reshape(-1, s.num_kv_heads, s.head_dim), v.reshape(-1, s.num_kv_heads, s.head_dim),
+            self.kv_pool, 0, slot_mapping, check_bounds=False,
+        )
+        attn = run_micro_attention(plan, q.contiguous(), self.kv_pool, 0, out_dtype=self.dtype, return_lse=False)
+        x = residual + attn.out.reshape(-1, s.num_heads * s.head_dim) @ self.w_o.T
+        residual = x
+        x = F.rms_norm(x, (s.hidden_size,), self.norm)
+        gate, up = (x @ self.w_gate_up.T).chunk(2, dim=-1)
+        return residual + (F.silu(gate) * up) @ self.w_down.T
+
+    def measure_step(self, batch: int, context: int) -> float:
+        """Median seconds of one decode step (all layers) of ``batch`` requests of ``context`` tokens."""
+        blocks_per_seq = -(-(context + 1) // self.block_size)
+        if batch * blocks_per_seq > self.pool_shape.num_blocks:
+            raise ValueError(f"{batch} x {context} tokens do not fit the probe's pool")
+        ids = self.block_order[: batch * blocks_per_seq].reshape(batch, blocks_per_seq)
+        block_tables = ids.to(self.device)
+        kv_lens = torch.full((batch,), context + 1, dtype=torch.int32, device=self.device)
+        query_start_loc = torch.arange(batch + 1, dtype=torch.int32, device=self.device)
+        # The new token's K and V land in the slot after the context, as in the engine.
+        slot_mapping = (ids[:, context // self.block_size] * self.block_size + context % self.block_size).to(
+            device=self.device, dtype=torch.int64
+        )
+        s = self.shape
+        plan = plan_micro_attention(
+            block_tables, kv_lens, query_start_loc, num_heads=s.num_heads, num_kv_heads=s.num_kv_heads,
+            head_dim=s.head_dim, block_size=self.block_size, num_blocks=self.pool_shape.num_blocks,
+            max_query_len=1, max_kv_len=context + 1,
+        )
+        x = torch.randn(batch, s.hidden_size, device=self.device, dtype=self.dtype)
+        times = []
+        with torch.inference_mode():
+            for repeat in range(self.repeats + 1):
+                self._sync()
+                start = time.perf_counter()
+                self._layer(x, plan, slot_mapping)
+                self._sync()
+                if repeat:  # the first run warms caches and the allocator
+                    times.append(time.perf_counter() - start)
+        # The minimum, not the median: on a shared machine other processes only ever add
+        # time, so the fastest of the repeats is the closest to the step's own cost.
+        return min(times) * s.num_layers
+
+    def measure_remote_overhead(self, batch: int = 8, num_parts: int = 2) -> float:
+        """Per-layer seconds to merge ``num_parts`` partial states of ``batch`` query rows.
+
+        This is the compute side of a remote part; the network round trip is added by the
+        caller (``--remote-latency-us``) since one process has no network to time.
+        """
+        s = self.shape
+        outs = torch.randn(num_parts, batch, s.num_heads, s.head_dim, device=self.device)
+        lses = torch.randn(num_parts, batch, s.num_heads, device=self.device)
+        times = []
+        for repeat in range(self.repeats + 1):
+            self._sync()
+            start = time.perf_counter()
+            merge_attention_states(outs, lses)
+            self._sync()
+            if repeat:
+                times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+
+def measure_grid(
+    measure_step: MeasureStep,
+    batches: Sequence[int],
+    contexts: Sequence[int],
+    rounds: int = 3,
+    seed: int = 0,
+) -> list[Measurement]:
+    """Measure every (batch, context) of the grid through ``measure_step``.
+
+    The grid is swept ``rounds`` times in a fresh random order each time and each point keeps
+    its fastest round, so that a burst of load from another process spoils one sample of a
+    point, not a run of neighbouring points.
+    """
+    grid = [(b, c) for b in batches for c in contexts]
+    best = {point: math.inf for point in grid}
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(rounds):
+        for index in torch.randperm(len(grid), generator=generator).tolist():
+            point = grid[index]
+            best[point] = min(best[point], measure_step(*point))
+    return [Measurement(b, c, best[(b, c)]) for b, c in grid]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--shape", default=None, choices=sorted(SHAPES), help="default: smollm2-135m on the CPU, llama3-8b on CUDA")
+    parser.add_argument("--batches", default=None, help="comma-separated batch sizes")
+    parser.add_argument("--contexts", default=None, help="comma-separated context lengths (tokens)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per point and round")
+    parser.add_argument("--rounds", type=int, default=3, help="sweeps of the grid (each point keeps its best)")
+    parser.add_argument("--remote-latency-us", type=float, default=0.0, help="network round trip per layer added to the merge time")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default 1 on the CPU)")
+    parser.add_argument("--out", default="bench/results/perf_model-cpu.json")
+    parser.add_argument("--keep-malloc", action="store_true", help="do not re-run with glibc's mmap threshold raised")
+    args = parser.parse_args(argv)
+    if args.device == "cpu" and not args.keep_malloc and _MALLOC_ENV[0] not in os.environ and argv is None:
+        # glibc hands every freed buffer above its mmap threshold back to the OS, so the CPU
+        # attention path faults its gathered KV copies in again at every step: a cost that
+        # grows with the context and belongs to the allocator, not to the model. A serving
+        # process keeps its heap; so does this one, by re-running itself with the threshold up.
+        os.execve(sys.executable, [sys.executable, "-m", "infinite_llm.scheduler.calibrate", *sys.argv[1:]],
+                  {**os.environ, **dict(_MALLOC_ENV_PAIRS)})
+
+    device = torch.device(args.device)
+    on_cuda = device.type == "cuda"
+    shape = SHAPES[args.shape or ("llama3-8b" if on_cuda else "smollm2-135m")]
+    dtype = torch.bfloat16 if on_cuda else torch.float32
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    elif not on_cuda:
+        # One thread: timings on a small shared machine vary far less than with a pool.
+        torch.set_num_threads(1)
+    batches = [int(b) for b in args.batches.split(",")] if args.batches else list(CUDA_BATCHES if on_cuda else CPU_BATCHES)
+    contexts = [int(c) for c in args.contexts.split(",")] if args.contexts else list(CUDA_CONTEXTS if on_cuda else CPU_CONTEXTS)
+
+    probe = KernelLayerProbe(shape, device, dtype, max_tokens=max(batches) * (max(contexts) + 16), repeats=args.repeats)
+    started = time.perf_counter()
+    measurements = measure_grid(probe.measure_step, batches, contexts, rounds=args.rounds)
+    remote_overhead_s = probe.measure_remote_overhead() + args.remote_latency_us * 1e-6
+    model, report = fit(
+        measurements, shape.num_layers, remote_overhead_s=remote_overhead_s,
+        kv_bytes_per_token=shape.kv_bytes_per_token(dtype),
+    )
+    save_model(
+        args.out, model, report,
+        device=torch.cuda.get_device_name(device) if on_cuda else platform.processor() or platform.machine(),
+        torch_version=torch.__version__,
+        torch_threads=torch.get_num_threads(),
+        malloc_env={name: os.environ.get(name) for name in _MALLOC_ENV},
+        dtype=str(dtype).removeprefix("torch."),
+        shape=asdict(shape),
+        measurements=[asdict(m) for m in measurements],
+        calibration_s=round(time.perf_counter() - started, 1),
+    )
+    print(f"{shape.name} on {device}: {len(measurements)} points in {time.perf_counter() - started:.0f} s")
+    print(
+        f"dense a={model.dense_fixed_s * 1e6:.1f} us b={model.dense_per_seq_s * 1e6:.2f} us/seq "
+        f"knee={model.dense_knee_batch} c={model.dense_per_seq_above_knee_s * 1e6:.2f} us/seq; "
+        f"g={model.attention_tokens_per_s / 1e6:.2f} M tokens/s/layer (knee {model.attn_knee_tokens}, "
+        f"+{model.attn_s_per_token_above_knee * 1e9:.1f} ns/token above); merge+remote={remote_overhead_s * 1e6:.1f} us"
+    )
+    print(f"MAPE train {report.train_mape_pct:.2f}%  held-out {report.holdout_mape_pct:.2f}% (max {report.holdout_max_ape_pct:.2f}%) -> {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
