@@ -42,6 +42,7 @@ class InstanceConfig:
 
     instance_id: int = 0
     model: str | None = None  # GGUF file or Hugging Face folder; None: the embedded SmolLM2
+    served_model_name: str | None = None  # the name in the OpenAI API; None: the model file's stem
     device: str = "cpu"  # "cpu", "cuda" or "cuda:N"
     dtype: str = "auto"  # "auto": bfloat16 on CUDA, float32 on the CPU
     block_size: int = 16  # tokens per KV block
@@ -52,7 +53,7 @@ class InstanceConfig:
     peer_host: str = "127.0.0.1"  # UCX listener, for other instances
     peer_port: int = 0  # 0: any free port (reported in the heartbeat)
     http_host: str = "127.0.0.1"  # OpenAI-compatible API and /metrics
-    http_port: int = 8000  # 0: no TCP API
+    http_port: int | None = 8000  # 0: any free port; None: no TCP API
     socket_path: Path = Path("/run/infinite-llm/infinited.sock")  # local admin API
     admin_group: str | None = None  # besides root, members may call mutating local endpoints
     etcd_endpoints: tuple[str, ...] = ()  # empty: local discovery through state_dir
@@ -80,8 +81,11 @@ class InstanceConfig:
             _check_int("kv_pool_bytes", self.kv_pool_bytes, minimum=1)
         _check_int("max_num_seqs", self.max_num_seqs, minimum=1)
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, minimum=self.block_size)
-        for name in ("peer_port", "http_port"):
-            _check_int(name, getattr(self, name), minimum=0, maximum=65535)
+        _check_int("peer_port", self.peer_port, minimum=0, maximum=65535)
+        if self.http_port is not None:
+            _check_int("http_port", self.http_port, minimum=0, maximum=65535)
+        if self.served_model_name is not None and (not isinstance(self.served_model_name, str) or not self.served_model_name):
+            raise ConfigError(f"served_model_name must be a non-empty string, got {self.served_model_name!r}")
         for name in ("peer_host", "http_host"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ConfigError(f"{name} must be a non-empty host string")

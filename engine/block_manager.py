@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 
 class OutOfBlocks(RuntimeError):
@@ -92,7 +92,15 @@ class BlockAllocator:
 class BlockManager:
     """Per-request block tables over one home pool and any number of creditor pools."""
 
-    def __init__(self, block_size: int, pool_blocks: Sequence[int], home_instance_id: int = 0) -> None:
+    def __init__(self, block_size: int, pool_blocks: Sequence[int], home_instance_id: int = 0,
+                 on_remote_free: Callable[[str, Segment], None] | None = None) -> None:
+        """Args:
+            block_size: tokens per block.
+            pool_blocks: blocks of each pool in this process; the index is the instance id.
+            home_instance_id: the pool new tokens are written to.
+            on_remote_free: called with each segment on an instance outside this process (a
+                peer daemon) when its request is freed: the caller tells that peer.
+        """
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if not 0 <= home_instance_id < len(pool_blocks):
@@ -102,11 +110,16 @@ class BlockManager:
         self._allocators = [BlockAllocator(i, n) for i, n in enumerate(pool_blocks)]
         self._tables: dict[str, list[Segment]] = {}
         self._pending: dict[tuple[str, int], SegmentMove] = {}  # (request, token_start) -> move
+        self._on_remote_free = on_remote_free
 
     # ---- queries -------------------------------------------------------------------------
     @property
     def instance_ids(self) -> range:
         return range(len(self._allocators))
+
+    def is_local(self, instance_id: int) -> bool:
+        """Whether the instance's pool is in this process (else its blocks are a peer's to count)."""
+        return 0 <= instance_id < len(self._allocators)
 
     def num_free_blocks(self, instance_id: int) -> int:
         return self._allocator(instance_id).num_free
@@ -162,7 +175,22 @@ class BlockManager:
         for key in [k for k in self._pending if k[0] == request_id]:
             self.abort_move(self._pending[key])
         for segment in self._tables.pop(request_id, []):
-            self._allocator(segment.instance_id).free(segment.block_ids)
+            if self.is_local(segment.instance_id):
+                self._allocator(segment.instance_id).free(segment.block_ids)
+            elif self._on_remote_free is not None:
+                self._on_remote_free(request_id, segment)
+
+    # ---- blocks held for other instances --------------------------------------------------
+    def reserve_home_blocks(self, num_blocks: int) -> list[int] | None:
+        """Take home blocks outside every table (a peer's segment held here); None if too few."""
+        allocator = self._allocator(self.home_instance_id)
+        if num_blocks > allocator.num_free:
+            return None
+        return allocator.allocate(num_blocks)
+
+    def release_home_blocks(self, block_ids: Iterable[int]) -> None:
+        """Give back blocks taken with :meth:`reserve_home_blocks`."""
+        self._allocator(self.home_instance_id).free(block_ids)
 
     # ---- slots ---------------------------------------------------------------------------
     def slot_mapping(self, request_id: str, start: int, end: int) -> list[int]:
@@ -220,6 +248,28 @@ class BlockManager:
         self._pending[(request_id, move.token_start)] = move
         return move
 
+    def lend_to_remote(self, request_id: str, dst_instance_id: int, dst_block_ids: Sequence[int],
+                       num_written: int) -> SegmentMove:
+        """Like :meth:`lend`, to a peer's pool whose blocks ``dst_block_ids`` that peer reserved.
+
+        The peer's blocks are its own to count: this process tracks only the table.
+        """
+        if self.is_local(dst_instance_id):
+            raise ValueError(f"instance {dst_instance_id} is a pool of this process: use lend")
+        num_blocks = len(dst_block_ids)
+        lendable = self.num_lendable_blocks(request_id, num_written)
+        if not 0 < num_blocks <= lendable:
+            raise OutOfBlocks(f"request {request_id}: cannot lend {num_blocks} blocks ({lendable} lendable)")
+        segment = next(s for s in self._tables[request_id] if s.instance_id == self.home_instance_id)
+        if (request_id, segment.token_start) in self._pending:
+            raise ValueError(f"request {request_id}: its blocks at token {segment.token_start} are already moving")
+        move = SegmentMove(
+            request_id, self.home_instance_id, segment.block_ids[:num_blocks], dst_instance_id, tuple(dst_block_ids),
+            segment.token_start, num_blocks * self.block_size,
+        )
+        self._pending[(request_id, move.token_start)] = move
+        return move
+
     def take_back(self, request_id: str, segment_index: int) -> SegmentMove:
         """Reserve home blocks for a lent segment, to bring its KV back home."""
         table = self._tables[request_id]
@@ -249,14 +299,16 @@ class BlockManager:
         if rest:
             pieces.append(Segment(source.instance_id, rest, move.token_end, source.token_end - move.token_end))
         table[index:index + 1] = pieces
-        self._tables[move.request_id] = _coalesce(table)
-        self._allocator(move.src_instance_id).free(move.src_block_ids)
+        self._tables[move.request_id] = _coalesce(table, self.is_local)
+        if self.is_local(move.src_instance_id):
+            self._allocator(move.src_instance_id).free(move.src_block_ids)
 
     def abort_move(self, move: SegmentMove) -> None:
         """Give back the destination blocks of a move that will not happen."""
         if self._pending.pop((move.request_id, move.token_start), None) != move:
             raise ValueError(f"move of request {move.request_id} at token {move.token_start} is not pending")
-        self._allocator(move.dst_instance_id).free(move.dst_block_ids)
+        if self.is_local(move.dst_instance_id):
+            self._allocator(move.dst_instance_id).free(move.dst_block_ids)
 
     def plan_spill(self, num_blocks: int, num_written: dict[str, int]) -> list[tuple[str, int, int]]:
         """Choose lends that free ``num_blocks`` home blocks: ``[(request_id, num_blocks, dst)]``.
@@ -287,11 +339,13 @@ class BlockManager:
         return self._allocators[instance_id]
 
 
-def _coalesce(table: list[Segment]) -> list[Segment]:
-    """Merge consecutive segments on one instance (only when the first is block-aligned full)."""
+def _coalesce(table: list[Segment], is_local: Callable[[int], bool]) -> list[Segment]:
+    """Merge consecutive segments on one instance of this process. A peer's segments stay apart:
+    the peer holds each under its own id (the segment's first block)."""
     out: list[Segment] = []
     for segment in table:
-        if out and out[-1].instance_id == segment.instance_id and out[-1].token_end == segment.token_start:
+        if (out and out[-1].instance_id == segment.instance_id and out[-1].token_end == segment.token_start
+                and is_local(segment.instance_id)):
             prev = out[-1]
             out[-1] = Segment(prev.instance_id, prev.block_ids + segment.block_ids, prev.token_start,
                               prev.num_tokens + segment.num_tokens)

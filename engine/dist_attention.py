@@ -51,6 +51,7 @@ class AttendBatch:
     q_pos: torch.Tensor | None  # [num_entry_rows] absolute query positions; None: every key is older
     max_query_len: int
     max_kv_len: int
+    entry_keys: tuple[tuple[str, int], ...] = ()  # per entry: (request id, the segment's token_start)
 
     @property
     def num_entries(self) -> int:
@@ -147,8 +148,9 @@ def build_step_attention(
     device: torch.device,
 ) -> StepAttention:
     """Lay out one step's attention over the segments of each chunk's request."""
-    # instance id -> entries (row, num_rows, first q position, block ids, kv_start_pos, num_keys, part)
-    entries: dict[int, list[tuple[int, int, int, tuple[int, ...], int, int, int]]] = {}
+    # instance id -> entries (row, num_rows, first q position, block ids, kv_start_pos, num_keys, part,
+    # request id)
+    entries: dict[int, list[tuple[int, int, int, tuple[int, ...], int, int, int, str]]] = {}
     num_parts = 1
     row = 0
     for chunk in chunks:
@@ -160,7 +162,7 @@ def build_step_attention(
                 continue
             used_blocks = segment.block_ids[: -(-num_keys // block_size)]
             entries.setdefault(segment.instance_id, []).append(
-                (row, chunk.num_tokens, chunk.start, used_blocks, segment.token_start, num_keys, part)
+                (row, chunk.num_tokens, chunk.start, used_blocks, segment.token_start, num_keys, part, chunk.request_id)
             )
             part += 1
         num_parts = max(num_parts, part)
@@ -193,6 +195,7 @@ def build_step_attention(
             q_pos=q_pos.to(torch.int32).to(device) if causal else None,
             max_query_len=int(q_lens.max()),
             max_kv_len=max(e[5] for e in rows),
+            entry_keys=tuple((e[7], e[4]) for e in rows),
         )
         placements[instance_id] = _Placement(token_rows.to(device), parts.to(device), identity)
     if home_instance_id not in batches:

@@ -23,6 +23,7 @@ from .dist_attention import DistAttention, InProcessRemoteAttention, RemoteAtten
 from .loader import Checkpoint, load_checkpoint
 from .model import LlamaModel
 from .cuda_graphs import DEFAULT_BATCH_SIZES, PiecewiseDecodeGraphs
+from .lending import KVLender
 from .sampling import Sampler, SamplingParams
 from .scheduler import Request, Scheduler, SchedulerOutput
 from .tokenizer import ChatMessage, IncrementalDetokenizer
@@ -55,7 +56,15 @@ class _RequestState:
 
 class LLMEngine:
     def __init__(self, checkpoint: Checkpoint, config: EngineConfig = EngineConfig(),
-                 remote: RemoteAttention | None = None) -> None:
+                 remote: RemoteAttention | None = None, lender: KVLender | None = None) -> None:
+        """Args:
+            checkpoint: the loaded model.
+            config: the engine's settings.
+            remote: attention over segments on other instances; default: the in-process pools
+                of ``config.pool_blocks[1:]``.
+            lender: moves KV blocks to peer instances (a daemon); then the engine spills and
+                frees remote segments through it instead of through in-process pools.
+        """
         self.config = config
         self.model_config = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
@@ -75,7 +84,9 @@ class LLMEngine:
             for n in config.pool_blocks
         ]
         self.home_instance_id = config.home_instance_id
-        self.block_manager = BlockManager(config.block_size, config.pool_blocks, self.home_instance_id)
+        self.lender = lender
+        self.block_manager = BlockManager(config.block_size, config.pool_blocks, self.home_instance_id,
+                                          on_remote_free=lender.release if lender is not None else None)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens)
         creditors = {i: p for i, p in enumerate(self.pools) if i != self.home_instance_id}
@@ -121,6 +132,8 @@ class LLMEngine:
         blocks = -(-most_tokens // self.config.block_size)
         capacity = self.block_manager.num_total_blocks() if self.config.spill_to_creditors and len(self.pools) > 1 \
             else self.block_manager.num_total_blocks(self.home_instance_id)
+        if self.lender is not None:
+            capacity += self.lender.num_free_blocks_elsewhere()
         if blocks > capacity:
             raise RequestRejected(
                 f"the request needs up to {most_tokens} tokens = {blocks} KV blocks, but the pools hold "
@@ -175,8 +188,12 @@ class LLMEngine:
         self.block_manager.commit_move(move)
         return move
 
-    def _spill(self) -> None:
-        """Lend old blocks so that the home pool keeps room for the next step's new tokens."""
+    def home_shortfall(self) -> int:
+        """Home blocks missing for the next step's new tokens (0: enough are free)."""
+        return max(0, self.home_blocks_wanted() - self.block_manager.num_free_blocks(self.home_instance_id))
+
+    def home_blocks_wanted(self) -> int:
+        """Free home blocks the next step may need: a block per running request and a chunk."""
         bm = self.block_manager
         running = self.scheduler.running
         head = self.scheduler.waiting[0] if self.scheduler.waiting else None
@@ -184,10 +201,19 @@ class LLMEngine:
         if head is not None:
             wanted = max(wanted, len(running) + bm.blocks_needed(head.request_id, head.num_computed_tokens + min(
                 head.num_tokens - head.num_computed_tokens, self.config.max_num_batched_tokens)))
-        shortfall = wanted - bm.num_free_blocks(self.home_instance_id)
+        return wanted
+
+    def num_written_tokens(self) -> dict[str, int]:
+        """Tokens with K and V written, per running request: only their full blocks may move."""
+        return {r.request_id: r.num_computed_tokens for r in self.scheduler.running}
+
+    def _spill(self) -> None:
+        """Lend old blocks to in-process creditor pools so that the home keeps room for the next step."""
+        bm = self.block_manager
+        shortfall = self.home_shortfall()
         if shortfall <= 0:
             return
-        written = {r.request_id: r.num_computed_tokens for r in running}
+        written = self.num_written_tokens()
         for request_id, num_blocks, dst in bm.plan_spill(shortfall, written):
             self.lend(request_id, num_blocks, dst)
 
@@ -200,7 +226,11 @@ class LLMEngine:
 
     async def step_async(self) -> list[RequestOutput]:
         """One iteration inside a running event loop: schedule, run, postprocess."""
-        if self.config.spill_to_creditors and len(self.pools) > 1:
+        if self.lender is not None:
+            shortfall = self.home_shortfall()
+            if shortfall > 0:
+                await self.lender.spill(self, shortfall)
+        elif self.config.spill_to_creditors and len(self.pools) > 1:
             self._spill()
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:

@@ -1,0 +1,436 @@
+"""One `infinited` instance: engine, creditor ledger, transport, local and OpenAI APIs.
+
+The event loop runs everything: the engine's steps (which await remote attention at every
+layer, so the loop serves peers' attend requests while its own step waits), the transport's
+handlers, the HTTP servers, and a maintenance tick (membership, expired reservations, silent
+debtors, metrics, the systemd watchdog).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any, AsyncIterator, Sequence
+
+import torch
+from aiohttp import web
+
+from infinite_llm.engine.config import EngineConfig
+from infinite_llm.engine.engine import LLMEngine, RequestRejected
+from infinite_llm.engine.loader import load_checkpoint
+from infinite_llm.engine.sampling import SamplingParams
+from infinite_llm.transport.errors import PlacementRefused
+from infinite_llm.transport.interface import PeerAddress, TransportConfig
+from infinite_llm.transport.messages import (
+    AttendRequest,
+    Drain,
+    Echo,
+    EchoReply,
+    FreeSegment,
+    KVBlocks,
+    KVBlocksStored,
+    Message,
+    MoveCommit,
+    MoveKV,
+    MoveRejected,
+    MoveRejectReason,
+    MoveReserved,
+    TryMoveKV,
+)
+
+from .config import InstanceConfig
+from .creditor import CreditorAttention
+from .http_api import GenerationEvent, LocalApp, OpenAIApp, RequestRefused, start_local_site
+from .ledger import CreditorLedger, EpochFence
+from .local_auth import admin_group_id
+from .membership import LocalMembership, Member
+from .metrics import InstanceMetrics
+from .peers import PeerDirectory, TransportLender, TransportRemoteAttention
+from .sd_notify import SystemdNotifier
+
+log = logging.getLogger(__name__)
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+class InstanceDaemon:
+    """Everything one instance runs. :meth:`run` is its whole life."""
+
+    def __init__(self, config: InstanceConfig, notifier: SystemdNotifier | None = None) -> None:
+        self.config = config
+        self.notifier = notifier or SystemdNotifier()
+        self.metrics = InstanceMetrics()
+        self.peers = PeerDirectory(config.instance_id)
+        self.membership = LocalMembership(config.state_dir, stale_after_s=5 * config.timeouts.heartbeat_interval_s)
+        self.fence = EpochFence()
+        self.draining = False
+        self._stopping = asyncio.Event()
+        self._work = asyncio.Event()  # set when the engine may have something to do
+        self._queues: dict[str, asyncio.Queue[GenerationEvent]] = {}
+        self._request_ids = itertools.count(1)
+        self._prompt_tokens: dict[str, int] = {}
+        self._tokens_window: list[tuple[float, int]] = []
+        self.engine: LLMEngine | None = None
+        self.transport = None
+        self.remote: TransportRemoteAttention | None = None
+        self.lender: TransportLender | None = None
+        self.http_port = 0  # the OpenAI API's port once listening
+        # gManager moves wait here for the next step boundary, where block tables may change.
+        self._ordered_moves: list[tuple[MoveKV, asyncio.Future[bool]]] = []
+
+    # ---- life --------------------------------------------------------------------------
+    async def run(self) -> None:
+        """Start up, serve until SIGTERM (a second one forces exit), shut down cleanly."""
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, self._on_signal)
+        loop.add_signal_handler(signal.SIGINT, self._on_signal)
+        runners: list[web.AppRunner] = []
+        tasks: list[asyncio.Task] = []
+        try:
+            self.notifier.status("loading the model")
+            await self._start_engine_and_transport()
+            runners = await self._start_http()
+            self._publish()
+            self.notifier.ready(f"instance {self.config.instance_id} serving on {self.transport.address}")
+            log.info("instance %d ready: peers at %s, HTTP on %s:%d, socket %s", self.config.instance_id,
+                     self.transport.address, self.config.http_host, self.http_port, self.config.socket_path)
+            tasks = [asyncio.create_task(self._engine_loop(), name="engine"),
+                     asyncio.create_task(self._maintenance_loop(), name="maintenance")]
+            stop = asyncio.create_task(self._stopping.wait())
+            done, _ = await asyncio.wait([stop, *tasks], return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if task is not stop and task.exception() is not None:
+                    raise task.exception()
+            await self._drain_for_stop()
+        finally:
+            self.notifier.stopping("stopping")
+            self.membership.withdraw(self.config.instance_id)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for runner in runners:
+                await runner.cleanup()
+            if self.lender is not None:
+                await self.lender.close()
+            if self.transport is not None:
+                await self.transport.close()
+            log.info("instance %d stopped", self.config.instance_id)
+
+    def _on_signal(self) -> None:
+        if self._stopping.is_set():
+            log.warning("second stop signal: exiting now")
+            os._exit(1)
+        log.info("stop signal: finishing running requests, admitting none")
+        self.draining = True
+        self._stopping.set()
+
+    async def _drain_for_stop(self) -> None:
+        self.draining = True
+        self.notifier.stopping("finishing running requests")
+        deadline = time.monotonic() + self.config.timeouts.drain_s
+        while self.engine.has_unfinished and time.monotonic() < deadline:
+            self._work.set()
+            await asyncio.sleep(0.05)
+
+    # ---- start-up ------------------------------------------------------------------------
+    async def _start_engine_and_transport(self) -> None:
+        from infinite_llm.transport.ucx import UcxTransport
+
+        c = self.config
+        checkpoint = await asyncio.to_thread(load_checkpoint, c.model, show_progress=True)
+        mc = checkpoint.config
+        device = torch.device(c.device)
+        dtype = c.dtype if c.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
+        block_bytes = mc.num_layers * 2 * c.block_size * mc.num_kv_heads * mc.head_dim * _DTYPE_BYTES[dtype]
+        pool_blocks = c.kv_pool_blocks or (c.kv_pool_bytes // block_bytes if c.kv_pool_bytes else 2048)
+        if pool_blocks < 1:
+            raise ValueError(f"kv_pool_bytes {c.kv_pool_bytes} holds no block of {block_bytes} bytes")
+        self.transport = UcxTransport(TransportConfig(
+            host=c.peer_host, port=c.peer_port, connect_timeout_s=c.timeouts.connect_s,
+            request_timeout_s=c.timeouts.peer_request_s, receive_device=c.device if device.type == "cuda" else "cpu"))
+        self.remote = TransportRemoteAttention(self.transport, self.peers, c.block_size, self.metrics,
+                                               c.timeouts.peer_request_s)
+        self.lender = TransportLender(self.transport, self.peers, self.metrics, c.timeouts.peer_request_s)
+        engine_config = EngineConfig(block_size=c.block_size, pool_blocks=(pool_blocks,), max_num_seqs=c.max_num_seqs,
+                                     max_num_batched_tokens=c.max_num_batched_tokens, device=c.device, dtype=dtype,
+                                     spill_to_creditors=False)
+        self.engine = await asyncio.to_thread(LLMEngine, checkpoint, engine_config, self.remote, self.lender)
+        self.lender.engine = self.engine
+        self.served_model = c.served_model_name or Path(checkpoint.source).stem
+        bm = self.engine.block_manager
+        self.ledger = CreditorLedger(bm.reserve_home_blocks, bm.release_home_blocks,
+                                     reservation_ttl_s=c.timeouts.reservation_s)
+        self.creditor = CreditorAttention(self.ledger, self.pool, mc.num_heads)
+        self.block_nbytes = self.pool[0].numel() * self.pool.element_size()
+        await self.transport.start(self._handle, self._place)
+
+    async def _start_http(self) -> list[web.AppRunner]:
+        c = self.config
+        runners = []
+        local = web.AppRunner(LocalApp(self, admin_group_id(c.admin_group)).build())
+        await local.setup()
+        await start_local_site(local, Path(c.socket_path), c.admin_group)
+        runners.append(local)
+        if c.http_port is not None:
+            api = web.AppRunner(OpenAIApp(self).build())
+            await api.setup()
+            site = web.TCPSite(api, c.http_host, c.http_port)
+            await site.start()
+            self.http_port = site._server.sockets[0].getsockname()[1]
+            runners.append(api)
+        return runners
+
+    @property
+    def pool(self) -> torch.Tensor:
+        return self.engine.pools[self.engine.home_instance_id]
+
+    # ---- the engine ----------------------------------------------------------------------
+    async def _engine_loop(self) -> None:
+        engine = self.engine
+        while True:
+            await self._carry_out_ordered_moves()
+            if not engine.has_unfinished:
+                self._work.clear()
+                await self._work.wait()
+                continue
+            outputs = await engine.step_async()
+            now = time.monotonic()
+            num_new = 0
+            for out in outputs:
+                num_new += len(out.new_token_ids)
+                queue = self._queues.get(out.request_id)
+                if queue is not None:
+                    queue.put_nowait(GenerationEvent(
+                        out.request_id, out.new_text, out.new_token_ids, out.finished, out.finish_reason,
+                        self._prompt_tokens.get(out.request_id, 0), len(out.token_ids)))
+                if out.finished:
+                    self.metrics.requests_finished.labels(reason=out.finish_reason or "stop").inc()
+            self.metrics.generated_tokens.inc(num_new)
+            self._tokens_window.append((now, num_new))
+            # Give peers' attend requests and the HTTP servers a turn between steps.
+            await asyncio.sleep(0)
+
+    async def generate(self, prompt: str | tuple[int, ...] | None, messages: Sequence[dict[str, str]] | None,
+                       params: SamplingParams) -> AsyncIterator[GenerationEvent]:
+        if self.draining:
+            raise RequestRefused("this instance is draining and admits no new requests", status=503)
+        request_id = str(next(self._request_ids))
+        source: Any = prompt if prompt is not None else list(messages or ())
+        try:
+            self.engine.add_request(source, params, request_id=request_id)
+        except RequestRejected as exc:
+            raise RequestRefused(str(exc)) from None
+        num_prompt = len(self.engine.scheduler.requests[request_id].prompt_token_ids)
+        self._prompt_tokens[request_id] = num_prompt
+        self.metrics.prompt_tokens.inc(num_prompt)
+        queue: asyncio.Queue[GenerationEvent] = asyncio.Queue()
+        self._queues[request_id] = queue
+        self._work.set()
+        finished = False
+        try:
+            while not finished:
+                event = await queue.get()
+                finished = event.finished
+                yield event
+        finally:
+            if not finished:
+                self.engine.abort(request_id)  # the client went away
+            self._queues.pop(request_id, None)
+            self._prompt_tokens.pop(request_id, None)
+
+    # ---- serving peers -----------------------------------------------------------------------
+    async def _handle(self, message: Message) -> Message | None:
+        if isinstance(message, AttendRequest):
+            self.ledger.heard_from(message.home_inst_id, time.monotonic())
+            return self.creditor.attend(message)
+        if isinstance(message, TryMoveKV):
+            return self._try_move(message)
+        if isinstance(message, KVBlocks):
+            reservation = self.ledger.reservation(message.reservation_id)
+            return KVBlocksStored(message.move_id, message.reservation_id, len(reservation.block_ids))
+        if isinstance(message, MoveCommit):
+            self.ledger.commit(message.reservation_id, message.home_inst_id, message.req_id, message.segment_id,
+                               time.monotonic())
+            return None
+        if isinstance(message, FreeSegment):
+            self.ledger.free_segment(message.home_inst_id, message.req_id, message.segment_id)
+            self.creditor.forget(message.home_inst_id)
+            return None
+        if isinstance(message, (MoveKV, Drain)):
+            if not self.fence.admit(message.epoch):
+                self.metrics.stale_epoch_commands.inc()
+                raise PermissionError(f"epoch {message.epoch} is older than {self.fence.newest_epoch}")
+            if isinstance(message, Drain):
+                self.draining = True
+                return None
+            return await self._order_move(message)
+        if isinstance(message, Echo):
+            return EchoReply(message.payload)
+        raise ValueError(f"instance {self.config.instance_id} does not serve {message.TYPE}")
+
+    async def _order_move(self, message: MoveKV) -> None:
+        """A gManager move of blocks of this instance's own request, from its home pool."""
+        own = self.config.instance_id
+        if message.src_inst_id != own or message.home_inst_id != own:
+            raise ValueError(f"instance {own} moves only its own requests' home blocks; "
+                             f"asked to move from {message.src_inst_id} for home {message.home_inst_id}")
+        try:
+            self.peers.by_inst(message.dst_inst_id)
+        except KeyError:
+            raise ValueError(f"instance {message.dst_inst_id} is not a known peer") from None
+        if str(message.req_id) not in self.engine.scheduler.requests:
+            raise ValueError(f"no request {message.req_id} here")
+        done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._ordered_moves.append((message, done))
+        self._work.set()
+        if not await done:
+            raise RuntimeError(f"move of {message.num_blocks} blocks of request {message.req_id} "
+                               f"to instance {message.dst_inst_id} did not commit")
+        return None
+
+    async def _carry_out_ordered_moves(self) -> None:
+        moves, self._ordered_moves = self._ordered_moves, []
+        for message, done in moves:
+            try:
+                ok = await self.lender.move(self.engine, str(message.req_id), message.num_blocks,
+                                            self.peers.by_inst(message.dst_inst_id))
+            except Exception as exc:  # the gManager hears of it; the engine goes on
+                log.warning("ordered move %d failed: %s", message.move_id, exc)
+                ok = False
+            if not done.done():
+                done.set_result(ok)
+
+    def _try_move(self, message: TryMoveKV) -> MoveReserved | MoveRejected:
+        free = self.engine.block_manager.num_free_blocks(self.engine.home_instance_id)
+        if message.epoch and not self.fence.admit(message.epoch):
+            self.metrics.stale_epoch_commands.inc()
+            return MoveRejected(message.move_id, MoveRejectReason.STALE_EPOCH, free)
+        if message.block_nbytes != self.block_nbytes:
+            return MoveRejected(message.move_id, MoveRejectReason.LAYOUT_MISMATCH, free)
+        if self.draining:
+            return MoveRejected(message.move_id, MoveRejectReason.DRAINING, free)
+        spare = self._free_for_others()
+        reservation = None
+        if message.num_blocks <= spare:
+            reservation = self.ledger.reserve(message.home_inst_id, message.req_id, message.num_blocks, time.monotonic())
+        if reservation is None:
+            return MoveRejected(message.move_id, MoveRejectReason.NO_SPACE, max(0, spare))
+        return MoveReserved(message.move_id, reservation.reservation_id, reservation.block_ids,
+                            int(self.config.timeouts.reservation_s * 1000))
+
+    def _place(self, message: Message) -> list[torch.Tensor] | None:
+        """KV block data goes straight into the reserved blocks of the pool."""
+        if not isinstance(message, KVBlocks):
+            return None
+        reservation = self.ledger.reservations.get(message.reservation_id)
+        if reservation is None:
+            raise PlacementRefused(f"no reservation {message.reservation_id} (expired or never made)")
+        reserved = set(reservation.block_ids)
+        views = []
+        for run in message.runs:
+            ids = range(run.dst_block_id, run.dst_block_id + run.num_blocks)
+            if not reserved.issuperset(ids):
+                raise PlacementRefused(f"blocks {ids.start}..{ids.stop - 1} are not in reservation {reservation.reservation_id}")
+            views.append(self.pool[ids.start:ids.stop])
+        return views
+
+    # ---- upkeep ---------------------------------------------------------------------------
+    async def _maintenance_loop(self) -> None:
+        interval = self.config.timeouts.heartbeat_interval_s
+        watchdog = self.notifier.watchdog_interval_s
+        period = min(interval, watchdog) if watchdog else interval
+        while True:
+            try:
+                self._tick()
+            except Exception:  # one bad tick must not stop the upkeep
+                log.exception("maintenance tick failed")
+            if watchdog:
+                self.notifier.watchdog()
+            await asyncio.sleep(period)
+
+    def _tick(self) -> None:
+        now = time.monotonic()
+        self.ledger.release_expired(now)
+        for home, freed in self.ledger.free_lost_debtors(now, self.config.timeouts.debtor_lost_s).items():
+            log.warning("instance %d went silent: freed %d blocks held for it", home, freed)
+        self._publish()
+        for member in self.membership.members().values():
+            if member.inst_id != self.config.instance_id:
+                self.peers.update(member.inst_id, PeerAddress(member.peer_host, member.peer_port),
+                                  member.num_blocks_free, member.draining)
+        self._update_metrics(now)
+
+    def _free_for_others(self) -> int:
+        """Free blocks beyond what this instance's own next step may need."""
+        free = self.engine.block_manager.num_free_blocks(self.engine.home_instance_id)
+        return max(0, free - self.engine.home_blocks_wanted())
+
+    def _publish(self) -> None:
+        bm = self.engine.block_manager
+        self.membership.publish(Member(
+            inst_id=self.config.instance_id, pid=os.getpid(), peer_host=self.transport.address.host,
+            peer_port=self.transport.address.port, http_port=self.http_port, socket_path=str(self.config.socket_path),
+            num_blocks_total=bm.num_total_blocks(self.engine.home_instance_id),
+            num_blocks_free=0 if self.draining else self._free_for_others(), draining=self.draining,
+            updated_at=time.time()))
+
+    def _update_metrics(self, now: float) -> None:
+        bm, m = self.engine.block_manager, self.metrics
+        total = bm.num_total_blocks(self.engine.home_instance_id)
+        m.requests_running.set(len(self.engine.scheduler.running))
+        m.requests_waiting.set(len(self.engine.scheduler.waiting))
+        m.kv_blocks_total.set(total)
+        m.kv_usage_ratio.set(1 - bm.num_free_blocks(self.engine.home_instance_id) / total)
+        m.kv_blocks_lent.set(self.ledger.num_blocks_held + self.ledger.num_blocks_reserved)
+        m.kv_blocks_borrowed.set(sum(
+            len(s.block_ids) for r in self.engine.scheduler.requests for s in bm.block_table(r)
+            if not bm.is_local(s.instance_id)))
+        self._tokens_window = [(t, n) for t, n in self._tokens_window if now - t <= 10.0]
+        span = now - self._tokens_window[0][0] if len(self._tokens_window) > 1 else 0.0
+        m.tokens_per_second.set(sum(n for _, n in self._tokens_window[1:]) / span if span > 0 else 0.0)
+
+    # ---- the local API's reads and commands ----------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        engine, bm = self.engine, self.engine.block_manager
+        home = engine.home_instance_id
+        requests = []
+        for request_id, request in engine.scheduler.requests.items():
+            requests.append({
+                "request_id": request_id,
+                "state": request.status.name.lower(),
+                "num_tokens": request.num_tokens,
+                "segments": [{"instance_id": self.peers.cluster_id(s.instance_id), "token_start": s.token_start,
+                              "num_tokens": s.num_tokens, "block_ids": list(s.block_ids)} for s in bm.block_table(request_id)],
+            })
+        return {
+            "instance_id": self.config.instance_id,
+            "model": self.served_model,
+            "peer_address": str(self.transport.address),
+            "draining": self.draining,
+            "epoch": self.fence.newest_epoch,
+            "stale_epoch_commands": self.fence.num_refused,
+            "pool": {
+                "num_blocks_total": bm.num_total_blocks(home),
+                "num_blocks_free": bm.num_free_blocks(home),
+                "num_blocks_held_for_others": self.ledger.num_blocks_held,
+                "num_blocks_reserved_for_others": self.ledger.num_blocks_reserved,
+                "block_size": engine.config.block_size,
+            },
+            "requests": requests,
+            "held_segments": [{"home_instance_id": s.home_inst_id, "request_id": s.req_id, "segment_id": s.segment_id,
+                               "num_blocks": len(s.block_ids)} for s in self.ledger.held.values()],
+        }
+
+    async def drain(self) -> dict[str, Any]:
+        """Stop admitting. Safe to stop once nothing runs here and nothing is held for others."""
+        self.draining = True
+        self._publish()
+        running = len(self.engine.scheduler.requests)
+        held = self.ledger.num_blocks_held + self.ledger.num_blocks_reserved
+        return {"draining": True, "running_requests": running, "blocks_held_for_others": held,
+                "safe_to_stop": running == 0 and held == 0}

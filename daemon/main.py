@@ -1,0 +1,67 @@
+"""``infinited``: run one instance. Flags override the TOML file (``--config``)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+
+from .config import ConfigError, load_config
+from .instance import InstanceDaemon
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict]:
+    parser = argparse.ArgumentParser(prog="infinited", description="Run one Infinite-LLM instance.")
+    parser.add_argument("--config", help="TOML file (see systemd/infinited.toml.example)")
+    parser.add_argument("--instance-id", type=int, dest="instance_id")
+    parser.add_argument("--model", help="GGUF file or Hugging Face folder (default: the embedded SmolLM2)")
+    parser.add_argument("--served-model-name", dest="served_model_name")
+    parser.add_argument("--device")
+    parser.add_argument("--dtype")
+    parser.add_argument("--block-size", type=int, dest="block_size")
+    parser.add_argument("--kv-pool-blocks", type=int, dest="kv_pool_blocks")
+    parser.add_argument("--kv-pool-bytes", type=int, dest="kv_pool_bytes")
+    parser.add_argument("--max-num-seqs", type=int, dest="max_num_seqs")
+    parser.add_argument("--max-num-batched-tokens", type=int, dest="max_num_batched_tokens")
+    parser.add_argument("--peer-host", dest="peer_host")
+    parser.add_argument("--peer-port", type=int, dest="peer_port")
+    parser.add_argument("--http-host", dest="http_host")
+    parser.add_argument("--http-port", type=int, dest="http_port")
+    parser.add_argument("--socket-path", dest="socket_path")
+    parser.add_argument("--admin-group", dest="admin_group")
+    parser.add_argument("--state-dir", dest="state_dir")
+    parser.add_argument("--etcd-endpoints", dest="etcd_endpoints", help="comma-separated host:port list")
+    parser.add_argument("--log-level", default=os.environ.get("INFLLM_LOG_LEVEL", "INFO"))
+    args = parser.parse_args(argv)
+    overrides = {k: v for k, v in vars(args).items() if k not in ("config", "log_level")}
+    return args, overrides
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, overrides = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = load_config(args.config, overrides)
+    except ConfigError as exc:
+        print(f"infinited: {exc}", file=sys.stderr)
+        return 2
+    try:
+        import uvloop
+    except ImportError:  # uvloop is an optimisation; asyncio's loop serves too
+        uvloop = None
+    daemon = InstanceDaemon(config)
+    try:
+        if uvloop is not None:
+            uvloop.run(daemon.run())
+        else:
+            asyncio.run(daemon.run())
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"infinited: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""Local membership: each instance publishes its addresses and pool figures in a state folder.
+
+The single-machine default has no etcd: ``<state_dir>/members/<inst_id>.json`` is written
+atomically (temporary file, then rename) every heartbeat period and removed on a clean stop.
+Readers drop entries whose process is gone or that were not refreshed for a while, so a killed
+instance leaves the membership without anyone cleaning up after it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Member:
+    inst_id: int
+    pid: int
+    peer_host: str  # UCX listener
+    peer_port: int
+    http_port: int  # OpenAI API; 0 when off
+    socket_path: str  # local admin API
+    num_blocks_total: int
+    num_blocks_free: int  # free for new requests or for others' segments, blocks
+    draining: bool
+    updated_at: float  # time.time() seconds
+
+
+class LocalMembership:
+    def __init__(self, state_dir: Path, stale_after_s: float) -> None:
+        self.folder = Path(state_dir) / "members"
+        self.stale_after_s = stale_after_s
+
+    def publish(self, member: Member) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        path = self.folder / f"{member.inst_id}.json"
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(asdict(member)))
+        os.replace(tmp, path)
+
+    def withdraw(self, inst_id: int) -> None:
+        (self.folder / f"{inst_id}.json").unlink(missing_ok=True)
+
+    def members(self) -> dict[int, Member]:
+        """Live members by instance id."""
+        found: dict[int, Member] = {}
+        if not self.folder.is_dir():
+            return found
+        now = time.time()
+        for path in self.folder.glob("*.json"):
+            try:
+                member = Member(**json.loads(path.read_text()))
+            except (OSError, ValueError, TypeError):
+                continue  # half-written by a crashed writer or not ours: skip it
+            if now - member.updated_at > self.stale_after_s or not _alive(member.pid):
+                continue
+            found[member.inst_id] = member
+        return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

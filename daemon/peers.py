@@ -1,0 +1,246 @@
+"""The home side of DistAttention across daemons: remote attention and KV moves over a transport.
+
+Three id spaces meet here, each translated in one place:
+
+* instance ids: the cluster's (config ``instance_id``, on the wire) and the engine's (its own
+  pool is 0; :class:`PeerDirectory` gives each peer an engine id 1, 2, ... on first use);
+* request ids: the engine's strings are the decimal form of the wire's integers;
+* segment ids: a segment held by a peer is named by its first block, ``token_start // block_size``,
+  which never changes while the segment exists.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from infinite_llm.engine.block_manager import OutOfBlocks, Segment
+from infinite_llm.engine.dist_attention import AttendBatch, RemoteAttention
+from infinite_llm.engine.engine import LLMEngine
+from infinite_llm.kernels import AttentionState
+from infinite_llm.transport.block_runs import coalesce_runs
+from infinite_llm.transport.errors import TransportError
+from infinite_llm.transport.interface import PeerAddress, Transport
+from infinite_llm.transport.messages import (
+    AttendRequest,
+    AttendResult,
+    AttendSlice,
+    BlockRun,
+    FreeSegment,
+    KVBlocks,
+    KVBlocksStored,
+    MoveCommit,
+    MoveRejected,
+    MoveReserved,
+    TryMoveKV,
+)
+
+from .metrics import InstanceMetrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Peer:
+    inst_id: int  # cluster id
+    engine_id: int  # the id the engine's tables use for this peer's pool
+    address: PeerAddress
+    num_blocks_free: int  # last known, blocks
+    draining: bool = False
+
+
+class PeerDirectory:
+    """The peers this instance knows, with their addresses and last known free blocks."""
+
+    def __init__(self, own_inst_id: int) -> None:
+        self.own_inst_id = own_inst_id
+        self._by_inst: dict[int, Peer] = {}
+        self._by_engine: dict[int, Peer] = {}
+        self._next_engine_id = itertools.count(1)
+
+    def update(self, inst_id: int, address: PeerAddress, num_blocks_free: int, draining: bool) -> Peer:
+        if inst_id == self.own_inst_id:
+            raise ValueError("an instance is not its own peer")
+        peer = self._by_inst.get(inst_id)
+        if peer is None:
+            peer = Peer(inst_id, next(self._next_engine_id), address, num_blocks_free, draining)
+            self._by_inst[inst_id] = peer
+            self._by_engine[peer.engine_id] = peer
+        else:
+            peer.address, peer.num_blocks_free, peer.draining = address, num_blocks_free, draining
+        return peer
+
+    def by_inst(self, inst_id: int) -> Peer:
+        return self._by_inst[inst_id]
+
+    def by_engine(self, engine_id: int) -> Peer:
+        return self._by_engine[engine_id]
+
+    def cluster_id(self, engine_id: int) -> int:
+        """The cluster id of an engine instance id (0 is this instance)."""
+        return self.own_inst_id if engine_id == 0 else self._by_engine[engine_id].inst_id
+
+    def creditors(self) -> list[Peer]:
+        """Peers that may take blocks, most free first."""
+        return sorted((p for p in self._by_inst.values() if not p.draining and p.num_blocks_free > 0),
+                      key=lambda p: (-p.num_blocks_free, p.inst_id))
+
+    def num_free_blocks(self) -> int:
+        return sum(p.num_blocks_free for p in self._by_inst.values() if not p.draining)
+
+
+class TransportRemoteAttention(RemoteAttention):
+    """Sends one ``AttendRequest`` per creditor per layer and returns its partial state."""
+
+    def __init__(self, transport: Transport, peers: PeerDirectory, block_size: int, metrics: InstanceMetrics,
+                 timeout_s: float) -> None:
+        self.transport = transport
+        self.peers = peers
+        self.block_size = block_size
+        self.metrics = metrics
+        self.timeout_s = timeout_s
+        self._slices: dict[tuple[int, int], tuple[AttendSlice, ...]] = {}  # (step, engine id) -> slices
+
+    def _slices_of(self, batch: AttendBatch) -> tuple[AttendSlice, ...]:
+        key = (batch.step_id, batch.instance_id)
+        if key not in self._slices:
+            starts = batch.query_start_loc.tolist()
+            lens = batch.kv_lens.tolist()
+            self._slices[key] = tuple(
+                AttendSlice(int(request_id), starts[i], starts[i + 1] - starts[i], token_start // self.block_size, lens[i])
+                for i, (request_id, token_start) in enumerate(batch.entry_keys)
+            )
+        return self._slices[key]
+
+    async def attend(self, batch: AttendBatch, layer: int, q: torch.Tensor, sm_scale: float) -> AttentionState:
+        peer = self.peers.by_engine(batch.instance_id)
+        request = AttendRequest(self.peers.own_inst_id, peer.inst_id, batch.step_id, layer, self._slices_of(batch),
+                                q.contiguous())
+        started = time.perf_counter()
+        reply = await self.transport.request(peer.address, request, timeout_s=self.timeout_s)
+        self.metrics.remote_attention_seconds.observe(time.perf_counter() - started)
+        if not isinstance(reply, AttendResult):
+            raise RuntimeError(f"instance {peer.inst_id} answered an attend request with {type(reply).__name__}")
+        out = torch.as_tensor(reply.out).to(device=q.device, dtype=torch.float32)
+        lse = torch.as_tensor(reply.lse).to(device=q.device, dtype=torch.float32)
+        return AttentionState(out, lse)
+
+    def end_step(self, step_id: int) -> None:
+        for key in [k for k in self._slices if k[0] == step_id]:
+            del self._slices[key]
+
+
+class TransportLender:
+    """Moves running requests' oldest blocks to peers, in two phases (reserve, send, commit)."""
+
+    def __init__(self, transport: Transport, peers: PeerDirectory, metrics: InstanceMetrics,
+                 timeout_s: float) -> None:
+        self.transport = transport
+        self.peers = peers
+        self.metrics = metrics
+        self.timeout_s = timeout_s
+        self.engine: LLMEngine | None = None
+        self._move_ids = itertools.count(1)
+        self._background: set[asyncio.Task] = set()
+
+    # ---- KVLender -------------------------------------------------------------------------
+    def num_free_blocks_elsewhere(self) -> int:
+        return self.peers.num_free_blocks()
+
+    async def spill(self, engine: LLMEngine, num_blocks: int) -> None:
+        bm = engine.block_manager
+        written = engine.num_written_tokens()
+        lendable = sorted(((bm.num_lendable_blocks(r, n), r) for r, n in written.items()), key=lambda x: (-x[0], x[1]))
+        for count, request_id in lendable:
+            if num_blocks <= 0:
+                break
+            for peer in self.peers.creditors():
+                take = min(count, num_blocks, peer.num_blocks_free)
+                if take > 0 and await self.move(engine, request_id, take, peer):
+                    num_blocks -= take
+                    break
+
+    def release(self, request_id: str, segment: Segment) -> None:
+        peer = self.peers.by_engine(segment.instance_id)
+        message = FreeSegment(self.peers.own_inst_id, int(request_id), segment.token_start // self._block_size())
+        task = asyncio.get_running_loop().create_task(self._send_free(peer, message))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # ---- moves ---------------------------------------------------------------------------
+    def _block_size(self) -> int:
+        assert self.engine is not None
+        return self.engine.config.block_size
+
+    async def move(self, engine: LLMEngine, request_id: str, num_blocks: int, peer: Peer) -> bool:
+        """Move the request's oldest ``num_blocks`` home blocks to ``peer``; True once committed.
+
+        The home's table switches only after the peer acknowledged the commit, with no await in
+        between, so the engine never attends over a segment the peer does not hold.
+        """
+        bm = engine.block_manager
+        pool = engine.pools[engine.home_instance_id]
+        block_nbytes = pool[0].numel() * pool.element_size()
+        move_id = next(self._move_ids)
+        own = self.peers.own_inst_id
+        try:
+            reply = await self.transport.request(peer.address, TryMoveKV(
+                epoch=0, move_id=move_id, req_id=int(request_id), home_inst_id=own, src_inst_id=own,
+                num_blocks=num_blocks, block_nbytes=block_nbytes), timeout_s=self.timeout_s)
+        except TransportError as exc:
+            log.warning("move of request %s to instance %d: %s", request_id, peer.inst_id, exc)
+            self.metrics.moves.labels(result="failed").inc()
+            return False
+        if isinstance(reply, MoveRejected):
+            peer.num_blocks_free = reply.num_blocks_free
+            self.metrics.moves.labels(result="rejected").inc()
+            return False
+        if not isinstance(reply, MoveReserved) or len(reply.dst_block_ids) != num_blocks:
+            raise RuntimeError(f"instance {peer.inst_id} answered a try-move with {reply!r}")
+        written = engine.num_written_tokens().get(request_id, 0)
+        try:
+            move = bm.lend_to_remote(request_id, peer.engine_id, reply.dst_block_ids, written)
+        except (OutOfBlocks, ValueError, KeyError) as exc:
+            # The request finished or shrank while the reservation was made: it expires there.
+            log.info("move of request %s abandoned: %s", request_id, exc)
+            self.metrics.moves.labels(result="failed").inc()
+            return False
+        segment_id = move.token_start // engine.config.block_size
+        try:
+            runs = coalesce_runs(move.src_block_ids, move.dst_block_ids)
+            # A run is consecutive on both sides: its buffer is a view of the home pool, no copy.
+            data = tuple(pool[r.src_block_id:r.src_block_id + r.num_blocks] for r in runs)
+            stored = await self.transport.request(peer.address, KVBlocks(
+                move_id, reply.reservation_id, tuple(BlockRun(r.dst_block_id, r.num_blocks) for r in runs), data),
+                timeout_s=self.timeout_s)
+            if not isinstance(stored, KVBlocksStored) or stored.num_blocks != num_blocks:
+                raise RuntimeError(f"instance {peer.inst_id} stored {stored!r}")
+            await self.transport.request(peer.address, MoveCommit(
+                move_id, reply.reservation_id, int(request_id), own, segment_id), timeout_s=self.timeout_s)
+        except (TransportError, RuntimeError) as exc:
+            bm.abort_move(move)
+            log.warning("move of request %s to instance %d failed: %s", request_id, peer.inst_id, exc)
+            self.metrics.moves.labels(result="failed").inc()
+            # The commit may have landed before its reply was lost: free it there to be sure.
+            self.release(request_id, Segment(peer.engine_id, move.dst_block_ids, move.token_start, move.num_tokens))
+            return False
+        bm.commit_move(move)
+        peer.num_blocks_free = max(0, peer.num_blocks_free - num_blocks)
+        self.metrics.moves.labels(result="committed").inc()
+        return True
+
+    async def _send_free(self, peer: Peer, message: FreeSegment) -> None:
+        try:
+            await self.transport.send(peer.address, message, timeout_s=self.timeout_s)
+        except TransportError as exc:
+            # The peer frees segments of a silent home after its own timeout.
+            log.warning("freeing request %d's segment on instance %d: %s", message.req_id, peer.inst_id, exc)
+
+    async def close(self) -> None:
+        if self._background:
+            await asyncio.wait(self._background, timeout=self.timeout_s)
