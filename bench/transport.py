@@ -1,0 +1,402 @@
+"""Transport benchmark: bandwidth and round trips of the UCX transport, against anchors.
+
+Two processes (this one and a server it starts). Measured side by side in one run:
+
+- bandwidth of one-buffer ``KVBlocks`` messages of 64 KiB .. 64 MiB, received straight into a
+  pool on the server, several in flight; anchor: a plain copy of the same bytes in this
+  process (host memcpy, or device-to-device on the GPU), bytes counted once;
+- a batch of N KV blocks sent as N runs (scattered destinations) against one contiguous run
+  of the same bytes;
+- round trip of a 1 KiB ``Echo`` (p50, p99).
+
+Bare ucxx anchors run in a second pair of processes (ucxx in ``polling`` mode, its lowest
+latency; one UCX context per process, so they cannot share the transport's): a 1 KiB
+send/recv ping-pong, and the bandwidth of the same message sizes sent ``--window`` at a time
+into one preallocated buffer.
+
+    python bench/transport.py                  # host memory, UCX_TLS=tcp,sm,self unless set
+    python bench/transport.py --device cuda    # CUDA memory; UCX picks CUDA IPC on one GPU
+
+Writes bench/results/transport-<cpu|gpu name>.json and prints a short table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import select
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+if "cuda" not in sys.argv:  # on a GPU machine UCX picks its transports (CUDA IPC, NVLink)
+    os.environ.setdefault("UCX_TLS", "tcp,sm,self")
+os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import ucxx  # noqa: E402
+
+from infinite_llm.transport import messages as m  # noqa: E402
+from infinite_llm.transport.interface import PeerAddress, TransportConfig  # noqa: E402
+from infinite_llm.transport.ucx import UcxTransport  # noqa: E402
+
+KiB, MiB = 1 << 10, 1 << 20
+MESSAGE_SIZES = [64 * KiB, 1 * MiB, 4 * MiB, 64 * MiB]
+POOL_BYTES = 256 * MiB
+PING_BYTES = 1 * KiB
+
+
+# --- server ---------------------------------------------------------------------------------
+
+
+async def serve(device: str) -> None:
+    pool = torch.empty(POOL_BYTES, dtype=torch.uint8, device=device)
+
+    def place(message: m.Message):
+        if not isinstance(message, m.KVBlocks):
+            return None
+        # runs_data[i] is [num_blocks, block_nbytes] uint8; blocks sit at block_id * nbytes.
+        views = []
+        for run, spec in zip(message.runs, message.runs_data):
+            block_nbytes = spec.shape[1]
+            start = run.dst_block_id * block_nbytes
+            views.append(pool[start:start + run.num_blocks * block_nbytes].view(spec.shape))
+        return views
+
+    async def handle(message: m.Message) -> m.Message | None:
+        if isinstance(message, m.Echo):
+            return m.EchoReply(message.payload)
+        if isinstance(message, m.KVBlocks):
+            return m.KVBlocksStored(message.move_id, message.reservation_id,
+                                    sum(r.num_blocks for r in message.runs))
+        return None
+
+    transport = UcxTransport(TransportConfig(receive_device=device))
+    await transport.start(handle, place)
+    print(f"PORT {transport.address.port}", flush=True)
+    await asyncio.sleep(3600)
+
+
+# --- bare ucxx anchors (their own pair of processes) ----------------------------------------
+
+# A bare client first sends a control array [mode, nbytes, count]: PING echoes count
+# messages of nbytes; STREAM receives count messages of nbytes and then answers one byte.
+PING, STREAM = 0, 1
+
+
+def buffer_of(nbytes: int, device: str, random: bool = False):
+    """A bare-loop buffer: a CUDA tensor (ucxx reads __cuda_array_interface__) or, on the host,
+    a numpy array (a CPU tensor exposes no buffer interface to ucxx)."""
+    if random:
+        tensor = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
+    else:
+        tensor = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return tensor if device.startswith("cuda") else tensor.numpy()
+
+
+def init_bare_ucx(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.empty(1, device=device)  # the CUDA context exists before UCX starts
+    ucxx.init(progress_mode="polling")
+
+
+async def serve_bare(device: str) -> None:
+    init_bare_ucx(device)
+
+    async def serve_endpoint(endpoint) -> None:
+        control = np.empty(3, dtype=np.int64)
+        done = np.ones(1, dtype=np.uint8)
+        try:
+            while True:
+                await endpoint.recv(control)
+                mode, nbytes, count = (int(x) for x in control)
+                buffer = buffer_of(nbytes, device)
+                if mode == PING:
+                    for _ in range(count):
+                        await endpoint.recv(buffer)
+                        await endpoint.send(buffer)
+                else:
+                    for _ in range(count):
+                        await endpoint.recv(buffer)
+                    if device.startswith("cuda"):
+                        torch.cuda.synchronize()
+                    await endpoint.send(done)
+        except Exception:  # noqa: BLE001  (the client closing ends the loop)
+            return
+
+    listener = ucxx.create_listener(serve_endpoint)
+    print(f"PORT {listener.port}", flush=True)
+    await asyncio.sleep(3600)
+
+
+async def run_bare_client(args, port: int) -> dict:
+    device = args.device
+    init_bare_ucx(device)
+    endpoint = await ucxx.create_endpoint("127.0.0.1", port)
+    done = np.empty(1, dtype=np.uint8)
+
+    async def ping(count: int) -> list[float]:
+        out = buffer_of(PING_BYTES, device, random=True)
+        back = buffer_of(PING_BYTES, device)
+        await endpoint.send(np.array([PING, PING_BYTES, count], dtype=np.int64))
+        samples = []
+        for _ in range(count):
+            t0 = time.perf_counter()
+            await endpoint.send(out)
+            await endpoint.recv(back)
+            samples.append(time.perf_counter() - t0)
+        return samples
+
+    async def stream(nbytes: int, count: int) -> float:
+        sources = [buffer_of(nbytes, device, random=True) for _ in range(min(4, args.window))]
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        await endpoint.send(np.array([STREAM, nbytes, count], dtype=np.int64))
+        t0 = time.perf_counter()
+        for first in range(0, count, args.window):
+            batch = range(first, min(count, first + args.window))
+            await asyncio.gather(*(endpoint.send(sources[i % len(sources)]) for i in batch))
+        await endpoint.recv(done)
+        return nbytes * count / (time.perf_counter() - t0)
+
+    warm = args.round_trips // 10
+    round_trips = (await ping(args.round_trips + warm))[warm:]
+    bandwidth = {}
+    for nbytes in MESSAGE_SIZES:
+        await stream(nbytes, min(8, messages_for(nbytes)))  # warm-up
+        bandwidth[nbytes] = await stream(nbytes, messages_for(nbytes))
+    endpoint.abort()
+    return {"round_trip": percentiles(round_trips), "bandwidth": bandwidth}
+
+
+def measure_bare(args) -> dict:
+    """The bare anchors, from a server and a client process of their own."""
+    server, port = start_process(["--role", "bare-server", "--device", args.device])
+    try:
+        client = subprocess.run(
+            [sys.executable, __file__, "--role", "bare-client", "--device", args.device,
+             "--port", str(port), "--window", str(args.window),
+             "--round-trips", str(args.round_trips)],
+            stdout=subprocess.PIPE, text=True, check=True, timeout=600)
+    finally:
+        server.kill()
+        server.wait(timeout=10)
+    result = json.loads(client.stdout.strip().splitlines()[-1])
+    result["bandwidth"] = {int(k): v for k, v in result["bandwidth"].items()}
+    return result
+
+
+# --- client ---------------------------------------------------------------------------------
+
+
+def copy_bandwidth(nbytes: int, device: str, repeats: int) -> float:
+    """Bytes per second of a plain copy of ``nbytes`` (bytes counted once)."""
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(repeats + 2):  # the first two warm up
+        if device.startswith("cuda"):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times[2:])
+
+
+async def send_blocks(transport: UcxTransport, server: PeerAddress, runs_list, data_list,
+                      num_messages: int, window: int) -> float:
+    """Seconds to send ``num_messages`` KVBlocks (cycling over the given ones), ``window`` at
+    a time in flight."""
+    next_index = 0
+
+    async def worker() -> None:
+        nonlocal next_index
+        while next_index < num_messages:
+            i = next_index
+            next_index += 1
+            k = i % len(runs_list)
+            await transport.request(server, m.KVBlocks(i, 1, runs_list[k], data_list[k]),
+                                    timeout_s=60)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(window)))
+    return time.perf_counter() - t0
+
+
+def one_run(nbytes: int, device: str, dst_block: int = 0):
+    data = torch.randint(0, 255, (1, nbytes), dtype=torch.uint8, device=device)
+    return (m.BlockRun(dst_block, 1),), (data,)
+
+
+def messages_for(nbytes: int) -> int:
+    return max(8, min(400, (512 * MiB) // nbytes))
+
+
+async def measure_bandwidth(transport, server, device, nbytes: int, window: int) -> dict:
+    num_messages = messages_for(nbytes)
+    # Rotate over a few source buffers and destinations, so caches do not flatter the figure.
+    slots = max(1, min(4, POOL_BYTES // nbytes // 2))
+    runs, datas = zip(*(one_run(nbytes, device, dst_block=i) for i in range(slots)))
+    await send_blocks(transport, server, runs, datas, min(num_messages, 8), window)  # warm-up
+    seconds = await send_blocks(transport, server, runs, datas, num_messages, window)
+    return {"bytes": nbytes, "messages": num_messages, "window": window,
+            "bytes_per_s": nbytes * num_messages / seconds}
+
+
+async def measure_block_batch(transport, server, device, num_blocks: int, block_nbytes: int,
+                              window: int) -> dict:
+    """N blocks as N runs into every other destination block, against one contiguous run."""
+    blocks = torch.randint(0, 255, (num_blocks, block_nbytes), dtype=torch.uint8, device=device)
+    scattered_runs = tuple(m.BlockRun(2 * i, 1) for i in range(num_blocks))
+    scattered_data = tuple(blocks[i:i + 1] for i in range(num_blocks))
+    contiguous_runs, contiguous_data = (m.BlockRun(0, num_blocks),), (blocks,)
+    num_messages = max(8, min(200, (512 * MiB) // (num_blocks * block_nbytes)))
+    results = {}
+    for name, runs, data in (("contiguous", contiguous_runs, contiguous_data),
+                             ("scattered", scattered_runs, scattered_data)):
+        await send_blocks(transport, server, [runs], [data], 4, window)
+        seconds = await send_blocks(transport, server, [runs], [data], num_messages, window)
+        results[name] = num_blocks * block_nbytes * num_messages / seconds
+    return {"num_blocks": num_blocks, "block_nbytes": block_nbytes, "messages": num_messages,
+            "window": window, "contiguous_bytes_per_s": results["contiguous"],
+            "scattered_bytes_per_s": results["scattered"],
+            "ratio": results["scattered"] / results["contiguous"]}
+
+
+def percentiles(samples: list[float]) -> dict:
+    return {"p50_us": float(np.percentile(samples, 50) * 1e6),
+            "p99_us": float(np.percentile(samples, 99) * 1e6)}
+
+
+async def measure_round_trips(transport, server, device: str, count: int) -> dict:
+    payload = torch.randint(0, 255, (PING_BYTES,), dtype=torch.uint8, device=device)
+    layer: list[float] = []
+    for i in range(count + count // 10):
+        t0 = time.perf_counter()
+        await transport.request(server, m.Echo(payload), timeout_s=10)
+        if i >= count // 10:
+            layer.append(time.perf_counter() - t0)
+    return {"message_bytes": PING_BYTES, "count": count, "layer": percentiles(layer)}
+
+
+def start_process(role_args: list[str]) -> tuple[subprocess.Popen, int]:
+    """Start this script in another role; it prints "PORT <n>" once it listens."""
+    process = subprocess.Popen([sys.executable, __file__, *role_args],
+                               stdout=subprocess.PIPE, text=True)
+    ready, _, _ = select.select([process.stdout], [], [], 60)
+    if not ready:
+        process.kill()
+        raise RuntimeError(f"benchmark process {role_args} did not start")
+    return process, int(process.stdout.readline().split()[1])
+
+
+async def run_client(args) -> dict:
+    device = args.device
+    # The copy anchors run before any server starts, so that no polling slows them.
+    copy_rates = {nbytes: copy_bandwidth(nbytes, device, repeats=20) for nbytes in MESSAGE_SIZES}
+    bare = measure_bare(args)
+    server_process, layer_port = start_process(["--role", "server", "--device", device])
+    try:
+        transport = UcxTransport(TransportConfig(receive_device=device, request_timeout_s=60,
+                                                 frame_timeout_s=60))
+        await transport.start(lambda message: asyncio.sleep(0))
+        server = PeerAddress("127.0.0.1", layer_port)
+        bandwidth = []
+        for nbytes in MESSAGE_SIZES:
+            row = await measure_bandwidth(transport, server, device, nbytes, args.window)
+            row["copy_bytes_per_s"] = copy_rates[nbytes]
+            row["bare_ucxx_bytes_per_s"] = bare["bandwidth"][nbytes]
+            row["ratio"] = row["bytes_per_s"] / row["copy_bytes_per_s"]
+            row["bare_ratio"] = row["bare_ucxx_bytes_per_s"] / row["copy_bytes_per_s"]
+            row["ratio_to_bare"] = row["bytes_per_s"] / row["bare_ucxx_bytes_per_s"]
+            bandwidth.append(row)
+        batch = await measure_block_batch(transport, server, device, args.num_blocks,
+                                          args.block_nbytes, args.window)
+        round_trips = await measure_round_trips(transport, server, device, args.round_trips)
+        await transport.close()
+    finally:
+        server_process.kill()
+        server_process.wait(timeout=10)
+    round_trips["bare_ucxx"] = bare["round_trip"]
+    round_trips["overhead_p50"] = (round_trips["layer"]["p50_us"]
+                                   / round_trips["bare_ucxx"]["p50_us"])
+    return {"bandwidth": bandwidth, "block_batch": batch, "round_trip": round_trips}
+
+
+def machine_name(device: str) -> str:
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name().lower().replace("nvidia ", "").replace(" ", "-")
+    return "cpu"
+
+
+def print_table(results: dict) -> None:
+    print(f"\n{'message':>10} {'transport GB/s':>15} {'bare GB/s':>10} {'copy GB/s':>10} "
+          f"{'/copy':>6} {'bare/copy':>9} {'/bare':>6}")
+    for row in results["bandwidth"]:
+        print(f"{row['bytes'] // KiB:>7} KiB {row['bytes_per_s'] / 1e9:>15.2f} "
+              f"{row['bare_ucxx_bytes_per_s'] / 1e9:>10.2f} "
+              f"{row['copy_bytes_per_s'] / 1e9:>10.2f} {row['ratio']:>6.2f} "
+              f"{row['bare_ratio']:>9.2f} {row['ratio_to_bare']:>6.2f}")
+    b = results["block_batch"]
+    print(f"{b['num_blocks']} blocks x {b['block_nbytes'] // KiB} KiB: scattered "
+          f"{b['scattered_bytes_per_s'] / 1e9:.2f} GB/s, contiguous "
+          f"{b['contiguous_bytes_per_s'] / 1e9:.2f} GB/s, ratio {b['ratio']:.2f}")
+    r = results["round_trip"]
+    print(f"1 KiB round trip: layer p50 {r['layer']['p50_us']:.1f} us p99 "
+          f"{r['layer']['p99_us']:.1f} us; bare ucxx p50 {r['bare_ucxx']['p50_us']:.1f} us "
+          f"p99 {r['bare_ucxx']['p99_us']:.1f} us; overhead {r['overhead_p50']:.2f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--role", default="client",
+                        choices=["client", "server", "bare-server", "bare-client"])
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--port", type=int, default=0, help="(bare-client) the bare server's")
+    parser.add_argument("--window", type=int, default=4, help="messages in flight")
+    parser.add_argument("--num-blocks", type=int, default=64)
+    parser.add_argument("--block-nbytes", type=int, default=64 * KiB)
+    parser.add_argument("--round-trips", type=int, default=2000)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(1)  # one core per process: two processes share the host
+    if args.role == "server":
+        asyncio.run(serve(args.device))
+        return
+    if args.role == "bare-server":
+        asyncio.run(serve_bare(args.device))
+        return
+    if args.role == "bare-client":
+        print(json.dumps(asyncio.run(run_bare_client(args, args.port))), flush=True)
+        return
+    results = asyncio.run(run_client(args))
+    name = machine_name(args.device)
+    report = {
+        "machine": name, "device": args.device, "platform": platform.platform(),
+        "python": platform.python_version(), "torch": torch.__version__,
+        "ucxx": ucxx.__version__, "ucx": ".".join(map(str, ucxx.get_ucx_version())),
+        "UCX_TLS": os.environ.get("UCX_TLS", "(UCX default)"),
+        "layer_spin_s": TransportConfig().spin_s, "bare_progress_mode": "polling",
+        "window": args.window, **results,
+    }
+    out = args.out or Path(__file__).parent / "results" / f"transport-{name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out}")
+    print_table(results)
+
+
+if __name__ == "__main__":
+    main()

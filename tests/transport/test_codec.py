@@ -1,0 +1,217 @@
+"""Every message type round-trips through the codec; every malformed header is refused."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import orjson
+import pytest
+import torch
+
+from infinite_llm.transport import codec
+from infinite_llm.transport import messages as m
+from infinite_llm.transport.errors import ProtocolError
+from infinite_llm.transport.tensors import TensorSpec, allocate, copy_bytes
+
+LIMITS = codec.FrameLimits()
+
+
+def roundtrip(message: m.Message, inline_limit_bytes: int = 8192) -> m.Message:
+    frame = codec.encode(message, msg_id=3, inline_limit_bytes=inline_limit_bytes)
+    header = codec.decode_header(frame.header, LIMITS)
+    destinations = [allocate(spec, "cpu") for spec in header.specs]
+    codec.fill_inline(header, destinations)
+    for dest, src in zip(codec.wire_destinations(header, destinations), frame.buffers,
+                         strict=True):
+        copy_bytes(dest, src)
+    return codec.assemble(header, destinations)
+
+
+def q_rows(num_rows: int) -> torch.Tensor:
+    return torch.randn(num_rows, 4, 8).to(torch.bfloat16)  # [num_rows, num_heads, head_dim]
+
+
+def sample_messages() -> list[m.Message]:
+    out = torch.randn(3, 4, 8).to(torch.bfloat16)
+    return [
+        m.Heartbeat(
+            inst_id=2, seq=9, pool=m.PoolFigures(100, 40, 10, 5), batch_size=7,
+            placement_base_version=3, placement_version=4,
+            placement_upserts=(m.RequestPlacementEntry(11, 2, 6, True),
+                               m.RequestPlacementEntry(11, 5, 3, False)),
+            placement_removals=(m.PlacementKey(12, 5),)),
+        m.HeartbeatReply(epoch=17, acked_placement_version=4, needs_full_placement=False,
+                         creditors=(m.CreditorHint(5, 60),)),
+        m.AttendRequest(home_inst_id=2, creditor_inst_id=5, step_id=100, layer=3,
+                        slices=(m.AttendSlice(11, 0, 1, 1, 48), m.AttendSlice(13, 1, 2, 0, 16)),
+                        q=q_rows(3)),
+        m.AttendResult(home_inst_id=2, creditor_inst_id=5, step_id=100, layer=3, out=out,
+                       lse=torch.randn(3, 4)),
+        m.TryMoveKV(epoch=17, move_id=1, req_id=11, home_inst_id=2, src_inst_id=2,
+                    num_blocks=4, block_nbytes=4096),
+        m.MoveReserved(move_id=1, reservation_id=8, dst_block_ids=(5, 6, 9, 10),
+                       expires_in_ms=2000),
+        m.MoveRejected(move_id=1, reason=m.MoveRejectReason.NO_SPACE, num_blocks_free=2),
+        m.KVBlocks(move_id=1, reservation_id=8, runs=(m.BlockRun(5, 2), m.BlockRun(9, 2)),
+                   runs_data=(torch.randn(2, 2, 2, 16, 2, 8), torch.randn(2, 2, 2, 16, 2, 8))),
+        m.KVBlocksStored(move_id=1, reservation_id=8, num_blocks=4),
+        m.MoveCommit(move_id=1, reservation_id=8, req_id=11, home_inst_id=2, segment_id=1),
+        m.FreeSegment(home_inst_id=2, req_id=11, segment_id=0),
+        m.MoveKV(epoch=17, move_id=1, home_inst_id=2, req_id=11, src_inst_id=2, dst_inst_id=5,
+                 num_blocks=4),
+        m.Drain(epoch=17, drain_id=1, inst_id=5),
+        m.Echo(payload=np.arange(10, dtype=np.int64)),
+        m.EchoReply(payload=torch.arange(4, dtype=torch.int32)),
+        m.Ack(),
+        m.ErrorReply(code=m.ErrorCode.STALE_EPOCH, detail="epoch 16 < 17"),
+    ]
+
+
+def assert_same(a: object, b: object) -> None:
+    if isinstance(a, (torch.Tensor, np.ndarray)):
+        assert torch.equal(torch.as_tensor(np.asarray(a)) if isinstance(a, np.ndarray) else a,
+                           b if isinstance(b, torch.Tensor) else torch.as_tensor(b))
+    elif isinstance(a, tuple) and a and isinstance(a[0], (torch.Tensor, np.ndarray)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same(x, y)
+    else:
+        assert a == b
+
+
+def test_every_message_type_is_sampled():
+    assert {type(x) for x in sample_messages()} == set(m.MESSAGE_TYPES.values())
+
+
+@pytest.mark.parametrize("message", sample_messages(), ids=lambda x: x.TYPE)
+@pytest.mark.parametrize("inline_limit_bytes", [0, 8192])
+def test_roundtrip(message: m.Message, inline_limit_bytes: int):
+    decoded = roundtrip(message, inline_limit_bytes)
+    assert type(decoded) is type(message)
+    for name in message.__dataclass_fields__:
+        assert_same(getattr(message, name), getattr(decoded, name))
+
+
+def test_small_host_buffers_go_inline_and_large_ones_separately():
+    small = codec.encode(m.Echo(np.zeros(100, np.uint8)), msg_id=1)
+    large = codec.encode(m.Echo(np.zeros(100_000, np.uint8)), msg_id=1)
+    assert small.buffers == () and len(small.header) > 100
+    assert len(large.buffers) == 1 and large.buffers[0].nbytes == 100_000
+
+
+def test_header_message_holds_specs_before_buffers_arrive():
+    frame = codec.encode(sample_messages()[7], msg_id=5)  # KVBlocks
+    header = codec.decode_header(frame.header, LIMITS)
+    assert header.msg_id == 5 and header.reply_to is None and header.wants_reply
+    assert header.message.runs == (m.BlockRun(5, 2), m.BlockRun(9, 2))
+    assert header.message.runs_data == (TensorSpec("float32", (2, 2, 2, 16, 2, 8)),) * 2
+
+
+def test_non_contiguous_tensor_is_refused_on_send():
+    with pytest.raises(ValueError):
+        codec.encode(m.Echo(torch.randn(4, 4).t()), msg_id=1)
+
+
+@pytest.mark.parametrize("bad", [
+    lambda: m.AttendRequest(1, 2, 0, 0, (m.AttendSlice(1, 0, 1, 0, 4),), q_rows(2)),
+    lambda: m.AttendRequest(1, 2, 0, 0, (m.AttendSlice(1, 1, 1, 0, 4),), q_rows(1)),
+    lambda: m.AttendResult(1, 2, 0, 0, torch.zeros(2, 4, 8), torch.zeros(2, 4, dtype=torch.float16)),
+    lambda: m.AttendResult(1, 2, 0, 0, torch.zeros(2, 4, 8), torch.zeros(3, 4)),
+    lambda: m.KVBlocks(1, 1, (m.BlockRun(0, 2),), (torch.zeros(3, 4),)),
+    lambda: m.MoveKV(1, 1, 1, 1, 2, 2, 1),
+    lambda: m.Heartbeat(1, 1, m.PoolFigures(1, 1, 0, 0), 0, 0, 1, (), (m.PlacementKey(1, 1),)),
+], ids=["rows_short", "rows_gap", "lse_dtype", "lse_shape", "run_size", "move_to_self",
+        "full_with_removals"])
+def test_messages_check_their_own_fields(bad):
+    with pytest.raises(ValueError):
+        bad()
+
+
+# --- refusals, one per error code ---
+
+
+def frame_with(body: dict, inline: bytes = b"", version: int = m.PROTOCOL_VERSION,
+               magic: bytes = codec.MAGIC) -> bytes:
+    raw = orjson.dumps(body)
+    return codec.PREAMBLE.pack(magic, version, 1, len(raw), len(inline)) + raw + inline
+
+
+def echo_body(**overrides) -> dict:
+    body = {"t": "echo", "v": 1, "id": 1, "re": None, "f": {},
+            "x": {"payload": ["uint8", [4]]}, "b": [[4, 1]]}
+    body.update(overrides)
+    return body
+
+
+def refusal_code(data: bytes, limits: codec.FrameLimits = LIMITS) -> m.ErrorCode:
+    with pytest.raises(ProtocolError) as info:
+        codec.decode_header(data, limits)
+    return info.value.code
+
+
+def test_a_valid_hand_made_frame_decodes():
+    header = codec.decode_header(frame_with(echo_body(), b"abcd"), LIMITS)
+    assert header.message == m.Echo(TensorSpec("uint8", (4,))) and header.inline == (True,)
+
+
+@pytest.mark.parametrize("data, code", [
+    (b"ILL", m.ErrorCode.TRUNCATED_FRAME),
+    (frame_with(echo_body(), b"abcd")[:-1], m.ErrorCode.TRUNCATED_FRAME),
+    (frame_with(echo_body(), b"abcd") + b"x", m.ErrorCode.LENGTH_MISMATCH),
+    (frame_with(echo_body(), b"abcd", magic=b"XLLM"), m.ErrorCode.BAD_MAGIC),
+    (frame_with(echo_body(), b"abcd", version=2), m.ErrorCode.UNSUPPORTED_VERSION),
+    (frame_with(echo_body(v=2), b"abcd"), m.ErrorCode.UNSUPPORTED_VERSION),
+    (frame_with(echo_body(t="nope"), b"abcd"), m.ErrorCode.UNKNOWN_TYPE),
+    (frame_with(echo_body(t=5), b"abcd"), m.ErrorCode.UNKNOWN_TYPE),
+    (codec.PREAMBLE.pack(codec.MAGIC, 1, 0, 5, 0) + b"{not}", m.ErrorCode.INVALID_JSON),
+    (frame_with([1, 2]), m.ErrorCode.INVALID_FIELDS),
+    (frame_with(echo_body(id="1"), b"abcd"), m.ErrorCode.INVALID_FIELDS),
+    (frame_with(echo_body(id=True), b"abcd"), m.ErrorCode.INVALID_FIELDS),
+    (frame_with(echo_body(f={"x": 1}), b"abcd"), m.ErrorCode.INVALID_FIELDS),
+    (frame_with(echo_body(x={"payload": ["complex", [4]]}), b"abcd"), m.ErrorCode.INVALID_FIELDS),
+    (frame_with(echo_body(x={"payload": ["uint8", [-4]]}), b"abcd"), m.ErrorCode.INVALID_FIELDS),
+    (frame_with(echo_body(b=[[5, 1]]), b"abcde"), m.ErrorCode.LENGTH_MISMATCH),
+    (frame_with(echo_body(b=[[4, 1], [4, 1]]), b"abcdabcd"), m.ErrorCode.LENGTH_MISMATCH),
+    (frame_with(echo_body(b=[[4, 1]]), b"abcdef"), m.ErrorCode.LENGTH_MISMATCH),
+    (frame_with(echo_body(b=[[4, 2]]), b"abcd"), m.ErrorCode.INVALID_FIELDS),
+    (frame_with(echo_body(x={"payload": ["uint8", [1 << 40]]}, b=[[1 << 40, 0]])),
+     m.ErrorCode.BUFFER_TOO_LARGE),
+    (frame_with({"t": "kv_blocks", "v": 1, "id": 1, "re": None,
+                 "f": {"move_id": 1, "reservation_id": 1, "runs": [[0, 1]] * 5000},
+                 "x": {"runs_data": [["uint8", [1]]] * 5000}, "b": [[1, 0]] * 5000}),
+     m.ErrorCode.TOO_MANY_BUFFERS),
+    (frame_with({"t": "move_rejected", "v": 1, "id": 1, "re": None,
+                 "f": {"move_id": 1, "reason": "bored", "num_blocks_free": 0}, "x": {}, "b": []}),
+     m.ErrorCode.INVALID_FIELDS),
+    (frame_with({"t": "move_kv", "v": 1, "id": 1, "re": None,
+                 "f": {"epoch": 1, "move_id": 1, "home_inst_id": 1, "req_id": 1,
+                       "src_inst_id": 2, "dst_inst_id": 2, "num_blocks": 1},
+                 "x": {}, "b": []}), m.ErrorCode.INVALID_FIELDS),
+])
+def test_malformed_headers_are_refused(data: bytes, code: m.ErrorCode):
+    assert refusal_code(data) == code
+
+
+def test_oversized_frame_is_refused():
+    small_limits = codec.FrameLimits(max_header_bytes=64)
+    assert refusal_code(frame_with(echo_body(), b"abcd"), small_limits) == m.ErrorCode.OVERSIZED_FRAME
+
+
+def test_buffer_over_the_configured_cap_is_refused():
+    capped = codec.FrameLimits(max_buffer_bytes=3)
+    assert refusal_code(frame_with(echo_body(), b"abcd"), capped) == m.ErrorCode.BUFFER_TOO_LARGE
+
+
+def test_total_over_the_configured_cap_is_refused():
+    capped = codec.FrameLimits(max_total_buffer_bytes=7)
+    body = {"t": "attend_result", "v": 1, "id": 1, "re": None,
+            "f": {"home_inst_id": 1, "creditor_inst_id": 2, "step_id": 0, "layer": 0},
+            "x": {"out": ["float32", [1, 1, 1]], "lse": ["float32", [1, 1]]},
+            "b": [[4, 0], [4, 0]]}
+    assert refusal_code(frame_with(body), capped) == m.ErrorCode.BUFFER_TOO_LARGE
+
+
+def test_preamble_layout_is_fixed():
+    assert codec.PREAMBLE.size == 16
+    assert struct.calcsize("<4sHHII") == 16

@@ -1,0 +1,293 @@
+"""The UCX transport on loopback (UCX_TLS=tcp,sm,self) against real peer processes.
+
+Peers are separate processes, killed for real with SIGKILL. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import select
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from infinite_llm.transport import codec
+from infinite_llm.transport import messages as m
+from infinite_llm.transport.errors import PeerUnreachable, RemoteError, TransportError
+from infinite_llm.transport.interface import PeerAddress, TransportConfig
+
+from conftest import run_bounded
+from test_codec_fuzz import STRATEGIES
+
+ucxx = pytest.importorskip("ucxx")
+from infinite_llm.transport.ucx import UcxTransport  # noqa: E402  (after the skip)
+
+STARTUP_TIMEOUT_S = 30.0
+
+
+class Peer:
+    """A peer process running ucx_peer.py."""
+
+    def __init__(self, command: list[str], *args: str) -> None:
+        self.process = subprocess.Popen([*command, *args], stdout=subprocess.PIPE,
+                                        stderr=subprocess.DEVNULL, text=True)
+        self.first_line = self._read_ready_line(STARTUP_TIMEOUT_S)
+
+    def _read_ready_line(self, timeout_s: float) -> str:
+        """The peer's "PORT n" or "FLOODING" line; UCX may log to stdout before it."""
+        deadline = time.monotonic() + timeout_s
+        seen: list[str] = []
+        while (remaining := deadline - time.monotonic()) > 0:
+            ready, _, _ = select.select([self.process.stdout], [], [], remaining)
+            if not ready:
+                break
+            line = self.process.stdout.readline()
+            if not line:  # the peer exited
+                break
+            if line.startswith(("PORT ", "FLOODING")):
+                return line.strip()
+            seen.append(line.strip())
+        self.kill()
+        raise RuntimeError(f"peer process did not start: {seen[-5:]}")
+
+    @property
+    def address(self) -> PeerAddress:
+        return PeerAddress("127.0.0.1", int(self.first_line.split()[1]))
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            os.kill(self.process.pid, signal.SIGKILL)
+        self.process.wait(timeout=10)
+
+
+@pytest.fixture
+def start_peer(peer_command) -> Iterator:
+    peers: list[Peer] = []
+
+    def start(*args: str) -> Peer:
+        peers.append(Peer(peer_command, *args))
+        return peers[-1]
+
+    yield start
+    for peer in peers:
+        peer.kill()
+
+
+@pytest.fixture
+def client(ucx_loop) -> Iterator[UcxTransport]:
+    transport = UcxTransport(TransportConfig(request_timeout_s=10))
+
+    async def serve_echo(message: m.Message) -> m.Message | None:
+        return m.EchoReply(message.payload) if isinstance(message, m.Echo) else None
+
+    run_bounded(ucx_loop, transport.start(serve_echo), 10)
+    yield transport
+    run_bounded(ucx_loop, transport.close(), 20)
+
+
+def filled_blocks(first_block: int, num_blocks: int) -> torch.Tensor:
+    """Blocks whose every value is (block id + 1), as the peer checks."""
+    values = torch.arange(first_block + 1, first_block + num_blocks + 1, dtype=torch.float32)
+    return values.reshape(-1, 1, 1, 1, 1, 1).expand(num_blocks, 2, 2, 16, 2, 8).contiguous()
+
+
+def test_request_response(ucx_loop, start_peer, client):
+    peer = start_peer("serve")
+
+    async def scenario():
+        small = await client.request(peer.address, m.Echo(torch.arange(5)))
+        assert torch.equal(small.payload, torch.arange(5))
+        large_payload = torch.randn(3 << 20)  # 12 MiB, not inline
+        large = await client.request(peer.address, m.Echo(large_payload))
+        assert torch.equal(large.payload, large_payload)
+        runs = (m.BlockRun(3, 4), m.BlockRun(10, 1), m.BlockRun(20, 8))
+        stored = await client.request(peer.address, m.KVBlocks(
+            move_id=1, reservation_id=7, runs=runs,
+            runs_data=tuple(filled_blocks(r.dst_block_id, r.num_blocks) for r in runs)))
+        assert stored == m.KVBlocksStored(1, 7, 13)
+        with pytest.raises(RemoteError) as info:
+            await client.request(peer.address, m.KVBlocks(1, 8, runs[:1], (filled_blocks(3, 4),)))
+        assert info.value.code == m.ErrorCode.PLACEMENT_REFUSED
+        assert await client.request(peer.address, m.Drain(1, 1, 1)) == m.Ack()  # same connection
+    run_bounded(ucx_loop, scenario(), 30)
+
+
+def test_idle_connection_costs_no_cpu(ucx_loop, start_peer, client):
+    """With a connection open (a header receive posted on it), the process sleeps while no
+    message moves. A busy-looping wait here is what made two processes sharing a core take
+    turns, one scheduler time slice (4-12 ms) per frame."""
+    peer = start_peer("serve")
+
+    async def scenario():
+        await client.request(peer.address, m.Echo(torch.arange(5)))
+        cpu0, wall0 = time.process_time(), time.monotonic()
+        await asyncio.sleep(0.5)
+        cpu_share = (time.process_time() - cpu0) / (time.monotonic() - wall0)
+        assert cpu_share < 0.2, f"idle transport used {cpu_share:.0%} of a core"
+        reply = await client.request(peer.address, m.Echo(torch.arange(7)))  # still works
+        assert torch.equal(reply.payload, torch.arange(7))
+    run_bounded(ucx_loop, scenario(), 30)
+
+
+def test_many_in_flight(ucx_loop, start_peer, client):
+    peer = start_peer("serve")
+
+    async def scenario():
+        sizes = [16, 5000, 70_000, 1 << 20]
+        payloads = [torch.full((sizes[i % 4],), i % 251, dtype=torch.uint8) for i in range(400)]
+        slow = asyncio.gather(*(client.request(peer.address, m.Drain(1, 200, 1))
+                                for _ in range(5)))  # slow handlers do not hold up the rest
+        replies = await asyncio.gather(*(client.request(peer.address, m.Echo(p))
+                                         for p in payloads))
+        for payload, reply in zip(payloads, replies):
+            assert torch.equal(reply.payload, payload)
+        assert await slow == [m.Ack()] * 5
+    run_bounded(ucx_loop, scenario(), 60)
+
+
+def test_peer_killed_mid_transfer(ucx_loop, start_peer, client):
+    """The request to the killed peer fails in under 2 s; another peer is served throughout."""
+    doomed, survivor = start_peer("serve"), start_peer("serve")
+
+    async def scenario():
+        big = torch.ones(64 << 20, dtype=torch.uint8)
+        await client.request(doomed.address, m.Ack())  # connected: the kill lands mid-transfer
+        in_flight = [asyncio.ensure_future(client.request(doomed.address, m.Echo(big),
+                                                          timeout_s=30)) for _ in range(3)]
+        await asyncio.sleep(0.05)
+        killed_at = time.monotonic()
+        doomed.kill()
+        other = asyncio.ensure_future(client.request(survivor.address, m.Echo(torch.arange(9))))
+        for request in in_flight:
+            with pytest.raises(PeerUnreachable):
+                await request
+        noticed_s = time.monotonic() - killed_at
+        assert noticed_s < 2.0
+        assert torch.equal((await other).payload, torch.arange(9))
+        with pytest.raises(PeerUnreachable):
+            await client.request(doomed.address, m.Ack(), timeout_s=5)
+        assert await client.request(survivor.address, m.Drain(1, 1, 1)) == m.Ack()
+        return noticed_s
+    print(f"noticed in {run_bounded(ucx_loop, scenario(), 60):.3f} s")
+
+
+def test_client_killed_mid_transfer_leaves_the_listener_serving(ucx_loop, start_peer, client):
+    flooder = start_peer("flood", client.address.host, str(client.address.port))
+
+    async def scenario():
+        await asyncio.sleep(0.5)  # a few 16 MiB requests are in flight by now
+        flooder.kill()
+        for _ in range(3):
+            reply = await client.request(client.address, m.Echo(torch.arange(3)))
+            assert torch.equal(reply.payload, torch.arange(3))
+    run_bounded(ucx_loop, scenario(), 30)
+
+
+def test_listener_restart_is_reached_again(ucx_loop, start_peer, client):
+    first = start_peer("serve")
+    address = first.address
+
+    async def scenario():
+        assert await client.request(address, m.Drain(1, 1, 1)) == m.Ack()
+        first.kill()
+        await asyncio.sleep(0.2)  # the cached connection sees the reset
+        # The old listener's port may linger in the kernel a moment; retry the start, as a
+        # supervisor restarting the daemon would.
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                restarted = start_peer("serve", str(address.port))
+                break
+            except RuntimeError:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.5)
+        assert restarted.address == address
+        deadline = time.monotonic() + 10
+        while True:  # the first attempt may still meet the dead connection
+            try:
+                return await client.request(address, m.Echo(torch.arange(4)), timeout_s=5)
+            except TransportError:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.1)
+    reply = run_bounded(ucx_loop, scenario(), 30)
+    assert torch.equal(reply.payload, torch.arange(4))
+
+
+# --- a live listener refuses malformed frames with ErrorReply and closes the connection ---
+
+
+def peer_refuses(data: bytes) -> bool:
+    """Whether the listener must refuse ``data``: it sees the announced length, zero-padded."""
+    limits = codec.FrameLimits()
+    if len(data) >= codec.PREAMBLE.size:
+        announced = codec.frame_length(data[:codec.PREAMBLE.size])
+        if announced > limits.max_header_bytes:
+            return True
+        data = data[:announced] + bytes(max(0, announced - len(data)))
+    else:
+        data = data + bytes(codec.PREAMBLE.size - len(data))
+    try:
+        codec.decode_header(data, limits)
+    except Exception:  # noqa: BLE001  (any refusal counts here)
+        return True
+    return False
+
+
+async def send_raw_and_read_refusal(address: PeerAddress, data: bytes) -> m.ErrorReply:
+    endpoint = await ucxx.create_endpoint(address.host, address.port)
+    try:
+        async with asyncio.timeout(5):
+            await endpoint.send(np.frombuffer(data, dtype=np.uint8) if data
+                                else np.zeros(0, np.uint8))
+            reply_buffer = np.zeros(1 << 16, dtype=np.uint8)
+            await endpoint.recv(reply_buffer)
+        header = codec.decode_header(
+            reply_buffer[:codec.frame_length(reply_buffer[:codec.PREAMBLE.size])].tobytes(),
+            codec.FrameLimits())
+        assert header.reply_to is None
+        return header.message
+    finally:
+        endpoint.abort()
+
+
+def test_live_listener_refuses_an_oversized_frame(ucx_loop, start_peer, client):
+    peer = start_peer("serve")
+    reply = run_bounded(ucx_loop, send_raw_and_read_refusal(peer.address, bytes(2 << 20)), 20)
+    assert reply.code == m.ErrorCode.OVERSIZED_FRAME
+    assert run_bounded(ucx_loop, client.request(peer.address, m.Ack()), 10) == m.Ack()
+
+
+def live_fuzz(ucx_loop, peer: Peer, client: UcxTransport, examples: int) -> None:
+    frames = st.one_of(*STRATEGIES.values()).filter(peer_refuses)
+
+    @settings(max_examples=examples, deadline=None, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
+                                     HealthCheck.data_too_large])
+    @given(frames)
+    def refused(data: bytes) -> None:
+        reply = run_bounded(ucx_loop, send_raw_and_read_refusal(peer.address, data), 20)
+        assert isinstance(reply, m.ErrorReply)
+
+    refused()
+    # The listener still serves well-formed requests.
+    assert run_bounded(ucx_loop, client.request(peer.address, m.Ack()), 10) == m.Ack()
+    assert peer.process.poll() is None
+
+
+def test_live_listener_fuzz(ucx_loop, start_peer, client):
+    live_fuzz(ucx_loop, start_peer("serve"), client, examples=300)
+
+
+@pytest.mark.slow
+def test_live_listener_fuzz_long(ucx_loop, start_peer, client):
+    live_fuzz(ucx_loop, start_peer("serve"), client, examples=5_000)

@@ -1,0 +1,439 @@
+"""Frames: a message as one header (preamble + orjson + small inline buffers) plus raw buffers.
+
+No I/O here. Layout of the header bytes:
+
+    preamble  16 bytes  b"ILLM", protocol version u16, flags u16, json length u32,
+                        inline length u32 (little-endian)
+    json      orjson    {"t": type, "v": type version, "id": msg id, "re": reply-to id or null,
+                         "f": {field: value}, "x": {tensor field: [dtype, shape] or a list of
+                         them}, "b": [[nbytes, inline 0/1], ...]}
+    inline    bytes     the inline buffers, concatenated in buffer order
+
+Buffers follow the header in order, one per tensor (tuple fields give one per element), each
+the tensor's raw bytes. Small host buffers travel inside the header so that a small message is
+one transfer. Nested records are JSON arrays in field order.
+
+``decode_header`` refuses anything malformed with ``ProtocolError``, never another exception:
+the receiver answers with ``ErrorReply`` and closes the connection. It builds the message with
+``TensorSpec``s in place of tensors, so the message's own checks run before any buffer is
+received, and the receiver can place the buffers (``KVBlocks`` straight into reserved blocks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+import typing
+from dataclasses import dataclass
+from enum import StrEnum
+
+import orjson
+
+from infinite_llm.transport import messages as messages_module
+from infinite_llm.transport.errors import ProtocolError
+from infinite_llm.transport.messages import (
+    MESSAGE_TYPES,
+    PROTOCOL_VERSION,
+    ErrorCode,
+    Message,
+    WireArray,
+)
+from infinite_llm.transport.tensors import (
+    DTYPE_ITEMSIZE,
+    TensorSpec,
+    is_cuda,
+    nbytes_of,
+    spec_of,
+    wire_view,
+)
+
+MAGIC = b"ILLM"
+PREAMBLE = struct.Struct("<4sHHII")
+FLAG_WANTS_REPLY = 0x1
+_MAX_INT = (1 << 63) - 1
+_MAX_DIMS = 8
+
+
+@dataclass(frozen=True)
+class FrameLimits:
+    """What a receiver accepts; anything beyond is refused before it is allocated."""
+
+    max_header_bytes: int = 1 << 20  # whole header: preamble + json + inline, bytes
+    inline_limit_bytes: int = 8192  # host buffers inlined into the header, bytes (sender side)
+    max_buffers: int = 4096  # buffers per frame
+    max_buffer_bytes: int = 1 << 32  # one buffer, bytes
+    max_total_buffer_bytes: int = 1 << 34  # all buffers of a frame, bytes
+
+
+@dataclass(frozen=True)
+class EncodedFrame:
+    header: bytes  # preamble + json + inline buffers
+    buffers: tuple[object, ...]  # byte views of the buffers that are not inline, in order
+
+
+@dataclass(frozen=True)
+class FrameHeader:
+    """A decoded header: the message with a TensorSpec in place of each tensor."""
+
+    message: Message  # tensor fields hold TensorSpec
+    msg_id: int
+    reply_to: int | None  # the msg_id this frame answers, None for a request
+    wants_reply: bool
+    specs: tuple[TensorSpec, ...]  # one per buffer, in buffer order
+    inline: tuple[bool, ...]  # per buffer: carried inside the header
+    inline_bytes: bytes  # the inline buffers, concatenated
+
+    @property
+    def num_wire_buffers(self) -> int:
+        return self.inline.count(False)
+
+
+# --- schema: how each field of each message type is encoded -------------------------------
+
+
+@dataclass(frozen=True)
+class _Field:
+    name: str
+    kind: str  # "int" | "bool" | "str" | "enum" | "record" | "tuple" | "tensor" | "tensors"
+    type_: type | None = None  # enum or record class
+    item: "_Field | None" = None  # element of a tuple
+
+
+def _field_of(name: str, hint: object) -> _Field:
+    if hint is int:
+        return _Field(name, "int")
+    if hint is bool:
+        return _Field(name, "bool")
+    if hint is str:
+        return _Field(name, "str")
+    if hint is WireArray:
+        return _Field(name, "tensor")
+    if isinstance(hint, type) and issubclass(hint, StrEnum):
+        return _Field(name, "enum", hint)
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        return _Field(name, "record", hint)
+    if typing.get_origin(hint) is tuple:
+        (item_hint, _ellipsis) = typing.get_args(hint)
+        if item_hint is WireArray:
+            return _Field(name, "tensors")
+        return _Field(name, "tuple", item=_field_of(name, item_hint))
+    raise TypeError(f"field {name}: no wire encoding for {hint}")
+
+
+def _fields_of(cls: type) -> tuple[_Field, ...]:
+    hints = typing.get_type_hints(cls, vars(messages_module))
+    return tuple(
+        _field_of(f.name, hints[f.name]) for f in dataclasses.fields(cls)
+    )
+
+
+_SCHEMAS: dict[type, tuple[_Field, ...]] = {}
+
+
+def _schema(cls: type) -> tuple[_Field, ...]:
+    schema = _SCHEMAS.get(cls)
+    if schema is None:
+        schema = _SCHEMAS[cls] = _fields_of(cls)
+    return schema
+
+
+for _cls in MESSAGE_TYPES.values():  # every type's schema is checked at import
+    _schema(_cls)
+
+
+# --- encoding ------------------------------------------------------------------------------
+
+
+def _encode_value(field: _Field, value: object) -> object:
+    kind = field.kind
+    if kind in ("int", "bool", "str"):
+        return value
+    if kind == "enum":
+        return value.value
+    if kind == "record":
+        return [_encode_value(f, getattr(value, f.name)) for f in _schema(field.type_)]
+    return [_encode_value(field.item, v) for v in value]  # tuple
+
+
+def encode(
+    message: Message,
+    msg_id: int,
+    *,
+    reply_to: int | None = None,
+    wants_reply: bool = True,
+    inline_limit_bytes: int = FrameLimits.inline_limit_bytes,
+) -> EncodedFrame:
+    """The frame of ``message``. Tensors must be C-contiguous; nothing is copied except the
+    small host buffers that go inline."""
+    cls = type(message)
+    fields: dict[str, object] = {}
+    tensor_specs: dict[str, object] = {}
+    arrays: list[WireArray] = []
+    for field in _schema(cls):
+        value = getattr(message, field.name)
+        if field.kind == "tensor":
+            spec = spec_of(value)
+            tensor_specs[field.name] = [spec.dtype, list(spec.shape)]
+            arrays.append(value)
+        elif field.kind == "tensors":
+            specs = [spec_of(v) for v in value]
+            tensor_specs[field.name] = [[s.dtype, list(s.shape)] for s in specs]
+            arrays.extend(value)
+        else:
+            fields[field.name] = _encode_value(field, value)
+
+    buffer_table: list[list[int]] = []
+    inline_parts: list[bytes] = []
+    wire_buffers: list[object] = []
+    inline_total = 0
+    for array in arrays:
+        nbytes = nbytes_of(array)
+        inline = not is_cuda(array) and inline_total + nbytes <= inline_limit_bytes
+        buffer_table.append([nbytes, int(inline)])
+        if inline:
+            inline_parts.append(bytes(wire_view(array)))
+            inline_total += nbytes
+        elif nbytes > 0:  # an empty buffer is never sent
+            wire_buffers.append(wire_view(array))
+
+    body = orjson.dumps({
+        "t": cls.TYPE, "v": cls.VERSION, "id": msg_id, "re": reply_to,
+        "f": fields, "x": tensor_specs, "b": buffer_table,
+    })
+    flags = FLAG_WANTS_REPLY if wants_reply else 0
+    preamble = PREAMBLE.pack(MAGIC, PROTOCOL_VERSION, flags, len(body), inline_total)
+    return EncodedFrame(header=b"".join([preamble, body, *inline_parts]),
+                        buffers=tuple(wire_buffers))
+
+
+# --- decoding ------------------------------------------------------------------------------
+
+
+def frame_length(preamble: bytes | memoryview) -> int:
+    """Total header length announced by a preamble (``PREAMBLE.size`` bytes)."""
+    _magic, _version, _flags, json_len, inline_len = PREAMBLE.unpack(preamble)
+    return PREAMBLE.size + json_len + inline_len
+
+
+def decode_header(data: bytes | memoryview, limits: FrameLimits) -> FrameHeader:
+    """Parse and check one header; ``data`` is exactly the header's bytes.
+
+    Raises ProtocolError for every malformed input, and nothing else.
+    """
+    if len(data) > limits.max_header_bytes:
+        raise ProtocolError(ErrorCode.OVERSIZED_FRAME, f"header of {len(data)} bytes")
+    if len(data) < PREAMBLE.size:
+        raise ProtocolError(ErrorCode.TRUNCATED_FRAME, f"header of {len(data)} bytes")
+    magic, version, flags, json_len, inline_len = PREAMBLE.unpack_from(data)
+    if magic != MAGIC:
+        raise ProtocolError(ErrorCode.BAD_MAGIC, repr(bytes(magic)))
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(ErrorCode.UNSUPPORTED_VERSION, f"protocol version {version}")
+    expected = PREAMBLE.size + json_len + inline_len
+    if expected > len(data):
+        raise ProtocolError(ErrorCode.TRUNCATED_FRAME, f"{len(data)} of {expected} bytes")
+    if expected < len(data):
+        raise ProtocolError(ErrorCode.LENGTH_MISMATCH, f"{len(data)} bytes, {expected} announced")
+    try:
+        body = orjson.loads(bytes(data[PREAMBLE.size:PREAMBLE.size + json_len]))
+    except orjson.JSONDecodeError as e:
+        raise ProtocolError(ErrorCode.INVALID_JSON, str(e)) from None
+    if not isinstance(body, dict):
+        raise ProtocolError(ErrorCode.INVALID_FIELDS, "header is not an object")
+
+    cls = MESSAGE_TYPES.get(body.get("t")) if isinstance(body.get("t"), str) else None
+    if cls is None:
+        raise ProtocolError(ErrorCode.UNKNOWN_TYPE, repr(body.get("t"))[:80])
+    if body.get("v") != cls.VERSION:
+        raise ProtocolError(ErrorCode.UNSUPPORTED_VERSION,
+                            f"{cls.TYPE} version {body.get('v')!r:.40}")
+    msg_id = body.get("id")
+    reply_to = body.get("re")
+    if not _is_int(msg_id) or not (reply_to is None or _is_int(reply_to)):
+        raise ProtocolError(ErrorCode.INVALID_FIELDS, "id and re must be integers")
+    fields, tensor_fields = body.get("f"), body.get("x")
+    table = body.get("b")
+    if not isinstance(fields, dict) or not isinstance(tensor_fields, dict):
+        raise ProtocolError(ErrorCode.INVALID_FIELDS, "f and x must be objects")
+    if not isinstance(table, list):
+        raise ProtocolError(ErrorCode.INVALID_FIELDS, "b must be a list")
+    if len(table) > limits.max_buffers:
+        raise ProtocolError(ErrorCode.TOO_MANY_BUFFERS, f"{len(table)} buffers")
+
+    kwargs: dict[str, object] = {}
+    specs: list[TensorSpec] = []
+    schema = _schema(cls)
+    if set(fields) | set(tensor_fields) != {f.name for f in schema} or (
+        set(fields) & set(tensor_fields)
+    ):
+        raise ProtocolError(ErrorCode.INVALID_FIELDS, f"fields of {cls.TYPE} do not match")
+    for field in schema:
+        if field.kind == "tensor":
+            spec = _decode_spec(tensor_fields[field.name])
+            specs.append(spec)
+            kwargs[field.name] = spec
+        elif field.kind == "tensors":
+            raw = tensor_fields[field.name]
+            if not isinstance(raw, list):
+                raise ProtocolError(ErrorCode.INVALID_FIELDS, f"{field.name}: not a list")
+            group = tuple(_decode_spec(r) for r in raw)
+            specs.extend(group)
+            kwargs[field.name] = group
+        else:
+            kwargs[field.name] = _decode_value(field, fields[field.name])
+
+    inline = _check_buffer_table(table, specs, inline_len, limits)
+    try:
+        message = cls(**kwargs)
+    except (ValueError, TypeError) as e:
+        raise ProtocolError(ErrorCode.INVALID_FIELDS, f"{cls.TYPE}: {e}") from None
+    return FrameHeader(
+        message=message,
+        msg_id=msg_id,
+        reply_to=reply_to,
+        wants_reply=bool(flags & FLAG_WANTS_REPLY),
+        specs=tuple(specs),
+        inline=inline,
+        inline_bytes=bytes(data[PREAMBLE.size + json_len:]),
+    )
+
+
+def _check_buffer_table(
+    table: list, specs: list[TensorSpec], inline_len: int, limits: FrameLimits
+) -> tuple[bool, ...]:
+    if len(table) != len(specs):
+        raise ProtocolError(ErrorCode.LENGTH_MISMATCH,
+                            f"{len(table)} buffers for {len(specs)} tensors")
+    inline: list[bool] = []
+    total = inline_total = 0
+    for entry, spec in zip(table, specs):
+        if not (isinstance(entry, list) and len(entry) == 2 and _is_int(entry[0])
+                and entry[1] in (0, 1) and type(entry[1]) is int):
+            raise ProtocolError(ErrorCode.INVALID_FIELDS, "a buffer entry is [nbytes, 0|1]")
+        nbytes, is_inline = entry
+        if nbytes > limits.max_buffer_bytes:
+            raise ProtocolError(ErrorCode.BUFFER_TOO_LARGE, f"buffer of {nbytes} bytes")
+        if nbytes != spec.nbytes:
+            raise ProtocolError(ErrorCode.LENGTH_MISMATCH,
+                                f"buffer of {nbytes} bytes for a {spec.nbytes}-byte tensor")
+        total += nbytes
+        if is_inline:
+            inline_total += nbytes
+        inline.append(bool(is_inline))
+    if total > limits.max_total_buffer_bytes:
+        raise ProtocolError(ErrorCode.BUFFER_TOO_LARGE, f"buffers of {total} bytes")
+    if inline_total != inline_len:
+        raise ProtocolError(ErrorCode.LENGTH_MISMATCH,
+                            f"inline buffers of {inline_total} bytes, {inline_len} carried")
+    return tuple(inline)
+
+
+def _is_int(value: object) -> bool:
+    return type(value) is int and -_MAX_INT - 1 <= value <= _MAX_INT
+
+
+def _decode_spec(raw: object) -> TensorSpec:
+    if not (isinstance(raw, list) and len(raw) == 2 and type(raw[0]) is str
+            and raw[0] in DTYPE_ITEMSIZE
+            and isinstance(raw[1], list) and len(raw[1]) <= _MAX_DIMS
+            and all(_is_int(d) and d >= 0 for d in raw[1])):
+        raise ProtocolError(ErrorCode.INVALID_FIELDS, f"bad tensor spec {raw!r:.80}")
+    spec = TensorSpec(dtype=raw[0], shape=tuple(raw[1]))
+    if spec.nbytes > _MAX_INT:
+        raise ProtocolError(ErrorCode.BUFFER_TOO_LARGE, f"tensor of shape {spec.shape}")
+    return spec
+
+
+def _decode_value(field: _Field, raw: object) -> object:
+    kind = field.kind
+    if kind == "int":
+        if _is_int(raw):
+            return raw
+    elif kind == "bool":
+        if type(raw) is bool:
+            return raw
+    elif kind == "str":
+        if type(raw) is str:
+            return raw
+    elif kind == "enum":
+        if type(raw) is str and raw in field.type_._value2member_map_:
+            return field.type_(raw)
+    elif kind == "record":
+        schema = _schema(field.type_)
+        if isinstance(raw, list) and len(raw) == len(schema):
+            values = {f.name: _decode_value(f, v) for f, v in zip(schema, raw)}
+            try:
+                return field.type_(**values)
+            except (ValueError, TypeError) as e:
+                raise ProtocolError(ErrorCode.INVALID_FIELDS, f"{field.name}: {e}") from None
+    elif kind == "tuple":
+        if isinstance(raw, list):
+            return tuple(_decode_value(field.item, v) for v in raw)
+    raise ProtocolError(ErrorCode.INVALID_FIELDS, f"{field.name}: bad {kind} {raw!r:.80}")
+
+
+# --- receiving the buffers -----------------------------------------------------------------
+
+
+def check_destinations(header: FrameHeader, destinations: typing.Sequence[WireArray]) -> None:
+    """Each destination must have exactly its buffer's byte count and be contiguous."""
+    if len(destinations) != len(header.specs):
+        raise ValueError(f"{len(destinations)} destinations for {len(header.specs)} buffers")
+    for dest, spec in zip(destinations, header.specs):
+        if nbytes_of(dest) != spec.nbytes:
+            raise ValueError(f"destination of {nbytes_of(dest)} bytes for {spec.nbytes}")
+        wire_view(dest)  # raises for a non-contiguous destination
+
+
+def fill_inline(header: FrameHeader, destinations: typing.Sequence[WireArray]) -> None:
+    """Copy the inline buffers out of the header into their destinations."""
+    offset = 0
+    for dest, spec, inline in zip(destinations, header.specs, header.inline):
+        if not inline or spec.nbytes == 0:
+            continue
+        view = wire_view(dest)
+        chunk = header.inline_bytes[offset:offset + spec.nbytes]
+        if hasattr(view, "__cuda_array_interface__"):
+            _copy_host_to_device(view, chunk)
+        else:
+            view[:] = memoryview(chunk)
+        offset += spec.nbytes
+
+
+def _copy_host_to_device(view: object, chunk: bytes) -> None:
+    import torch
+
+    host = torch.frombuffer(bytearray(chunk), dtype=torch.uint8)
+    torch.as_tensor(view, device="cuda").copy_(host)
+
+
+def wire_destinations(
+    header: FrameHeader, destinations: typing.Sequence[WireArray]
+) -> list[object]:
+    """Byte views of the destinations that arrive as separate buffers, in order."""
+    return [
+        wire_view(dest)
+        for dest, spec, inline in zip(destinations, header.specs, header.inline)
+        if not inline and spec.nbytes > 0
+    ]
+
+
+def assemble(header: FrameHeader, destinations: typing.Sequence[WireArray]) -> Message:
+    """The message with its tensors, once every destination holds its bytes."""
+    tensor_values: dict[str, object] = {}
+    position = 0
+    for field in _schema(type(header.message)):
+        if field.kind == "tensor":
+            tensor_values[field.name] = destinations[position]
+            position += 1
+        elif field.kind == "tensors":
+            count = len(getattr(header.message, field.name))
+            tensor_values[field.name] = tuple(destinations[position:position + count])
+            position += count
+    if not tensor_values:
+        return header.message
+    try:
+        return dataclasses.replace(header.message, **tensor_values)
+    except (ValueError, TypeError) as e:
+        raise ProtocolError(ErrorCode.INVALID_FIELDS, str(e)) from None
+

@@ -1,0 +1,78 @@
+"""The interface both transports (UCX and in-memory) implement, and their configuration."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from infinite_llm.transport.codec import FrameLimits
+from infinite_llm.transport.messages import Message, WireArray
+
+
+@dataclass(frozen=True, order=True)
+class PeerAddress:
+    host: str  # IP address of the peer's listener
+    port: int  # its port
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+# Serves one incoming message. Returns the reply, or None where the message needs none (the
+# sender then gets Ack if it asked for a reply). Exceptions become ErrorReply(handler_failed).
+MessageHandler = Callable[[Message], Awaitable[Message | None]]
+
+# Given a message whose tensor fields still hold TensorSpecs (the header), returns where its
+# buffers go, one array per buffer in order, or None for fresh tensors. Raises
+# PlacementRefused when the buffers have nowhere to go. Must not block: it runs between the
+# header and the buffers of a frame.
+BufferPlacer = Callable[[Message], Sequence[WireArray] | None]
+
+
+@dataclass(frozen=True)
+class TransportConfig:
+    host: str = "127.0.0.1"  # where the listener binds
+    port: int = 0  # 0: any free port
+    connect_timeout_s: float = 1.0  # connecting to a peer (a dead port shows only as this), s
+    request_timeout_s: float = 5.0  # default wait for a reply, s
+    frame_timeout_s: float = 10.0  # sending a frame, or receiving its buffers, s
+    idle_timeout_s: float = 300.0  # a connection with no traffic this long is closed, s
+    receive_device: str = "cpu"  # where received tensors are allocated: "cpu" or "cuda[:n]"
+    # How long a UCX wait spins (progressing the worker, yielding to the event loop) before it
+    # sleeps on the worker's event fd, s. A reply that is on its way comes within the spin
+    # (lowest latency); an idle connection costs no CPU. 0: always sleep (~150 us more per
+    # frame on loopback). The first transport of an event loop sets it for the loop.
+    spin_s: float = 500e-6
+    limits: FrameLimits = field(default_factory=FrameLimits)
+
+
+class Transport(Protocol):
+    """Messages between instances. Connections are cached per peer and made again after a
+    peer restarts; every wait is bounded; failures raise ``TransportError`` subclasses."""
+
+    @property
+    def address(self) -> PeerAddress:
+        """Where peers reach this transport's listener (valid after ``start``)."""
+        ...
+
+    async def start(self, handler: MessageHandler, placer: BufferPlacer | None = None) -> None:
+        """Start the listener; incoming messages go to ``handler``."""
+        ...
+
+    async def request(
+        self, peer: PeerAddress, message: Message, *, timeout_s: float | None = None
+    ) -> Message:
+        """Send ``message`` and return the reply. Raises PeerUnreachable, RequestTimeout or
+        RemoteError (the peer answered ErrorReply)."""
+        ...
+
+    async def send(
+        self, peer: PeerAddress, message: Message, *, timeout_s: float | None = None
+    ) -> None:
+        """Send ``message`` expecting no reply; returns once it has left."""
+        ...
+
+    async def close(self) -> None:
+        """Stop the listener and drop every connection; pending requests fail."""
+        ...

@@ -1,0 +1,404 @@
+"""Every message that instances and the gManager exchange, one frozen dataclass each.
+
+A message is plain data: ints, bools, strings, tuples of small records, and tensors. Tensors
+travel as raw buffers beside the orjson header (see ``codec``); a tensor field holds any
+C-contiguous array (numpy, torch CPU or CUDA, cupy) on the sending side and, on the receiving
+side, whatever the receiver placed the bytes into (a torch tensor by default, a view of the KV
+pool for ``KVBlocks``).
+
+Versions: ``PROTOCOL_VERSION`` covers the frame layout; each message type has its own
+``VERSION``, bumped when its fields change. Both are checked on receipt.
+
+Messages that repeat (heartbeats) carry diffs against a numbered base rather than full state:
+``Heartbeat.placement_base_version`` names the version the diff applies to (0: the diff is the
+full state), and the gManager asks for full state with ``HeartbeatReply.needs_full_placement``
+when it does not hold that base (a new leader, a lost heartbeat). ``placement`` applies diffs.
+
+Units are given in a comment on every field. Row counts are rows of the query tensor; block
+counts are KV blocks (``block_size`` tokens of K and V over all layers).
+
+Commands from the gManager carry the leader's ``epoch`` (the create revision of the leader key
+in etcd); instances refuse epochs older than the newest they have seen.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import ClassVar, Protocol, runtime_checkable
+
+PROTOCOL_VERSION = 1
+
+
+@runtime_checkable
+class WireArray(Protocol):
+    """What a tensor field holds: numpy, torch and cupy arrays all have these."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def dtype(self) -> object: ...
+
+
+class ErrorCode(StrEnum):
+    """Why a frame or a request was refused; sent in ``ErrorReply.code``."""
+
+    TRUNCATED_FRAME = "truncated_frame"
+    OVERSIZED_FRAME = "oversized_frame"
+    BAD_MAGIC = "bad_magic"
+    UNSUPPORTED_VERSION = "unsupported_version"
+    UNKNOWN_TYPE = "unknown_type"
+    INVALID_JSON = "invalid_json"
+    INVALID_FIELDS = "invalid_fields"
+    LENGTH_MISMATCH = "length_mismatch"
+    BUFFER_TOO_LARGE = "buffer_too_large"
+    TOO_MANY_BUFFERS = "too_many_buffers"
+    PLACEMENT_REFUSED = "placement_refused"
+    HANDLER_FAILED = "handler_failed"
+    NO_HANDLER = "no_handler"
+    STALE_EPOCH = "stale_epoch"
+
+
+class MoveRejectReason(StrEnum):
+    NO_SPACE = "no_space"  # fewer free blocks than asked for
+    LAYOUT_MISMATCH = "layout_mismatch"  # block_nbytes differs from the destination's pool
+    DRAINING = "draining"  # the destination is being drained
+    STALE_EPOCH = "stale_epoch"  # the move belongs to a deposed leader
+
+
+# --- records nested inside messages (encoded as JSON arrays in field order) ----------------
+
+
+@dataclass(frozen=True)
+class PoolFigures:
+    num_blocks_total: int  # blocks in this instance's KV pool
+    num_blocks_free: int  # blocks neither used nor reserved
+    num_blocks_lent: int  # blocks here that hold other instances' requests
+    num_blocks_borrowed: int  # blocks of this instance's requests held on other instances
+
+
+@dataclass(frozen=True)
+class RequestPlacementEntry:
+    req_id: int  # request id, unique per home instance
+    inst_id: int  # instance whose pool holds these blocks
+    num_blocks: int  # blocks of the request held there
+    local: bool  # True when inst_id is the request's home
+
+
+@dataclass(frozen=True)
+class PlacementKey:
+    """Names an entry to remove: one request's blocks on one instance."""
+
+    req_id: int  # request id
+    inst_id: int  # instance that held the blocks
+
+
+@dataclass(frozen=True)
+class CreditorHint:
+    inst_id: int  # an instance with spare blocks
+    num_blocks_free: int  # its free blocks at its last heartbeat
+
+
+@dataclass(frozen=True)
+class AttendSlice:
+    """The query rows of one request inside an ``AttendRequest`` and what they attend over."""
+
+    req_id: int  # request id
+    row_start: int  # first row of this request in the message's q, rows
+    num_rows: int  # rows of this request, 1 for decode, more for chunked prefill
+    segment_id: int  # the segment (run of this request's blocks) held by the creditor
+    num_tokens: int  # tokens of the segment to attend over, from its start
+
+
+@dataclass(frozen=True)
+class BlockRun:
+    """A run of consecutive destination block ids filled by one buffer of ``KVBlocks``."""
+
+    dst_block_id: int  # first block id in the destination's pool
+    num_blocks: int  # blocks in the run
+
+
+# --- messages ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """Instance -> gManager, every heartbeat period. The placement part is a diff."""
+
+    TYPE: ClassVar[str] = "heartbeat"
+    VERSION: ClassVar[int] = 1
+
+    inst_id: int  # sender
+    seq: int  # heartbeat number, increasing per instance life
+    pool: PoolFigures  # blocks
+    batch_size: int  # running requests, requests
+    placement_base_version: int  # version the diff applies to; 0 means full state follows
+    placement_version: int  # version after applying the diff
+    placement_upserts: tuple[RequestPlacementEntry, ...]  # entries added or changed
+    placement_removals: tuple[PlacementKey, ...]  # entries gone
+
+    def __post_init__(self) -> None:
+        _require(self.placement_version > self.placement_base_version >= 0,
+                 "placement_version must exceed placement_base_version >= 0")
+        if self.placement_base_version == 0:
+            _require(not self.placement_removals, "a full placement has no removals")
+
+
+@dataclass(frozen=True)
+class HeartbeatReply:
+    TYPE: ClassVar[str] = "heartbeat_reply"
+    VERSION: ClassVar[int] = 1
+
+    epoch: int  # leader's epoch
+    acked_placement_version: int  # newest placement version the gManager holds for the sender
+    needs_full_placement: bool  # the gManager lacks the base: send the full placement next
+    creditors: tuple[CreditorHint, ...]  # where to spill blocks if the pool runs out
+
+
+@dataclass(frozen=True)
+class AttendRequest:
+    """Home -> creditor: one layer's query rows of every request of this home it holds."""
+
+    TYPE: ClassVar[str] = "attend_request"
+    VERSION: ClassVar[int] = 1
+    TENSORS: ClassVar[tuple[str, ...]] = ("q",)
+
+    home_inst_id: int  # sender
+    creditor_inst_id: int  # receiver
+    step_id: int  # the home's engine step
+    layer: int  # layer index
+    slices: tuple[AttendSlice, ...]  # requests in row order, covering q's rows exactly
+    q: WireArray  # [num_rows, num_heads, head_dim], the model's dtype
+
+    def __post_init__(self) -> None:
+        _require(len(self.q.shape) == 3, "q must be [num_rows, num_heads, head_dim]")
+        _require_rows_covered(self.slices, self.q.shape[0])
+
+
+@dataclass(frozen=True)
+class AttendResult:
+    """Creditor -> home: the partial attention of every row of the request, in its row order."""
+
+    TYPE: ClassVar[str] = "attend_result"
+    VERSION: ClassVar[int] = 1
+    TENSORS: ClassVar[tuple[str, ...]] = ("out", "lse")
+
+    home_inst_id: int  # receiver
+    creditor_inst_id: int  # sender
+    step_id: int  # echoed from the request
+    layer: int  # echoed from the request
+    out: WireArray  # [num_rows, num_heads, head_dim], the model's dtype
+    lse: WireArray  # [num_rows, num_heads] float32, natural log; -inf for rows with no keys
+
+    def __post_init__(self) -> None:
+        _require(len(self.out.shape) == 3, "out must be [num_rows, num_heads, head_dim]")
+        _require(tuple(self.lse.shape) == tuple(self.out.shape[:2]),
+                 "lse must be [num_rows, num_heads] of out")
+        _require(_dtype_name(self.lse.dtype) == "float32", "lse must be float32")
+
+
+@dataclass(frozen=True)
+class TryMoveKV:
+    """Source -> destination: reserve ``num_blocks`` blocks for a move, or refuse."""
+
+    TYPE: ClassVar[str] = "try_move_kv"
+    VERSION: ClassVar[int] = 1
+
+    epoch: int  # epoch of the MoveKV command being carried out; 0 for a spill of the source's own
+    move_id: int  # chosen by whoever ordered the move, unique per epoch
+    req_id: int  # request whose blocks move
+    home_inst_id: int  # the request's home
+    src_inst_id: int  # sender
+    num_blocks: int  # blocks to reserve
+    block_nbytes: int  # bytes of one block over all layers; the destination checks its layout
+
+    def __post_init__(self) -> None:
+        _require(self.num_blocks > 0, "num_blocks must be positive")
+        _require(self.block_nbytes > 0, "block_nbytes must be positive")
+
+
+@dataclass(frozen=True)
+class MoveReserved:
+    TYPE: ClassVar[str] = "move_reserved"
+    VERSION: ClassVar[int] = 1
+
+    move_id: int  # echoed
+    reservation_id: int  # chosen by the destination
+    dst_block_ids: tuple[int, ...]  # reserved blocks, in the order the source's blocks fill them
+    expires_in_ms: int  # ms until an uncommitted reservation is released
+
+
+@dataclass(frozen=True)
+class MoveRejected:
+    TYPE: ClassVar[str] = "move_rejected"
+    VERSION: ClassVar[int] = 1
+
+    move_id: int  # echoed
+    reason: MoveRejectReason
+    num_blocks_free: int  # the destination's free blocks now, blocks
+
+
+@dataclass(frozen=True)
+class KVBlocks:
+    """Source -> destination: block data, one buffer per run, received into reserved blocks."""
+
+    TYPE: ClassVar[str] = "kv_blocks"
+    VERSION: ClassVar[int] = 1
+    TENSORS: ClassVar[tuple[str, ...]] = ("runs_data",)
+
+    move_id: int  # echoed
+    reservation_id: int  # from MoveReserved
+    runs: tuple[BlockRun, ...]  # destination runs, one per buffer
+    runs_data: tuple[WireArray, ...]  # buffer i: [runs[i].num_blocks, num_layers, 2, block_size,
+    #                                      num_kv_heads, head_dim], the pool's dtype
+
+    def __post_init__(self) -> None:
+        _require(len(self.runs) == len(self.runs_data), "one buffer per run")
+        for run, data in zip(self.runs, self.runs_data):
+            _require(run.num_blocks > 0, "a run has at least one block")
+            _require(len(data.shape) >= 1 and data.shape[0] == run.num_blocks,
+                     "a run's buffer has num_blocks blocks in its first dimension")
+
+
+@dataclass(frozen=True)
+class KVBlocksStored:
+    """Destination -> source: the data of a ``KVBlocks`` is in the reserved blocks."""
+
+    TYPE: ClassVar[str] = "kv_blocks_stored"
+    VERSION: ClassVar[int] = 1
+
+    move_id: int  # echoed
+    reservation_id: int  # echoed
+    num_blocks: int  # blocks written, blocks
+
+
+@dataclass(frozen=True)
+class MoveCommit:
+    """The reserved blocks become a segment of the request; the reservation no longer expires."""
+
+    TYPE: ClassVar[str] = "move_commit"
+    VERSION: ClassVar[int] = 1
+
+    move_id: int  # echoed
+    reservation_id: int  # from MoveReserved
+    req_id: int  # request
+    home_inst_id: int  # the request's home, which switched its block table
+    segment_id: int  # the id the home gives the new segment in its block table
+
+
+@dataclass(frozen=True)
+class FreeSegment:
+    TYPE: ClassVar[str] = "free_segment"
+    VERSION: ClassVar[int] = 1
+
+    home_inst_id: int  # the request's home
+    req_id: int  # request
+    segment_id: int  # segment whose blocks the receiver frees
+
+
+@dataclass(frozen=True)
+class MoveKV:
+    """gManager -> the instance holding the blocks: move them (``move_kvcache``)."""
+
+    TYPE: ClassVar[str] = "move_kv"
+    VERSION: ClassVar[int] = 1
+
+    epoch: int  # leader's epoch
+    move_id: int  # unique per epoch
+    home_inst_id: int  # the request's home
+    req_id: int  # request
+    src_inst_id: int  # receiver: holds the blocks now
+    dst_inst_id: int  # instance to move them to
+    num_blocks: int  # blocks to move, oldest first
+
+    def __post_init__(self) -> None:
+        _require(self.num_blocks > 0, "num_blocks must be positive")
+        _require(self.src_inst_id != self.dst_inst_id, "a move needs two instances")
+
+
+@dataclass(frozen=True)
+class Drain:
+    """gManager -> instance: admit nothing new; the gManager moves everything off."""
+
+    TYPE: ClassVar[str] = "drain"
+    VERSION: ClassVar[int] = 1
+
+    epoch: int  # leader's epoch
+    drain_id: int  # unique per epoch
+    inst_id: int  # the instance to drain (the receiver)
+
+
+@dataclass(frozen=True)
+class Echo:
+    """A payload sent back unchanged: link checks and transport measurements."""
+
+    TYPE: ClassVar[str] = "echo"
+    VERSION: ClassVar[int] = 1
+    TENSORS: ClassVar[tuple[str, ...]] = ("payload",)
+
+    payload: WireArray  # any shape and dtype
+
+
+@dataclass(frozen=True)
+class EchoReply:
+    TYPE: ClassVar[str] = "echo_reply"
+    VERSION: ClassVar[int] = 1
+    TENSORS: ClassVar[tuple[str, ...]] = ("payload",)
+
+    payload: WireArray  # the request's payload
+
+
+@dataclass(frozen=True)
+class Ack:
+    """The request was carried out; for requests whose success has nothing more to say."""
+
+    TYPE: ClassVar[str] = "ack"
+    VERSION: ClassVar[int] = 1
+
+
+@dataclass(frozen=True)
+class ErrorReply:
+    """The frame or request was refused. A protocol refusal also closes the connection."""
+
+    TYPE: ClassVar[str] = "error_reply"
+    VERSION: ClassVar[int] = 1
+
+    code: ErrorCode
+    detail: str  # human-readable, for logs
+
+
+Message = (
+    Heartbeat | HeartbeatReply | AttendRequest | AttendResult | TryMoveKV | MoveReserved
+    | MoveRejected | KVBlocks | KVBlocksStored | MoveCommit | FreeSegment | MoveKV | Drain
+    | Echo | EchoReply | Ack | ErrorReply
+)
+
+MESSAGE_TYPES: dict[str, type] = {
+    cls.TYPE: cls
+    for cls in (
+        Heartbeat, HeartbeatReply, AttendRequest, AttendResult, TryMoveKV, MoveReserved,
+        MoveRejected, KVBlocks, KVBlocksStored, MoveCommit, FreeSegment, MoveKV, Drain,
+        Echo, EchoReply, Ack, ErrorReply,
+    )
+}
+
+
+def _require(condition: bool, what: str) -> None:
+    if not condition:
+        raise ValueError(what)
+
+
+def _require_rows_covered(slices: tuple[AttendSlice, ...], num_rows: int) -> None:
+    next_row = 0
+    for s in slices:
+        _require(s.row_start == next_row and s.num_rows > 0,
+                 "slices must cover q's rows in order, each at least one row")
+        _require(s.num_tokens >= 0, "num_tokens must not be negative")
+        next_row += s.num_rows
+    _require(next_row == num_rows, "slices must cover every row of q")
+
+
+def _dtype_name(dtype: object) -> str:
+    # numpy and cupy: dtype.name; torch: "torch.float32"
+    return getattr(dtype, "name", None) or str(dtype).removeprefix("torch.")

@@ -1,0 +1,109 @@
+"""Waiting for UCX requests on the event loop: spin briefly, then sleep on the worker's event fd.
+
+ucxx's own ``Endpoint.send``/``recv`` await ``request.wait()``, which (without its notifier
+thread) is a loop of ``await asyncio.sleep(0)`` until the request completes, in every progress
+mode. A transport always keeps a header receive posted on each connection, so that loop never
+ends and the process spins a core even when no message moves. Two such processes that share a
+core (a 2-core host running anything else, or an oversubscribed GPU node) then take turns: a
+frame waits for its receiver's next scheduler time slice, 4-12 ms, instead of microseconds.
+
+``UcxProgress.wait(request)`` progresses the worker and spins for at most ``spin_s`` (a reply
+that is already on its way arrives within that), then arms the worker and lets the event loop
+sleep until the worker's epoll fd reports an event. An idle transport costs no CPU, and a
+process that sleeps is woken by the kernel as soon as a message arrives.
+
+ucxx must run in ``blocking`` progress mode (it creates the epoll fd and no progress thread):
+all progress then happens on the event loop's thread, here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+# A periodic progress and re-arm: a safety net against a lost wake-up (ucxx itself progresses
+# the worker in places without arming it again, e.g. when it creates an endpoint). Costs ~1% of
+# a core while idle.
+SAFETY_TICK_S = 0.01
+
+
+class UcxProgress:
+    """Completes UCX requests of one worker on one event loop."""
+
+    def __init__(self, worker, loop: asyncio.AbstractEventLoop, spin_s: float) -> None:
+        self._worker = worker
+        self._loop = loop
+        self.spin_s = spin_s
+        self._sleepers: list[tuple[object, asyncio.Future]] = []
+        self._tick: asyncio.TimerHandle | None = None
+        # Replaces the reader of ucxx's blocking mode on the same fd (which only progresses):
+        # this one also wakes the requests that sleep here, and arms the worker again.
+        loop.add_reader(worker.epoll_file_descriptor, self._on_event)
+        self._tick = loop.call_later(SAFETY_TICK_S, self._on_tick)
+
+    async def wait(self, request) -> None:
+        """Until ``request`` completes; raises its error (UCXError subclasses) if it failed."""
+        worker = self._worker
+        if not request.completed:
+            worker.progress()
+        if not request.completed:
+            deadline = time.perf_counter() + self.spin_s
+            while True:
+                await asyncio.sleep(0)
+                worker.progress()
+                if request.completed:
+                    break
+                if time.perf_counter() >= deadline:
+                    await self._sleep(request)
+                    break
+        self._arm()
+        request.check_error()
+
+    async def _sleep(self, request) -> None:
+        future = self._loop.create_future()
+        entry = (request, future)
+        self._sleepers.append(entry)
+        self._arm()
+        try:
+            await future
+        finally:
+            if not future.done():  # cancelled
+                self._sleepers.remove(entry)
+
+    def _arm(self) -> None:
+        """Arm the worker so that its fd reports the next event. ``arm`` refuses while events
+        are pending; those are progressed first (which may complete sleeping requests)."""
+        worker = self._worker
+        while not worker.arm():
+            worker.progress()
+            self._wake_completed()
+
+    def _wake_completed(self) -> None:
+        if not self._sleepers:
+            return
+        still = []
+        for request, future in self._sleepers:
+            if request.completed:
+                if not future.done():
+                    future.set_result(None)
+            elif not future.done():
+                still.append((request, future))
+        self._sleepers = still
+
+    def _on_event(self) -> None:
+        self._worker.progress()
+        self._wake_completed()
+        self._arm()
+
+    def poke(self) -> None:
+        """Progress now and wake what completed (e.g. after an endpoint was aborted)."""
+        self._on_event()
+
+    def _on_tick(self) -> None:
+        self._on_event()
+        self._tick = self._loop.call_later(SAFETY_TICK_S, self._on_tick)
+
+    def close(self) -> None:
+        if self._tick is not None:
+            self._tick.cancel()
+            self._tick = None
