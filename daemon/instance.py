@@ -192,13 +192,28 @@ class InstanceDaemon:
     # ---- the engine ----------------------------------------------------------------------
     async def _engine_loop(self) -> None:
         engine = self.engine
+        idle_s = 0.0  # back-off while no request can be scheduled for want of blocks
         while True:
             await self._carry_out_ordered_moves()
             if not engine.has_unfinished:
                 self._work.clear()
                 await self._work.wait()
                 continue
-            outputs = await engine.step_async()
+            try:
+                outputs = await engine.step_async()
+            except Exception as exc:  # noqa: BLE001  a failed step ends its requests, not the daemon
+                log.exception("engine step failed; ending the running requests")
+                self._fail_running(f"{type(exc).__name__}: {exc}")
+                continue
+            if not outputs and not engine.scheduler.running:
+                idle_s = min(0.5, max(0.01, 2 * idle_s))
+                self._work.clear()
+                try:
+                    await asyncio.wait_for(self._work.wait(), timeout=idle_s)
+                except TimeoutError:
+                    pass
+                continue
+            idle_s = 0.0
             now = time.monotonic()
             num_new = 0
             for out in outputs:
@@ -214,6 +229,15 @@ class InstanceDaemon:
             self._tokens_window.append((now, num_new))
             # Give peers' attend requests and the HTTP servers a turn between steps.
             await asyncio.sleep(0)
+
+    def _fail_running(self, reason: str) -> None:
+        for request_id in list(self.engine.scheduler.requests):
+            self.engine.abort(request_id)
+            queue = self._queues.get(request_id)
+            if queue is not None:
+                queue.put_nowait(GenerationEvent(request_id, "", (), True, "error",
+                                                 self._prompt_tokens.get(request_id, 0), 0))
+        log.error("requests ended: %s", reason)
 
     async def generate(self, prompt: str | tuple[int, ...] | None, messages: Sequence[dict[str, str]] | None,
                        params: SamplingParams) -> AsyncIterator[GenerationEvent]:

@@ -197,7 +197,11 @@ class LLMEngine:
         bm = self.block_manager
         running = self.scheduler.running
         head = self.scheduler.waiting[0] if self.scheduler.waiting else None
-        wanted = len(running) + -(-self.config.max_num_batched_tokens // self.config.block_size) + 1
+        # A block per running request (a decode may open one), and a whole chunk while a prompt
+        # is being prefilled.
+        wanted = len(running) + 1
+        if any(r.num_computed_tokens < len(r.prompt_token_ids) for r in running):
+            wanted += -(-self.config.max_num_batched_tokens // self.config.block_size)
         if head is not None:
             wanted = max(wanted, len(running) + bm.blocks_needed(head.request_id, head.num_computed_tokens + min(
                 head.num_tokens - head.num_computed_tokens, self.config.max_num_batched_tokens)))
@@ -234,8 +238,10 @@ class LLMEngine:
             self._spill()
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
-            if self.scheduler.running or self.scheduler.waiting:
+            if (self.scheduler.running or self.scheduler.waiting) and self.lender is None:
                 raise RuntimeError("no request can be scheduled: the home pool is too small for one chunk")
+            # With peers, blocks come back when their requests finish or they free segments:
+            # the caller steps again later.
             return []
         sampled = await self._run(scheduled)
         return self._postprocess(scheduled, sampled)

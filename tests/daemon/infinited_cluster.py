@@ -1,0 +1,155 @@
+"""A local cluster of real `infinited` processes for tests: start, find, talk to, stop."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import http.client
+import socket
+
+START_TIMEOUT_S = 180.0
+STOP_TIMEOUT_S = 30.0
+
+
+class UnixHTTPConnection(http.client.HTTPConnection):
+    """HTTP over a Unix socket (the daemon's local admin API)."""
+
+    def __init__(self, path: str, timeout: float = 60.0) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self.socket_path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self.socket_path)
+
+
+@dataclass
+class Instance:
+    inst_id: int
+    process: subprocess.Popen
+    socket_path: Path
+    log_path: Path
+    http_port: int = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    def local(self, method: str, path: str, body: Any = None, timeout: float = 60.0) -> tuple[int, Any]:
+        conn = UnixHTTPConnection(str(self.socket_path), timeout=timeout)
+        data = None if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
+        conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
+        response = conn.getresponse()
+        raw = response.read()
+        conn.close()
+        if response.getheader("Content-Type", "").startswith("application/x-ndjson"):
+            return response.status, [json.loads(line) for line in raw.splitlines() if line]
+        return response.status, json.loads(raw)
+
+    def status(self) -> dict[str, Any]:
+        code, body = self.local("GET", "/v1/status")
+        assert code == 200, body
+        return body
+
+    def generate(self, prompt: str | list[int], **params: Any) -> tuple[list[int], str]:
+        """Greedy unless params say otherwise; returns (token ids, text)."""
+        code, lines = self.local("POST", "/v1/generate", {"prompt": prompt, "params": {"temperature": 0, **params}},
+                                 timeout=300)
+        assert code == 200, lines
+        tokens = [t for line in lines for t in line["token_ids"]]
+        return tokens, "".join(line["text"] for line in lines)
+
+    def post(self, path: str, body: Any, timeout: float = 300.0) -> tuple[int, Any]:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        request = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as err:
+            return err.code, json.loads(err.read())
+
+
+class LocalCluster:
+    def __init__(self, root: Path, num_instances: int, pool_blocks: int, extra_args: list[str] | None = None) -> None:
+        """``root`` holds the logs and the state folder; the sockets go to a folder of their own
+        that every user may traverse, as /run/infinite-llm is, so that tests can call as others."""
+        self.root = root
+        self.socket_dir = Path(tempfile.mkdtemp(prefix="infllm-"))
+        self.socket_dir.chmod(0o755)
+        self.state_dir = root / "state"
+        self.instances: dict[int, Instance] = {}
+        env = dict(os.environ, UCX_TLS="tcp,sm,self", UCX_WARN_UNUSED_ENV_VARS="n", OMP_NUM_THREADS="1",
+                   PYTHONUNBUFFERED="1")
+        env.pop("TRITON_INTERPRET", None)
+        for inst_id in range(1, num_instances + 1):
+            socket_path = self.socket_dir / f"infinited-{inst_id}.sock"
+            log_path = root / f"infinited-{inst_id}.log"
+            args = [sys.executable, "-m", "infinite_llm.daemon", "--instance-id", str(inst_id),
+                    "--kv-pool-blocks", str(pool_blocks), "--block-size", "16", "--max-num-batched-tokens", "128",
+                    "--http-port", "0", "--socket-path", str(socket_path), "--state-dir", str(self.state_dir),
+                    "--peer-host", "127.0.0.1", *(extra_args or [])]
+            with open(log_path, "w") as log:
+                process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            self.instances[inst_id] = Instance(inst_id, process, socket_path, log_path)
+
+    def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        """Every instance has published itself and sees every other one as a peer."""
+        deadline = time.monotonic() + timeout_s
+        members = self.state_dir / "members"
+        while time.monotonic() < deadline:
+            for inst in self.instances.values():
+                if inst.process.poll() is not None:
+                    raise RuntimeError(f"instance {inst.inst_id} exited: {inst.log_path.read_text()[-3000:]}")
+            found = {}
+            for path in members.glob("*.json") if members.is_dir() else []:
+                try:
+                    found[int(path.stem)] = json.loads(path.read_text())
+                except (ValueError, OSError):
+                    continue
+            if set(found) >= set(self.instances):
+                for inst_id, member in found.items():
+                    if inst_id in self.instances:
+                        self.instances[inst_id].http_port = member["http_port"]
+                # One more upkeep period so that everyone has read everyone's entry.
+                time.sleep(2.5)
+                return
+            time.sleep(0.5)
+        raise TimeoutError(f"the cluster did not start within {timeout_s} s")
+
+    def stop(self) -> None:
+        for inst in self.instances.values():
+            if inst.process.poll() is None:
+                inst.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for inst in self.instances.values():
+            try:
+                inst.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(inst.process.pid, signal.SIGKILL)
+                inst.process.wait(timeout=10)
+        shutil.rmtree(self.socket_dir, ignore_errors=True)
+
+    def __iter__(self) -> Iterator[Instance]:
+        return iter(self.instances.values())
+
+    def __getitem__(self, inst_id: int) -> Instance:
+        return self.instances[inst_id]
+
+
+def passkey_prompt(num_items: int, key_item: int = 42) -> str:
+    colours = ["red", "blue", "green", "amber"]
+    doc = " ".join(f"Item {i}: the colour of box {i} is {colours[i % 4]}." for i in range(num_items))
+    return doc + f" Question: what is the colour of box {key_item}? Answer: The colour of box {key_item} is"

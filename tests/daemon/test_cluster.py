@@ -1,0 +1,168 @@
+"""Three real `infinited` processes on loopback UCX, with pools too small for one long prompt."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from infinite_llm.engine.config import EngineConfig
+from infinite_llm.engine.engine import LLMEngine
+from infinite_llm.engine.loader import embedded_model_path, load_checkpoint
+from infinite_llm.engine.sampling import SamplingParams
+
+from infinited_cluster import LocalCluster, passkey_prompt
+
+POOL_BLOCKS = 40  # 640 tokens per instance; the long prompt needs about 75 blocks
+LONG_PROMPT = passkey_prompt(75)
+MODEL = "SmolLM2-135M-Instruct.Q4_1"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cluster")
+    cluster = LocalCluster(root, num_instances=3, pool_blocks=POOL_BLOCKS)
+    try:
+        cluster.wait_ready()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def reference_engine():
+    """One instance with room for everything, in this process."""
+    torch.set_num_threads(1)
+    config = EngineConfig(block_size=16, pool_blocks=(512,), max_num_batched_tokens=128)
+    return LLMEngine(load_checkpoint(None, show_progress=False), config)
+
+
+def reference_tokens(engine: LLMEngine, prompt: str, max_tokens: int) -> list[int]:
+    (output,) = engine.generate([prompt], SamplingParams(max_tokens=max_tokens))
+    return list(output.token_ids)
+
+
+def test_long_prompt_spills_over_all_three_and_matches_one_instance(cluster, reference_engine):
+    home = cluster[1]
+    result: dict = {}
+    thread = threading.Thread(target=lambda: result.update(out=home.generate(LONG_PROMPT, max_tokens=24)))
+    thread.start()
+    seen_on: set[int] = set()
+    deadline = time.monotonic() + 240
+    while thread.is_alive() and time.monotonic() < deadline:
+        status = home.status()
+        for request in status["requests"]:
+            seen_on |= {s["instance_id"] for s in request["segments"]}
+        if seen_on >= {1, 2, 3}:
+            held = {inst.inst_id: inst.status()["held_segments"] for inst in cluster if inst.inst_id != 1}
+            break
+        time.sleep(0.05)
+    thread.join(timeout=300)
+    assert not thread.is_alive()
+    assert seen_on >= {1, 2, 3}, f"the request's segments were seen only on {seen_on}"
+    # The creditors hold the segments the home's table names, for the home's request.
+    assert all(held[i] and all(s["home_instance_id"] == 1 for s in held[i]) for i in (2, 3))
+
+    tokens, text = result["out"]
+    assert tokens == reference_tokens(reference_engine, LONG_PROMPT, 24)
+    assert "green" in text  # box 42 is green
+
+    # Finished: every creditor has freed what it held.
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(inst.status()["pool"]["num_blocks_held_for_others"] for inst in cluster):
+        time.sleep(0.1)
+    for inst in cluster:
+        status = inst.status()
+        assert status["pool"]["num_blocks_held_for_others"] == 0
+        assert status["pool"]["num_blocks_free"] == POOL_BLOCKS
+
+
+def test_matches_hugging_face(cluster, reference_engine):
+    transformers = pytest.importorskip("transformers")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    path = embedded_model_path()
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                              dtype=torch.float32)
+    prompt_ids = reference_engine.tokenizer.encode(LONG_PROMPT)
+    with torch.no_grad():
+        hf = model.generate(torch.tensor([prompt_ids]), max_new_tokens=8, do_sample=False)[0, len(prompt_ids):]
+    tokens, _ = cluster[2].generate(prompt_ids, max_tokens=8, ignore_eos=True)
+    assert tokens == hf.tolist()
+
+
+def test_openai_client_chat_streaming_and_not(cluster):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=cluster[3].url + "/v1", api_key="unused", timeout=120)
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+    assert reply.choices[0].message.role == "assistant"
+    assert "Paris" in reply.choices[0].message.content
+    assert reply.usage.completion_tokens <= 12
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == reply.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == reply.usage.completion_tokens
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=-1)
+
+
+def test_bad_input_gets_clear_errors_and_harms_no_one(cluster):
+    inst = cluster[1]
+    code, body = inst.post("/v1/completions", b"{not json")
+    assert code == 400 and "not valid JSON" in body["error"]["message"]
+    code, body = inst.post("/v1/completions", {"model": MODEL, "prompt": "x", "colour": "red"})
+    assert code == 400 and body["error"]["param"] == "colour"
+    code, body = inst.post("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": -3})
+    assert code == 400 and "max_tokens" in body["error"]["message"]
+    code, body = inst.post("/v1/completions", {"model": MODEL, "prompt": passkey_prompt(200), "max_tokens": 4})
+    assert code == 400 and "KV blocks" in body["error"]["message"]
+    # The cluster still serves.
+    code, body = inst.post("/v1/completions", {"model": MODEL, "prompt": "The sky is", "max_tokens": 3, "temperature": 0})
+    assert code == 200 and body["usage"]["completion_tokens"] >= 1
+    code, lines = inst.local("POST", "/v1/generate", {"prompt": "x", "params": {"top_p": 7}})
+    assert code == 400 and "top_p" in lines["error"]
+
+
+def status_codes_as(uid: int, socket_path: Path, calls: list[tuple[str, str]]) -> list[int]:
+    """HTTP status of each call on the Unix socket, made by a child process running as ``uid``."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: drop to uid, call, report, exit without running any test code
+        try:
+            os.close(read_end)
+            os.setgid(uid)
+            os.setuid(uid)
+            codes = []
+            for method, path in calls:
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                    sock.settimeout(30)
+                    sock.connect(str(socket_path))
+                    sock.sendall(f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n"
+                                 f"Connection: close\r\n\r\n{{}}".encode())
+                    codes.append(sock.recv(64).split()[1].decode())
+            os.write(write_end, " ".join(codes).encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end) as pipe:
+        out = pipe.read()
+    os.waitpid(pid, 0)
+    return [int(code) for code in out.split()]
+
+
+def test_mutating_local_calls_need_root_or_the_admin_group(cluster):
+    inst = cluster[2]
+    os.chmod(inst.socket_path, 0o666)  # let an unprivileged user reach the socket at all
+    codes = status_codes_as(65534, inst.socket_path, [("GET", "/v1/status"), ("POST", "/v1/drain"),
+                                                      ("POST", "/v1/generate")])
+    assert codes == [200, 403, 403]
+    assert inst.status()["draining"] is False
