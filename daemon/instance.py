@@ -380,13 +380,19 @@ class InstanceDaemon:
     def _tick(self) -> None:
         now = time.monotonic()
         self.ledger.release_expired(now)
-        for home, freed in self.ledger.free_lost_debtors(now, self.config.timeouts.debtor_lost_s).items():
-            log.warning("instance %d went silent: freed %d blocks held for it", home, freed)
         self._publish()
-        for member in self.membership.members().values():
+        members = self.membership.members()
+        for member in members.values():
             if member.inst_id != self.config.instance_id:
                 self.peers.update(member.inst_id, PeerAddress(member.peer_host, member.peer_port),
                                   member.num_blocks_free, member.draining)
+        # A home that keeps publishing is alive even while its requests wait and send nothing.
+        for home in list(self.ledger.last_heard):
+            if home in members:
+                self.ledger.heard_from(home, now)
+        for home, freed in self.ledger.free_lost_debtors(now, self.config.timeouts.debtor_lost_s).items():
+            log.warning("instance %d went silent: freed %d blocks held for it", home, freed)
+            self.creditor.forget(home)
         self._update_metrics(now)
 
     def _free_for_others(self) -> int:

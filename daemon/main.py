@@ -33,6 +33,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict]
     parser.add_argument("--admin-group", dest="admin_group")
     parser.add_argument("--state-dir", dest="state_dir")
     parser.add_argument("--etcd-endpoints", dest="etcd_endpoints", help="comma-separated host:port list")
+    parser.add_argument("--heartbeat-interval-s", type=float, dest="timeouts.heartbeat_interval_s")
+    parser.add_argument("--reservation-s", type=float, dest="timeouts.reservation_s")
+    parser.add_argument("--debtor-lost-s", type=float, dest="timeouts.debtor_lost_s")
+    parser.add_argument("--drain-s", type=float, dest="timeouts.drain_s")
     parser.add_argument("--log-level", default=os.environ.get("INFLLM_LOG_LEVEL", "INFO"))
     args = parser.parse_args(argv)
     overrides = {k: v for k, v in vars(args).items() if k not in ("config", "log_level")}

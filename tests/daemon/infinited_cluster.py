@@ -83,7 +83,8 @@ class Instance:
 
 
 class LocalCluster:
-    def __init__(self, root: Path, num_instances: int, pool_blocks: int, extra_args: list[str] | None = None) -> None:
+    def __init__(self, root: Path, num_instances: int, pool_blocks: int, extra_args: list[str] | None = None,
+                 extra_env: dict[str, str] | None = None) -> None:
         """``root`` holds the logs and the state folder; the sockets go to a folder of their own
         that every user may traverse, as /run/infinite-llm is, so that tests can call as others."""
         self.root = root
@@ -94,6 +95,7 @@ class LocalCluster:
         env = dict(os.environ, UCX_TLS="tcp,sm,self", UCX_WARN_UNUSED_ENV_VARS="n", OMP_NUM_THREADS="1",
                    PYTHONUNBUFFERED="1")
         env.pop("TRITON_INTERPRET", None)
+        env.update(extra_env or {})
         for inst_id in range(1, num_instances + 1):
             socket_path = self.socket_dir / f"infinited-{inst_id}.sock"
             log_path = root / f"infinited-{inst_id}.log"

@@ -1,0 +1,82 @@
+"""Real failures: a home killed with SIGKILL, and the daemon's life as systemd sees it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+
+import pytest
+
+from infinited_cluster import LocalCluster, passkey_prompt
+
+POOL_BLOCKS = 40
+
+
+def test_creditor_frees_a_killed_homes_segments_and_keeps_serving(tmp_path):
+    cluster = LocalCluster(tmp_path, num_instances=2, pool_blocks=POOL_BLOCKS,
+                           extra_args=["--heartbeat-interval-s", "0.5", "--debtor-lost-s", "3"])
+    try:
+        cluster.wait_ready()
+        home, creditor = cluster[1], cluster[2]
+        outcome: dict = {}
+
+        def run() -> None:
+            try:
+                outcome["tokens"] = home.generate(passkey_prompt(50), max_tokens=400, ignore_eos=True)
+            except Exception as exc:  # the home dies mid-request: its client sees the connection go
+                outcome["error"] = exc
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        deadline = time.monotonic() + 120
+        while not creditor.status()["held_segments"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert creditor.status()["held_segments"], "the home should have spilled to the creditor"
+        os.killpg(home.process.pid, signal.SIGKILL)
+        home.process.wait(timeout=10)
+        thread.join(timeout=30)
+        assert "error" in outcome
+
+        killed_at = time.monotonic()
+        while creditor.status()["held_segments"] and time.monotonic() - killed_at < 20:
+            time.sleep(0.2)
+        status = creditor.status()
+        assert status["held_segments"] == [] and status["pool"]["num_blocks_free"] == POOL_BLOCKS
+        assert time.monotonic() - killed_at >= 2.5  # freed after the timeout, not before
+        tokens, _ = creditor.generate("The sky is", max_tokens=4)
+        assert len(tokens) >= 1
+    finally:
+        cluster.stop()
+
+
+def test_systemd_sees_ready_watchdog_and_stopping(tmp_path):
+    notify_path = tmp_path / "notify"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind(str(notify_path))
+        sock.settimeout(120)
+        cluster = LocalCluster(tmp_path, num_instances=1, pool_blocks=16,
+                               extra_env={"NOTIFY_SOCKET": str(notify_path), "WATCHDOG_USEC": "1000000"})
+        inst = cluster[1]
+        try:
+            messages = []
+            while not any(m.startswith("READY=1") for m in messages):
+                messages.append(sock.recv(4096).decode())
+            # READY comes once the socket answers and the instance is registered.
+            assert inst.status()["instance_id"] == 1
+            assert (cluster.state_dir / "members" / "1.json").exists()
+            assert "WATCHDOG=1" in sock.recv(4096).decode()  # every 0.5 s
+            inst.process.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                message = sock.recv(4096).decode()
+                if message.startswith("STOPPING=1"):
+                    break
+            else:
+                pytest.fail("no STOPPING=1")
+            assert inst.process.wait(timeout=60) == 0
+            assert not (cluster.state_dir / "members" / "1.json").exists()  # deregistered
+        finally:
+            cluster.stop()
