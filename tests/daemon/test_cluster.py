@@ -17,7 +17,7 @@ from infinite_llm.engine.engine import LLMEngine
 from infinite_llm.engine.loader import embedded_model_path, load_checkpoint
 from infinite_llm.engine.sampling import SamplingParams
 
-from infinited_cluster import LocalCluster, passkey_prompt
+from infinite_llm.daemon.local_cluster import LocalCluster, passkey_prompt
 
 POOL_BLOCKS = 40  # 640 tokens per instance; the long prompt needs about 75 blocks
 LONG_PROMPT = passkey_prompt(75)

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from infinited_cluster import LocalCluster, passkey_prompt
+from infinite_llm.daemon.local_cluster import LocalCluster, passkey_prompt
 
 POOL_BLOCKS = 40
 

@@ -24,7 +24,7 @@ from infinite_llm.transport.errors import RemoteError
 from infinite_llm.transport.interface import PeerAddress, TransportConfig
 from infinite_llm.transport.messages import Ack, MoveKV
 
-from infinited_cluster import LocalCluster, passkey_prompt
+from infinite_llm.daemon.local_cluster import LocalCluster, passkey_prompt
 
 POOL_BLOCKS = 40
 PROMPTS = {1: passkey_prompt(20, key_item=7), 2: passkey_prompt(20, key_item=13)}  # about 19 blocks each

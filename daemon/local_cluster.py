@@ -1,4 +1,8 @@
-"""A local cluster of real `infinited` processes for tests: start, find, talk to, stop."""
+"""A local cluster of `infinited` processes on this machine: start, find, talk to, stop.
+
+Used by the tests, the benchmarks and the demo. Each instance listens for peers on loopback
+UCX, publishes itself in ``<root>/state/members`` and serves its admin API on a Unix socket.
+"""
 
 from __future__ import annotations
 
@@ -72,6 +76,21 @@ class Instance:
         tokens = [t for line in lines for t in line["token_ids"]]
         return tokens, "".join(line["text"] for line in lines)
 
+    def stream(self, prompt: str | list[int], timeout: float = 600.0, **params: Any) -> Iterator[dict[str, Any]]:
+        """Stream ``/v1/generate``: one dict per step as it arrives (greedy unless params say otherwise)."""
+        conn = UnixHTTPConnection(str(self.socket_path), timeout=timeout)
+        body = json.dumps({"prompt": prompt, "params": {"temperature": 0, **params}}).encode()
+        conn.request("POST", "/v1/generate", body=body, headers={"Content-Type": "application/json"})
+        response = conn.getresponse()
+        if response.status != 200:
+            raise RuntimeError(f"generate failed ({response.status}): {response.read()[:500]!r}")
+        try:
+            for line in response:
+                if line.strip():
+                    yield json.loads(line)
+        finally:
+            conn.close()
+
     def post(self, path: str, body: Any, timeout: float = 300.0) -> tuple[int, Any]:
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
         request = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json"})
@@ -84,7 +103,8 @@ class Instance:
 
 class LocalCluster:
     def __init__(self, root: Path, num_instances: int, pool_blocks: int, extra_args: list[str] | None = None,
-                 extra_env: dict[str, str] | None = None) -> None:
+                 extra_env: dict[str, str] | None = None, max_num_batched_tokens: int = 128,
+                 device: str = "cpu", pool_blocks_per_instance: list[int] | None = None) -> None:
         """``root`` holds the logs and the state folder; the sockets go to a folder of their own
         that every user may traverse, as /run/infinite-llm is, so that tests can call as others."""
         self.root = root
@@ -92,15 +112,20 @@ class LocalCluster:
         self.socket_dir.chmod(0o755)
         self.state_dir = root / "state"
         self.instances: dict[int, Instance] = {}
-        env = dict(os.environ, UCX_TLS="tcp,sm,self", UCX_WARN_UNUSED_ENV_VARS="n", OMP_NUM_THREADS="1",
-                   PYTHONUNBUFFERED="1")
+        env = dict(os.environ, UCX_WARN_UNUSED_ENV_VARS="n", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        if device == "cpu":
+            env["UCX_TLS"] = "tcp,sm,self"  # no GPU: TCP and shared memory on loopback
         env.pop("TRITON_INTERPRET", None)
         env.update(extra_env or {})
+        pools = pool_blocks_per_instance or [pool_blocks] * num_instances
+        if len(pools) != num_instances:
+            raise ValueError(f"{len(pools)} pool sizes for {num_instances} instances")
         for inst_id in range(1, num_instances + 1):
             socket_path = self.socket_dir / f"infinited-{inst_id}.sock"
             log_path = root / f"infinited-{inst_id}.log"
             args = [sys.executable, "-m", "infinite_llm.daemon", "--instance-id", str(inst_id),
-                    "--kv-pool-blocks", str(pool_blocks), "--block-size", "16", "--max-num-batched-tokens", "128",
+                    "--kv-pool-blocks", str(pools[inst_id - 1]), "--block-size", "16",
+                    "--max-num-batched-tokens", str(max_num_batched_tokens), "--device", device,
                     "--http-port", "0", "--socket-path", str(socket_path), "--state-dir", str(self.state_dir),
                     "--peer-host", "127.0.0.1", *(extra_args or [])]
             with open(log_path, "w") as log:

@@ -1,0 +1,178 @@
+"""Decode throughput of `infinited` instances when one request's KV spans 1, 2 or 3 of them,
+and the cost of moving KV blocks while it decodes.
+
+Each case starts real daemons (a local cluster), sends one long prompt to instance 1 through
+the local API, and times the streamed decode steps (the first event, which carries the
+prefill, is left out). Pools are sized so that the request's KV ends up split over the
+instances by the home's reactive spill; the placement seen during decode is recorded.
+
+Moves: with the request decoding over two instances, a leader sends ``MoveKV`` commands of 1 or
+2 blocks (16 or 32 tokens) back to back, so that about one move lands at every step boundary;
+decode throughput is compared with the same cluster and request without moves.
+
+    python bench/daemon.py                  # the CPU (SmolLM2-135M)
+    python bench/daemon.py --device cuda    # one GPU shared by the processes
+
+Writes ``bench/results/daemon-<gpu or cpu>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from infinite_llm.daemon.local_cluster import LocalCluster, passkey_prompt
+from infinite_llm.transport.interface import PeerAddress, TransportConfig
+from infinite_llm.transport.messages import MoveKV
+
+BLOCK_SIZE = 16
+
+
+def decode_rate(events: list[tuple[float, dict]]) -> tuple[float, int]:
+    """Tokens per second over the decode steps (from the first event's arrival to the last)."""
+    times = [t for t, e in events if e["token_ids"]]
+    tokens = sum(len(e["token_ids"]) for _, e in events[1:])
+    return tokens / (times[-1] - times[0]), tokens
+
+
+def run_request(cluster: LocalCluster, prompt: str, new_tokens: int, placements: list) -> list[tuple[float, dict]]:
+    events = []
+    for event in cluster[1].stream(prompt, max_tokens=new_tokens, ignore_eos=True):
+        events.append((time.perf_counter(), event))
+        if len(events) == 2:  # decoding: record where the KV lives
+            status = cluster[1].status()
+            placements.extend(sorted({s["instance_id"] for r in status["requests"] for s in r["segments"]}))
+    return events
+
+
+def split_case(num_instances: int, context_blocks: int, prompt: str, new_tokens: int, device: str) -> dict:
+    share = math.ceil(context_blocks / num_instances)
+    if num_instances == 1:
+        pools = [context_blocks + 64]
+    else:
+        # The home keeps about one share (plus room for a prefill chunk); each creditor takes a share.
+        pools = [share + 10] + [share + 4] * (num_instances - 1)
+    with tempfile.TemporaryDirectory(prefix="infllm-bench-") as root:
+        cluster = LocalCluster(Path(root), num_instances, pools[0], device=device, pool_blocks_per_instance=pools)
+        try:
+            cluster.wait_ready()
+            run_request(cluster, prompt, 4, [])  # warm-up
+            time.sleep(2.5)  # peers republish their freed blocks
+            placement: list[int] = []
+            rate, tokens = decode_rate(run_request(cluster, prompt, new_tokens, placement))
+        finally:
+            cluster.stop()
+    return {"instances": num_instances, "pools": pools, "placement": placement, "decode_tokens_per_s": rate,
+            "decode_tokens": tokens}
+
+
+async def leader_moves(address: PeerAddress, req_id: int, num_blocks: int, stop: threading.Event,
+                       dst: int) -> tuple[int, int]:
+    from infinite_llm.transport.ucx import UcxTransport
+
+    transport = UcxTransport(TransportConfig(request_timeout_s=60.0))
+
+    async def nothing(message):
+        raise ValueError("the leader serves nothing here")
+
+    await transport.start(nothing)
+    done = failed = 0
+    try:
+        move_id = 0
+        while not stop.is_set():
+            move_id += 1
+            try:
+                await transport.request(address, MoveKV(epoch=1, move_id=move_id, home_inst_id=1, req_id=req_id,
+                                                        src_inst_id=1, dst_inst_id=dst, num_blocks=num_blocks))
+                done += 1
+            except Exception:  # noqa: BLE001  out of lendable blocks near the end: count and go on
+                failed += 1
+                await asyncio.sleep(0.01)
+    finally:
+        await transport.close()
+    return done, failed
+
+
+def move_case(context_blocks: int, prompt: str, new_tokens: int, blocks_per_move: int, device: str) -> dict:
+    pools = [context_blocks + 64, context_blocks + 64]
+    with tempfile.TemporaryDirectory(prefix="infllm-bench-") as root:
+        cluster = LocalCluster(Path(root), 2, pools[0], device=device, pool_blocks_per_instance=pools)
+        try:
+            cluster.wait_ready()
+            run_request(cluster, prompt, 4, [])  # warm-up
+            baseline, _ = decode_rate(run_request(cluster, prompt, new_tokens, []))
+            time.sleep(2.5)
+            member = json.loads((cluster.state_dir / "members" / "1.json").read_text())
+            address = PeerAddress(member["peer_host"], member["peer_port"])
+            events: list[tuple[float, dict]] = []
+            stop = threading.Event()
+            result: dict = {}
+
+            def requester() -> None:
+                for event in cluster[1].stream(prompt, max_tokens=new_tokens, ignore_eos=True):
+                    events.append((time.perf_counter(), event))
+                stop.set()
+
+            thread = threading.Thread(target=requester)
+            thread.start()
+            while len(events) < 2 and thread.is_alive():
+                time.sleep(0.005)
+            req_id = int(events[0][1]["request_id"])
+            result["moves"] = asyncio.run(leader_moves(address, req_id, blocks_per_move, stop, dst=2))
+            thread.join()
+            with_moves, tokens = decode_rate(events)
+        finally:
+            cluster.stop()
+    done, failed = result["moves"]
+    return {"tokens_per_move": blocks_per_move * BLOCK_SIZE, "decode_tokens_per_s_without": baseline,
+            "decode_tokens_per_s_with": with_moves, "throughput_cost": 1 - with_moves / baseline,
+            "moves_committed": done, "moves_failed": failed, "decode_steps": tokens,
+            "moves_per_step": done / max(1, tokens)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--context-items", type=int, default=130, help="passkey items (about 15 tokens each)")
+    parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
+    args = parser.parse_args()
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    if args.device == "cpu":
+        os.environ.setdefault("UCX_TLS", "tcp,sm,self")
+    prompt = passkey_prompt(args.context_items)
+    # Tokens are about 15 per item plus the question; blocks with room for the output.
+    context_blocks = math.ceil((15 * args.context_items + 40 + args.new_tokens) / BLOCK_SIZE)
+
+    splits = [split_case(n, context_blocks, prompt, args.new_tokens, args.device) for n in (1, 2, 3)]
+    for row in splits:
+        row["vs_one_instance"] = row["decode_tokens_per_s"] / splits[0]["decode_tokens_per_s"]
+    moves = [move_case(context_blocks, prompt, args.new_tokens, k, args.device) for k in (1, 2)]
+
+    gpu = torch.cuda.get_device_name().replace(" ", "-") if args.device.startswith("cuda") else "cpu"
+    report = {"device": gpu, "machine": platform.node(), "torch": torch.__version__, "model": "SmolLM2-135M-Instruct",
+              "context_blocks": context_blocks, "new_tokens": args.new_tokens, "splits": splits, "moves": moves}
+    out = Path(args.out_dir) / f"daemon-{gpu}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"{'instances':>9} {'placement':>12} {'decode tok/s':>13} {'vs one':>7}")
+    for r in splits:
+        print(f"{r['instances']:>9} {str(r['placement']):>12} {r['decode_tokens_per_s']:>13.2f} {r['vs_one_instance']:>7.3f}")
+    print(f"{'moved/step':>10} {'tok/s without':>14} {'tok/s with':>11} {'cost':>7} {'moves/step':>10}")
+    for r in moves:
+        print(f"{r['tokens_per_move']:>10} {r['decode_tokens_per_s_without']:>14.2f} {r['decode_tokens_per_s_with']:>11.2f} "
+              f"{100 * r['throughput_cost']:>6.1f}% {r['moves_per_step']:>10.2f}")
+
+
+if __name__ == "__main__":
+    main()
