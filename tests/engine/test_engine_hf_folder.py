@@ -1,0 +1,53 @@
+"""A Hugging Face folder (config.json, safetensors, tokenizer.json) loads and generates like the GGUF.
+
+The folder is written by ``transformers`` from the embedded GGUF (weights dequantised to
+float32), so both sources hold the same numbers and must give the same greedy tokens.
+"""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from infinite_llm.engine.config import EngineConfig
+from infinite_llm.engine.engine import LLMEngine
+from infinite_llm.engine.loader import embedded_model_path, load_checkpoint
+from infinite_llm.engine.sampling import SamplingParams
+
+PROMPTS = ["The capital of France is", "def add(a, b):\n    return"]
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory):
+    transformers = pytest.importorskip("transformers")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    path = embedded_model_path()
+    folder = tmp_path_factory.mktemp("smollm2-hf")
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    # transformers will not re-save a GGUF-quantised model: write the float32 tensors and the
+    # config (without its GGUF quantisation entry) as a plain Hugging Face folder.
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, str(folder / "model.safetensors"))
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    (folder / "config.json").write_text(json.dumps(config))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_hf_folder_matches_gguf(hf_folder, smollm2):
+    from_folder = load_checkpoint(hf_folder, show_progress=False)
+    assert from_folder.config.num_layers == smollm2.config.num_layers
+    assert from_folder.config.tie_word_embeddings == smollm2.config.tie_word_embeddings
+    for prompt in PROMPTS:
+        assert from_folder.tokenizer.encode(prompt) == smollm2.tokenizer.encode(prompt)
+    params = SamplingParams(max_tokens=12)
+    config = EngineConfig(pool_blocks=(256,))
+    expected = [o.token_ids for o in LLMEngine(smollm2, config).generate(PROMPTS, params)]
+    got = [o.token_ids for o in LLMEngine(from_folder, config).generate(PROMPTS, params)]
+    assert got == expected
