@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from infinite_llm.engine.block_manager import Segment
 from infinite_llm.engine.config import ModelConfig, RopeScaling
-from infinite_llm.engine.cuda_graphs import PiecewiseDecodeGraphs
+from infinite_llm.engine.cuda_graphs import LocalDecodeGraphs, PiecewiseDecodeGraphs
 from infinite_llm.engine.dist_attention import DistAttention, build_step_attention
 from infinite_llm.engine.model import LlamaModel
 from infinite_llm.engine.scheduler import ScheduledChunk
@@ -94,9 +94,11 @@ def copy_bandwidth(device: torch.device, num_bytes: int, measure) -> float:
 
 
 def decode_step(model: LlamaModel, pool: torch.Tensor, batch: int, context: int, block_size: int, measure,
-                graphs: PiecewiseDecodeGraphs | None) -> tuple[float, float | None]:
+                graphs: PiecewiseDecodeGraphs | None,
+                step_graphs: LocalDecodeGraphs | None) -> tuple[float, float | None, float | None]:
     """Median seconds of one decode step of ``batch`` requests that each hold ``context`` keys:
-    eager, and replayed as piecewise CUDA graphs (None without them)."""
+    eager, replayed as piecewise CUDA graphs (attention eager between them, as when remote parts
+    are awaited), and as one whole-step graph (all KV at home); None without CUDA."""
     blocks_per_seq = -(-(context + 1) // block_size)
     chunks, tables, slots = [], {}, []
     for b in range(batch):
@@ -112,10 +114,13 @@ def decode_step(model: LlamaModel, pool: torch.Tensor, batch: int, context: int,
     rows = torch.arange(batch, device=model.device)
     loop = asyncio.new_event_loop()
     eager = measure(lambda: loop.run_until_complete(model.forward(token_ids, positions, attention, rows)), 16)
-    if graphs is None:
-        return eager, None
+    if graphs is None or step_graphs is None:
+        return eager, None, None
     replayed = measure(lambda: loop.run_until_complete(graphs.forward(token_ids, positions, attention, rows)), 16)
-    return eager, replayed
+    home = layout.batches[0]
+    whole = measure(lambda: step_graphs.forward(token_ids, positions, layout.slot_mapping, home.block_tables,
+                                                home.kv_lens, rows), 16)
+    return eager, replayed, whole
 
 
 def prefill(model: LlamaModel, pool: torch.Tensor, length: int, block_size: int, measure, use_sdpa: bool) -> float:
@@ -170,23 +175,29 @@ def main() -> None:
         free, _ = torch.cuda.mem_get_info()
         pool_blocks = int(free * args.memory_fraction) // (kv_bytes_per_token * args.block_size)
     else:
-        pool_blocks = max(max(batches) * (max(contexts) + 1), max(lengths)) // args.block_size + 2
+        pool_blocks = max(max(batches) * (max(contexts) + 1), max(lengths)) // args.block_size + 3
     pool = allocate_kv_pool(KVPoolShape(pool_blocks, config.num_layers, args.block_size, config.num_kv_heads,
                                         config.head_dim), dtype, device)
     pool.normal_()
 
     graphs = PiecewiseDecodeGraphs(model, tuple(batches)) if device.type == "cuda" else None
+    # The pool's last block takes the padded rows' K/V of whole-step graphs.
+    step_graphs = (LocalDecodeGraphs(model, pool, (pool_blocks - 1) * args.block_size, tuple(batches),
+                                     -(-max_position // args.block_size)) if device.type == "cuda" else None)
     decode_rows = []
     for context in contexts:
         for batch in batches:
-            if batch * (-(-(context + 1) // args.block_size)) > pool_blocks:
+            if batch * (-(-(context + 1) // args.block_size)) > pool_blocks - 1:
                 decode_rows.append({"batch": batch, "context": context, "skipped": "KV does not fit in memory"})
                 continue
-            eager_s, graph_s = decode_step(model, pool, batch, context, args.block_size, measure, graphs)
-            seconds = graph_s if graph_s is not None else eager_s
+            eager_s, graph_s, whole_s = decode_step(model, pool, batch, context, args.block_size, measure, graphs,
+                                                    step_graphs)
+            seconds = whole_s if whole_s is not None else eager_s
             kv_read = batch * (context + 1) * kv_bytes_per_token
             decode_rows.append({"batch": batch, "context": context, "step_ms": seconds * 1e3,
                                 "eager_step_ms": eager_s * 1e3, "cuda_graphs": graph_s is not None,
+                                "piecewise_step_ms": graph_s * 1e3 if graph_s else None,
+                                "piecewise_mbu": (weight_bytes + kv_read) / graph_s / bandwidth if graph_s else None,
                                 "tokens_per_s": batch / seconds, "bytes_read": weight_bytes + kv_read,
                                 "mbu": (weight_bytes + kv_read) / seconds / bandwidth,
                                 "eager_mbu": (weight_bytes + kv_read) / eager_s / bandwidth})
@@ -206,12 +217,13 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s, weights {weight_bytes / 1e9:.2f} GB")
-    print(f"{'batch':>5} {'context':>8} {'step ms':>9} {'MBU':>6} {'eager ms':>9} {'eager MBU':>9}")
+    print(f"{'batch':>5} {'context':>8} {'step ms':>9} {'MBU':>6} {'piecewise MBU':>13} {'eager ms':>9} {'eager MBU':>9}")
     for r in decode_rows:
         if "skipped" in r:
             print(f"{r['batch']:>5} {r['context']:>8} {'skipped: ' + r['skipped']}")
         else:
-            print(f"{r['batch']:>5} {r['context']:>8} {r['step_ms']:>9.2f} {r['mbu']:>6.2f} "
+            piecewise = f"{r['piecewise_mbu']:.2f}" if r.get("piecewise_mbu") else "-"
+            print(f"{r['batch']:>5} {r['context']:>8} {r['step_ms']:>9.2f} {r['mbu']:>6.2f} {piecewise:>13} "
                   f"{r['eager_step_ms']:>9.2f} {r['eager_mbu']:>9.2f}")
     print(f"{'prefill':>8} {'engine tok/s':>13} {'SDPA tok/s':>11} {'ratio':>6}")
     for r in prefill_rows:

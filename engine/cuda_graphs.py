@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from infinite_llm.kernels import MicroAttentionPlan, plan_micro_attention, run_micro_attention, write_kv
+
 from .model import AttentionFn, LlamaModel
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64)
@@ -144,4 +146,114 @@ class PiecewiseDecodeGraphs:
             out = await attention(layer, b.q[layer][:n], b.k[layer][:n], b.v[layer][:n])
             b.attn_out[:n].copy_(out)
             graphs[layer + 1].replay()
+        return b.logits[logits_rows].clone()
+
+
+@dataclass
+class _StepBuffers:
+    """The static inputs and outputs of one (batch, table width) whole-step graph."""
+
+    token_ids: torch.Tensor  # [batch] int64
+    positions: torch.Tensor  # [batch] int64
+    slot_mapping: torch.Tensor  # [batch] int64; padded rows write into the padding slot
+    block_tables: torch.Tensor  # [batch, width] int32
+    kv_lens: torch.Tensor  # [batch] int32; 0 for padded rows
+    logits: torch.Tensor  # [batch, vocab] float32
+    graph: torch.cuda.CUDAGraph
+    plan: MicroAttentionPlan  # the graph reads its tensors: kept alive with it
+
+
+class LocalDecodeGraphs:
+    """Whole decode steps, attention included, for steps whose KV is all in the home pool.
+
+    With no remote part to await, nothing in a decode step changes but the values of a few
+    small tensors (token ids, positions, slots, block tables, lengths), so the step is one graph
+    per batch size and block-table width (16, 24, 32, 48, 64, ... blocks). Padded rows attend over no key and
+    write their K/V into a block reserved for that (``padding_slot``). Graphs are captured on
+    first use of a shape.
+    """
+
+    def __init__(self, model: LlamaModel, kv_pool: torch.Tensor, padding_slot: int,
+                 batch_sizes: tuple[int, ...], max_blocks_per_seq: int) -> None:
+        if model.device.type != "cuda":
+            raise ValueError("CUDA graphs need a model on a CUDA device")
+        self.model = model
+        self.kv_pool = kv_pool
+        self.padding_slot = padding_slot
+        self.batch_sizes = tuple(sorted(set(batch_sizes)))
+        self.block_size = kv_pool.shape[3]
+        # Table widths a graph is captured for: 16, 24, 32, 48, 64, ... blocks. The kernel's key
+        # splits are planned for the width, so a step wastes at most a third of its programs.
+        widths = []
+        for exponent in range(4, max(4, (max_blocks_per_seq - 1).bit_length()) + 1):
+            widths += [1 << exponent, 3 << (exponent - 1)]
+        self.widths = tuple(w for w in widths if w < 2 * max(16, max_blocks_per_seq))
+        self._pool = torch.cuda.graph_pool_handle()
+        self._steps: dict[tuple[int, int], _StepBuffers] = {}
+
+    def can_run(self, num_rows: int, max_blocks: int) -> bool:
+        return 0 < num_rows <= self.batch_sizes[-1] and max_blocks <= self.widths[-1]
+
+    def _capture(self, batch: int, width: int) -> _StepBuffers:
+        model, c, dev = self.model, self.model.config, self.model.device
+        bt = torch.zeros(batch, width, dtype=torch.int32, device=dev)
+        kv_lens = torch.zeros(batch, dtype=torch.int32, device=dev)
+        token_ids = torch.zeros(batch, dtype=torch.int64, device=dev)
+        positions = torch.zeros(batch, dtype=torch.int64, device=dev)
+        slots = torch.full((batch,), self.padding_slot, dtype=torch.int64, device=dev)
+        logits = torch.zeros(batch, c.vocab_size, dtype=torch.float32, device=dev)
+        plan = plan_micro_attention(
+            bt, kv_lens, torch.arange(batch + 1, dtype=torch.int32, device=dev),
+            num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, block_size=self.block_size,
+            num_blocks=self.kv_pool.shape[0], max_query_len=1, max_kv_len=width * self.block_size, check_bounds=False)
+
+        def step() -> None:
+            hidden = model.embed(token_ids)
+            for layer in range(c.num_layers):
+                q, k, v = model.pre_attention(layer, hidden, positions)
+                write_kv(k, v, self.kv_pool, layer, slots, check_bounds=False)
+                out = run_micro_attention(plan, q, self.kv_pool, layer, sm_scale=model.sm_scale, out_dtype=q.dtype).out
+                hidden = model.post_attention(layer, hidden, out)
+            logits.copy_(model.logits(hidden))
+
+        stream = torch.cuda.Stream(device=dev)
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(stream):
+            step()  # compiles the kernels outside the capture
+        torch.cuda.current_stream(dev).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            step()
+        torch.cuda.synchronize(dev)
+        return _StepBuffers(token_ids, positions, slots, bt, kv_lens, logits, graph, plan)
+
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                block_tables: torch.Tensor, kv_lens: torch.Tensor, logits_rows: torch.Tensor) -> torch.Tensor:
+        """One decode step: row i attends over ``kv_lens[i]`` keys in ``block_tables[i]``.
+
+        Args:
+            token_ids, positions, slot_mapping: ``[num_rows]`` int64.
+            block_tables: ``[num_rows, num_blocks]`` int32; kv_lens ``[num_rows]`` int32 (the
+                new token included).
+            logits_rows: ``[num_sampled]`` int64.
+
+        Returns:
+            ``[num_sampled, vocab]`` float32 logits.
+        """
+        n, w = block_tables.shape
+        batch = self.batch_sizes[bisect.bisect_left(self.batch_sizes, n)]
+        width = self.widths[bisect.bisect_left(self.widths, w)]
+        key = (batch, width)
+        if key not in self._steps:
+            self._steps[key] = self._capture(batch, width)
+        b = self._steps[key]
+        b.token_ids[:n].copy_(token_ids)
+        b.positions[:n].copy_(positions)
+        b.slot_mapping[:n].copy_(slot_mapping)
+        b.block_tables[:n, :w].copy_(block_tables)
+        b.kv_lens[:n].copy_(kv_lens)
+        if n < batch:
+            b.slot_mapping[n:].fill_(self.padding_slot)
+            b.kv_lens[n:].zero_()
+        b.graph.replay()
         return b.logits[logits_rows].clone()

@@ -22,7 +22,7 @@ from .config import EngineConfig
 from .dist_attention import DistAttention, InProcessRemoteAttention, RemoteAttention, build_step_attention
 from .loader import Checkpoint, load_checkpoint
 from .model import LlamaModel
-from .cuda_graphs import DEFAULT_BATCH_SIZES, PiecewiseDecodeGraphs
+from .cuda_graphs import DEFAULT_BATCH_SIZES, LocalDecodeGraphs, PiecewiseDecodeGraphs
 from .lending import KVLender
 from .sampling import Sampler, SamplingParams
 from .scheduler import Request, Scheduler, SchedulerOutput
@@ -93,9 +93,15 @@ class LLMEngine:
         self.remote = remote if remote is not None else InProcessRemoteAttention(creditors, num_heads=mc.num_heads)
         self.sampler = Sampler()
         self.decode_graphs: PiecewiseDecodeGraphs | None = None
+        self.local_decode_graphs: LocalDecodeGraphs | None = None
         if self.device.type == "cuda" and config.cuda_graphs:
             sizes = tuple(b for b in DEFAULT_BATCH_SIZES if b < config.max_num_seqs) + (config.max_num_seqs,)
             self.decode_graphs = PiecewiseDecodeGraphs(self.model, sizes)
+            # One home block is never given to a request: padded rows of graph steps write there.
+            (padding_block,) = self.block_manager.reserve_home_blocks(1)
+            self.local_decode_graphs = LocalDecodeGraphs(
+                self.model, self.pools[self.home_instance_id], padding_block * config.block_size, sizes,
+                -(-self.max_model_len // config.block_size))
         self._states: dict[str, _RequestState] = {}
         self._ids = itertools.count()
         self._step_ids = itertools.count()
@@ -134,6 +140,8 @@ class LLMEngine:
             else self.block_manager.num_total_blocks(self.home_instance_id)
         if self.lender is not None:
             capacity += self.lender.num_free_blocks_elsewhere()
+        if self.local_decode_graphs is not None:
+            capacity -= 1  # the padding block of graph steps
         if blocks > capacity:
             raise RequestRejected(
                 f"the request needs up to {most_tokens} tokens = {blocks} KV blocks, but the pools hold "
@@ -272,6 +280,15 @@ class LLMEngine:
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
         rows = torch.tensor(logits_rows, dtype=torch.int64, device=self.device)
         decode = all(c.num_tokens == 1 for c in scheduled.chunks)
+        home_batch = layout.batches[self.home_instance_id]
+        if (decode and self.local_decode_graphs is not None and len(layout.batches) == 1
+                and layout.placements[self.home_instance_id].identity and home_batch.q_pos is None
+                and self.local_decode_graphs.can_run(len(token_ids), home_batch.block_tables.shape[1])):
+            # Every key is in the home pool: the whole step, attention included, is one graph.
+            logits = self.local_decode_graphs.forward(ids, pos, layout.slot_mapping, home_batch.block_tables,
+                                                      home_batch.kv_lens, rows)
+            self.remote.end_step(step_id)
+            return self._sample(scheduled, logits)
         forward = self.model.forward
         if decode and self.decode_graphs is not None and self.decode_graphs.can_run(len(token_ids)):
             forward = self.decode_graphs.forward
@@ -279,6 +296,11 @@ class LLMEngine:
             logits = await forward(ids, pos, attention, rows)
         finally:
             self.remote.end_step(step_id)
+        return self._sample(scheduled, logits)
+
+    def _sample(self, scheduled: SchedulerOutput, logits: torch.Tensor) -> list[int]:
+        """logits ``[num_sampling_chunks, vocab]`` -> one token per sampling chunk."""
+        requests = self.scheduler.requests
         sampling = [c for c in scheduled.chunks if c.samples]
         self.last_step_logits = {c.request_id: row for c, row in zip(sampling, logits)}
         return self.sampler.sample(logits, [c.request_id for c in sampling],
