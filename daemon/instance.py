@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 import os
 import signal
@@ -32,6 +33,8 @@ from infinite_llm.transport.messages import (
     Echo,
     EchoReply,
     FreeSegment,
+    Heartbeat,
+    HeartbeatReply,
     KVBlocks,
     KVBlocksStored,
     Message,
@@ -40,11 +43,14 @@ from infinite_llm.transport.messages import (
     MoveRejected,
     MoveRejectReason,
     MoveReserved,
+    PoolFigures,
+    RequestPlacementEntry,
     TryMoveKV,
 )
 
 from .config import InstanceConfig
 from .creditor import CreditorAttention
+from .heartbeat import HeartbeatState
 from .http_api import GenerationEvent, LocalApp, OpenAIApp, RequestRefused, start_local_site
 from .ledger import CreditorLedger, EpochFence
 from .local_auth import admin_group_id
@@ -80,6 +86,9 @@ class InstanceDaemon:
         self.remote: TransportRemoteAttention | None = None
         self.lender: TransportLender | None = None
         self.http_port = 0  # the OpenAI API's port once listening
+        self.heartbeats = HeartbeatState(config.instance_id)
+        self._leader: tuple[int, PeerAddress] | None = None  # (epoch, address) of the gManager leader
+        self._heartbeat_task: asyncio.Task | None = None
         # gManager moves wait here for the next step boundary, where block tables may change.
         self._ordered_moves: list[tuple[MoveKV, asyncio.Future[bool]]] = []
 
@@ -394,6 +403,82 @@ class InstanceDaemon:
             log.warning("instance %d went silent: freed %d blocks held for it", home, freed)
             self.creditor.forget(home)
         self._update_metrics(now)
+        self._send_heartbeat()
+
+    # ---- the gManager ---------------------------------------------------------------------
+    def _find_leader(self) -> tuple[int, PeerAddress] | None:
+        """The gManager leader published in the state folder (local election), if alive."""
+        path = Path(self.config.state_dir) / "gmanager" / "leader.json"
+        try:
+            leader = json.loads(path.read_text())
+            pid, epoch = int(leader["pid"]), int(leader["epoch"])
+            address = PeerAddress(str(leader["peer_host"]), int(leader["peer_port"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            pass
+        return epoch, address
+
+    def _send_heartbeat(self) -> None:
+        if self._heartbeat_task is not None and not self._heartbeat_task.done():
+            return  # the last one is still on its way: never more than one in flight
+        leader = self._find_leader()
+        if leader is None:
+            self._leader = None
+            return
+        if self._leader is None or self._leader[0] != leader[0]:
+            self.heartbeats.leader_changed()
+        self._leader = leader
+        heartbeat = self.heartbeats.next(self._pool_figures(), len(self.engine.scheduler.running),
+                                         self._placement_entries())
+        self._heartbeat_task = asyncio.get_running_loop().create_task(self._exchange_heartbeat(leader[1], heartbeat))
+
+    async def _exchange_heartbeat(self, leader: PeerAddress, heartbeat: Heartbeat) -> None:
+        try:
+            reply = await self.transport.request(leader, heartbeat, timeout_s=self.config.timeouts.peer_request_s)
+        except Exception as exc:  # noqa: BLE001  the leader may be changing: try again next period
+            log.info("heartbeat to the gManager at %s: %s", leader, exc)
+            return
+        if not isinstance(reply, HeartbeatReply):
+            log.warning("the gManager answered a heartbeat with %s", type(reply).__name__)
+            return
+        if not self.fence.admit(reply.epoch):
+            self.metrics.stale_epoch_commands.inc()
+            return
+        self.heartbeats.on_reply(reply)
+        for hint in reply.creditors:
+            if hint.inst_id != self.config.instance_id:
+                try:
+                    self.peers.by_inst(hint.inst_id).num_blocks_free = hint.num_blocks_free
+                except KeyError:
+                    pass  # not yet in the membership: its address comes with it
+
+    def _num_blocks_borrowed(self) -> int:
+        """Blocks of this instance's requests held on peers."""
+        bm = self.engine.block_manager
+        return sum(len(s.block_ids) for r in self.engine.scheduler.requests for s in bm.block_table(r)
+                   if not bm.is_local(s.instance_id))
+
+    def _pool_figures(self) -> PoolFigures:
+        bm, home = self.engine.block_manager, self.engine.home_instance_id
+        return PoolFigures(bm.num_total_blocks(home), bm.num_free_blocks(home),
+                           self.ledger.num_blocks_held + self.ledger.num_blocks_reserved, self._num_blocks_borrowed())
+
+    def _placement_entries(self) -> list[RequestPlacementEntry]:
+        """Blocks of every request of this home, per instance holding them."""
+        bm = self.engine.block_manager
+        entries = []
+        for request_id in self.engine.scheduler.requests:
+            blocks: dict[int, int] = {}
+            for segment in bm.block_table(request_id):
+                blocks[segment.instance_id] = blocks.get(segment.instance_id, 0) + len(segment.block_ids)
+            entries.extend(RequestPlacementEntry(int(request_id), self.peers.cluster_id(i), n, bm.is_local(i))
+                           for i, n in blocks.items())
+        return entries
 
     def _free_for_others(self) -> int:
         """Free blocks beyond what this instance's own next step may need."""
@@ -417,9 +502,7 @@ class InstanceDaemon:
         m.kv_blocks_total.set(total)
         m.kv_usage_ratio.set(1 - bm.num_free_blocks(self.engine.home_instance_id) / total)
         m.kv_blocks_lent.set(self.ledger.num_blocks_held + self.ledger.num_blocks_reserved)
-        m.kv_blocks_borrowed.set(sum(
-            len(s.block_ids) for r in self.engine.scheduler.requests for s in bm.block_table(r)
-            if not bm.is_local(s.instance_id)))
+        m.kv_blocks_borrowed.set(self._num_blocks_borrowed())
         self._tokens_window = [(t, n) for t, n in self._tokens_window if now - t <= 10.0]
         span = now - self._tokens_window[0][0] if len(self._tokens_window) > 1 else 0.0
         m.tokens_per_second.set(sum(n for _, n in self._tokens_window[1:]) / span if span > 0 else 0.0)

@@ -1,0 +1,55 @@
+"""What an instance tells the gManager each period: pool figures, batch, placement as a diff.
+
+Pure: :class:`HeartbeatState` turns the instance's current placement into the next ``Heartbeat``
+and learns from the ``HeartbeatReply`` which version the leader holds. The diff is against the
+last version the leader acknowledged; when the leader lacks it (a new leader, a lost heartbeat)
+it asks for the full placement, and the next heartbeat carries everything (base version 0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from infinite_llm.transport.messages import Heartbeat, HeartbeatReply, PlacementKey, PoolFigures, RequestPlacementEntry
+from infinite_llm.transport.placement import diff_placement, placement_of
+
+
+@dataclass
+class HeartbeatState:
+    inst_id: int
+    seq: int = 0
+    version: int = 0  # of the placement last sent
+    acked_version: int = 0  # of the placement the leader holds; 0: none
+    acked: dict[PlacementKey, RequestPlacementEntry] = field(default_factory=dict)
+    _sent: dict[int, dict[PlacementKey, RequestPlacementEntry]] = field(default_factory=dict)
+
+    def next(self, pool: PoolFigures, batch_size: int, entries: list[RequestPlacementEntry]) -> Heartbeat:
+        """The heartbeat for the current ``entries`` (every request of this home, per instance)."""
+        current = placement_of(entries)
+        self.seq += 1
+        self.version += 1
+        if self.acked_version == 0:
+            upserts, removals, base = tuple(current[k] for k in sorted(current, key=_order)), (), 0
+        else:
+            (upserts, removals), base = diff_placement(self.acked, current), self.acked_version
+        self._sent[self.version] = current
+        # Versions older than the acknowledged one can never be acknowledged again.
+        for old in [v for v in self._sent if v < self.acked_version]:
+            del self._sent[old]
+        return Heartbeat(self.inst_id, self.seq, pool, batch_size, base, self.version, upserts, removals)
+
+    def on_reply(self, reply: HeartbeatReply) -> None:
+        if reply.needs_full_placement:
+            self.acked_version, self.acked = 0, {}
+            return
+        sent = self._sent.get(reply.acked_placement_version)
+        if sent is not None:
+            self.acked_version, self.acked = reply.acked_placement_version, sent
+
+    def leader_changed(self) -> None:
+        """A new leader holds nothing: send the full placement next."""
+        self.acked_version, self.acked = 0, {}
+
+
+def _order(key: PlacementKey) -> tuple[int, int]:
+    return (key.req_id, key.inst_id)
