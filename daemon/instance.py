@@ -284,8 +284,9 @@ class InstanceDaemon:
         if isinstance(message, TryMoveKV):
             return self._try_move(message)
         if isinstance(message, KVBlocks):
-            reservation = self.ledger.reservation(message.reservation_id)
-            return KVBlocksStored(message.move_id, message.reservation_id, len(reservation.block_ids))
+            # The data is already in the reserved blocks (the placer put it there).
+            self.ledger.reservation(message.reservation_id)
+            return KVBlocksStored(message.move_id, message.reservation_id, sum(r.num_blocks for r in message.runs))
         if isinstance(message, MoveCommit):
             self.ledger.commit(message.reservation_id, message.home_inst_id, message.req_id, message.segment_id,
                                time.monotonic())
