@@ -26,7 +26,7 @@ from infinite_llm.engine.engine import LLMEngine, RequestRejected
 from infinite_llm.engine.loader import load_checkpoint
 from infinite_llm.engine.sampling import SamplingParams
 from infinite_llm.transport.errors import PlacementRefused
-from infinite_llm.transport.interface import PeerAddress, TransportConfig
+from infinite_llm.transport.interface import PeerAddress, Transport, TransportConfig
 from infinite_llm.transport.messages import (
     AttendRequest,
     Drain,
@@ -82,7 +82,7 @@ class InstanceDaemon:
         self._prompt_tokens: dict[str, int] = {}
         self._tokens_window: list[tuple[float, int]] = []
         self.engine: LLMEngine | None = None
-        self.transport = None
+        self.transport: Transport | None = None
         self.remote: TransportRemoteAttention | None = None
         self.lender: TransportLender | None = None
         self.http_port = 0  # the OpenAI API's port once listening
@@ -100,6 +100,7 @@ class InstanceDaemon:
         loop.add_signal_handler(signal.SIGINT, self._on_signal)
         runners: list[web.AppRunner] = []
         tasks: list[asyncio.Task] = []
+        stop = asyncio.create_task(self._stopping.wait())
         try:
             self.notifier.status("loading the model")
             await self._start_engine_and_transport()
@@ -110,7 +111,6 @@ class InstanceDaemon:
                      self.transport.address, self.config.http_host, self.http_port, self.config.socket_path)
             tasks = [asyncio.create_task(self._engine_loop(), name="engine"),
                      asyncio.create_task(self._maintenance_loop(), name="maintenance")]
-            stop = asyncio.create_task(self._stopping.wait())
             done, _ = await asyncio.wait([stop, *tasks], return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 if task is not stop and task.exception() is not None:
@@ -119,9 +119,11 @@ class InstanceDaemon:
         finally:
             self.notifier.stopping("stopping")
             self.membership.withdraw(self.config.instance_id)
-            for task in tasks:
+            if self._heartbeat_task is not None:
+                tasks.append(self._heartbeat_task)
+            for task in (stop, *tasks):
                 task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(stop, *tasks, return_exceptions=True)
             for runner in runners:
                 await runner.cleanup()
             if self.lender is not None:
