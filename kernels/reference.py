@@ -108,24 +108,22 @@ def _decode_batch(
     table = torch.where(used, table, torch.zeros_like(table))
     kv = kv_pool[table, layer].float()  # [num_seqs, num_cols, 2, block_size, num_kv_heads, head_dim]
     num_keys = num_cols * block_size
-    k = kv[:, :, 0].reshape(num_seqs, num_keys, num_kv_heads, head_dim).transpose(1, 2)
-    v = kv[:, :, 1].reshape(num_seqs, num_keys, num_kv_heads, head_dim).transpose(1, 2)
+    k = kv[:, :, 0].reshape(num_seqs, num_keys, num_kv_heads, head_dim).permute(0, 2, 3, 1)  # [S, Hkv, D, N]
+    v = kv[:, :, 1].reshape(num_seqs, num_keys, num_kv_heads, head_dim).transpose(1, 2)  # [S, Hkv, N, D]
     visible = torch.arange(num_keys, device=q.device)[None, :] < kv_lens.long()[:, None]  # [num_seqs, num_keys]
-    # Slots past a sequence's end hold stale data (anything, NaN included): zero them so that
-    # a masked key contributes exactly nothing.
-    hidden = ~visible[:, None, :, None]
-    k = k.masked_fill(hidden, 0.0).repeat_interleave(group, dim=1)  # [num_seqs, num_heads, num_keys, head_dim]
-    v = v.masked_fill(hidden, 0.0).repeat_interleave(group, dim=1)
-    q4 = q.float()[:, :, None, :]  # [num_seqs, num_heads, 1, head_dim]
-    if _FLASH_CPU is not None and q.device.type == "cpu":
-        mask = torch.where(visible, 0.0, -math.inf)[:, None, None, :]
-        out, lse = _FLASH_CPU(q4, k, v, 0.0, False, attn_mask=mask, scale=sm_scale)
-    else:
-        scores = torch.matmul(q4, k.transpose(-1, -2)) * sm_scale
-        scores = scores.masked_fill(~visible[:, None, None, :], -math.inf)
-        lse = torch.logsumexp(scores, dim=-1)
-        safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-        out = torch.matmul(torch.exp(scores - safe[..., None]), v)
+    # The group's query heads share their KV head: [S, Hkv, group, D] against [S, Hkv, D, N].
+    qg = q.float().view(num_seqs, num_kv_heads, group, head_dim)
+    scores = torch.matmul(qg, k) * sm_scale  # [S, Hkv, group, N]
+    # Slots past a sequence's end hold stale data (anything, NaN included): a where, not an add,
+    # so that a masked key contributes exactly nothing.
+    scores = torch.where(visible[:, None, None, :], scores, -math.inf)
+    lse = torch.logsumexp(scores, dim=-1)  # [S, Hkv, group]
+    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    probs = torch.exp(scores - safe[..., None])
+    v = torch.where(visible[:, None, :, None], v, 0.0)
+    out = torch.matmul(probs, v)  # [S, Hkv, group, D]
+    out = out.reshape(num_seqs, num_heads, 1, head_dim)
+    lse = lse.reshape(num_seqs, num_heads, 1)
     out, lse = out[:, :, 0], lse[:, :, 0]  # [num_seqs, num_heads, head_dim], [num_seqs, num_heads]
     empty = kv_lens == 0
     if bool(empty.any()):
