@@ -1,0 +1,651 @@
+"""The gManager service: heartbeats in, placement plans out, ``MoveKV`` commands to instances.
+
+Three layers, from pure to I/O:
+
+* :class:`ClusterView` (pure, no clock, no I/O): the soft state built from heartbeats: each
+  instance's pool figures, batch and versioned placement. A new leader starts empty and
+  rebuilds it from the next heartbeats (it answers ``needs_full_placement`` to every diff it
+  has no base for). It turns into a :class:`~.policy.ClusterSnapshot` for the policy.
+* :class:`GManager`: the daemon. A UCX listener serves Heartbeats; a periodic loop plans with
+  :func:`~.policy.plan` and sends each move as ``MoveKV`` stamped with the leader's epoch; an
+  admin HTTP API (Unix socket and TCP) reports status and runs a rebalance on demand.
+* :func:`main`: argparse, campaign, serve while leading, step down, SIGTERM.
+
+Instances move only their own requests' home blocks today (``MoveKV`` with ``src_inst_id ==
+home_inst_id``). The policy plans only such moves (a debtor offers blocks of its own
+requests), and the gManager sends nothing else.
+
+Peer addresses come from the local membership folder (``<state_dir>/members``), where every
+``infinited`` publishes its UCX listener; heartbeats do not carry them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import logging
+import math
+import os
+import signal
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from aiohttp import web
+
+from infinite_llm.daemon.membership import LocalMembership
+from infinite_llm.scheduler.election import CandidateAddresses, Election, LeaderInfo, LocalElection
+from infinite_llm.scheduler.perf_model import PerfModel, load_model
+from infinite_llm.scheduler.policy import (
+    ClusterSnapshot,
+    InstanceState,
+    PlacementTable,
+    Thresholds,
+    plan,
+)
+from infinite_llm.scheduler.policy import RequestPlacementEntry as PolicyEntry
+from infinite_llm.transport.errors import PeerUnreachable, RemoteError, RequestTimeout
+from infinite_llm.transport.interface import PeerAddress, TransportConfig
+from infinite_llm.transport.messages import (
+    Ack,
+    CreditorHint,
+    Heartbeat,
+    HeartbeatReply,
+    Message,
+    MoveKV,
+    PoolFigures,
+)
+from infinite_llm.transport.placement import PlacementGap, VersionedPlacement, apply_heartbeat
+
+log = logging.getLogger("infinite_llm.gmanager")
+
+EXIT_LOST_LEADERSHIP = 3  # the process stepped down: a supervisor restarts it as a standby
+
+
+# ---- soft state (pure) ----------------------------------------------------------------------
+class HeartbeatRefused(ValueError):
+    """A heartbeat that cannot describe a real instance; nothing of it is kept."""
+
+
+@dataclass(frozen=True)
+class InstanceRecord:
+    """One instance as its heartbeats describe it."""
+
+    inst_id: int
+    seq: int  # of the last heartbeat taken
+    pool: PoolFigures  # blocks
+    batch_size: int  # running requests
+    placement: VersionedPlacement  # where this instance's requests' blocks are
+    heard_at_s: float  # the gManager's monotonic clock at the last heartbeat, s
+
+
+@dataclass(frozen=True)
+class HeartbeatOutcome:
+    acked_placement_version: int  # 0: nothing held for the sender
+    needs_full_placement: bool
+
+
+class ClusterView:
+    """Soft state of the cluster, from heartbeats. Time is passed in (``now_s``, monotonic)."""
+
+    def __init__(self, silent_after_s: float) -> None:
+        self.silent_after_s = silent_after_s  # an instance unheard for longer is left out, s
+        self.records: dict[int, InstanceRecord] = {}
+        self.num_heartbeats = 0
+        self.num_refused = 0
+        self.num_gaps = 0
+
+    def receive(self, heartbeat: Heartbeat, now_s: float) -> HeartbeatOutcome:
+        """Take a heartbeat. Raises HeartbeatRefused (counted) when it is impossible or stale."""
+        try:
+            self._check(heartbeat)
+        except HeartbeatRefused:
+            self.num_refused += 1
+            raise
+        held = self.records.get(heartbeat.inst_id)
+        base = held.placement if held is not None else VersionedPlacement(0, {})
+        try:
+            placement = apply_heartbeat(base, heartbeat)
+            needs_full = False
+        except PlacementGap:
+            # The figures are still current; the placement stays as last known until the
+            # instance sends it in full.
+            self.num_gaps += 1
+            placement, needs_full = base, True
+        if not needs_full:  # a stale placement may not match the new figures: not checked
+            try:
+                _check_placement(heartbeat, placement)
+            except HeartbeatRefused:
+                self.num_refused += 1
+                raise
+        self.num_heartbeats += 1
+        self.records[heartbeat.inst_id] = InstanceRecord(
+            heartbeat.inst_id, heartbeat.seq, heartbeat.pool, heartbeat.batch_size, placement, now_s)
+        return HeartbeatOutcome(placement.version, needs_full)
+
+    def _check(self, hb: Heartbeat) -> None:
+        pool = hb.pool
+        if hb.inst_id <= 0:
+            raise HeartbeatRefused(f"instance id must be positive, got {hb.inst_id}")
+        if min(pool.num_blocks_total, pool.num_blocks_free, pool.num_blocks_lent, pool.num_blocks_borrowed,
+               hb.batch_size) < 0:
+            raise HeartbeatRefused(f"instance {hb.inst_id}: negative pool figures or batch size")
+        if pool.num_blocks_free + pool.num_blocks_lent > pool.num_blocks_total:
+            raise HeartbeatRefused(f"instance {hb.inst_id}: {pool.num_blocks_free} free + {pool.num_blocks_lent} "
+                                   f"lent blocks exceed the pool's {pool.num_blocks_total}")
+        held = self.records.get(hb.inst_id)
+        # A restarted instance numbers from 1 again; it starts with its full placement.
+        if held is not None and hb.seq <= held.seq and hb.placement_base_version != 0:
+            raise HeartbeatRefused(f"instance {hb.inst_id}: heartbeat {hb.seq} is not newer than {held.seq}")
+        for entry in hb.placement_upserts:
+            if entry.num_blocks <= 0:
+                raise HeartbeatRefused(f"instance {hb.inst_id}: request {entry.req_id} has {entry.num_blocks} blocks")
+            if entry.local != (entry.inst_id == hb.inst_id):
+                raise HeartbeatRefused(f"instance {hb.inst_id}: request {entry.req_id} on instance {entry.inst_id} "
+                                       f"marked local={entry.local}")
+
+    def live(self, now_s: float) -> list[InstanceRecord]:
+        """Instances heard from within ``silent_after_s``, by id."""
+        return [r for _, r in sorted(self.records.items()) if now_s - r.heard_at_s <= self.silent_after_s]
+
+    def forget_silent(self, now_s: float) -> list[int]:
+        """Drop instances silent for longer than ``silent_after_s``; returns their ids."""
+        gone = [i for i, r in self.records.items() if now_s - r.heard_at_s > self.silent_after_s]
+        for inst_id in gone:
+            del self.records[inst_id]
+        return gone
+
+    def snapshot(self, now_s: float, block_size: int) -> tuple[ClusterSnapshot, list[tuple[int, int]]]:
+        """The live instances and their requests' placement, as the policy takes them.
+
+        Request ids are unique per home only, so the policy sees each request under its index
+        in the returned list of ``(home_inst_id, req_id)``. Blocks a home reports on an
+        instance that is not live are left out: the policy could not move them and refuses a
+        snapshot naming an unknown instance.
+        """
+        live = self.live(now_s)
+        live_ids = {r.inst_id for r in live}
+        instances = tuple(InstanceState(r.inst_id, r.pool.num_blocks_total, r.pool.num_blocks_free) for r in live)
+        requests: dict[tuple[int, int], int] = {}
+        entries = []
+        for record in live:
+            for e in record.placement.entries.values():
+                if e.inst_id in live_ids:
+                    index = requests.setdefault((record.inst_id, e.req_id), len(requests))
+                    entries.append(PolicyEntry(index, e.inst_id, e.num_blocks, e.local))
+        return ClusterSnapshot(block_size, instances, PlacementTable.from_entries(entries)), list(requests)
+
+    def creditor_hints(self, now_s: float, exclude_inst_id: int, num_hints: int) -> tuple[CreditorHint, ...]:
+        """The live instances with the most free blocks (ties: lower id), the asker left out."""
+        candidates = [r for r in self.live(now_s) if r.inst_id != exclude_inst_id and r.pool.num_blocks_free > 0]
+        candidates.sort(key=lambda r: (-r.pool.num_blocks_free, r.inst_id))
+        return tuple(CreditorHint(r.inst_id, r.pool.num_blocks_free) for r in candidates[:num_hints])
+
+
+def _check_placement(hb: Heartbeat, placement: VersionedPlacement) -> None:
+    """The home's blocks placed on itself must fit in what its pool has in use."""
+    local_blocks = sum(e.num_blocks for e in placement.entries.values() if e.local)
+    in_use = hb.pool.num_blocks_total - hb.pool.num_blocks_free - hb.pool.num_blocks_lent
+    if local_blocks > in_use:
+        raise HeartbeatRefused(f"instance {hb.inst_id}: placement holds {local_blocks} local blocks "
+                               f"but only {in_use} are in use by its own requests")
+
+
+def role_of(pool: PoolFigures) -> str:
+    """Debtor: some of its requests' KV is elsewhere; creditor: it holds KV for others."""
+    if pool.num_blocks_borrowed and pool.num_blocks_lent:
+        return "debtor+creditor"
+    if pool.num_blocks_borrowed:
+        return "debtor"
+    if pool.num_blocks_lent:
+        return "creditor"
+    return "none"
+
+
+# ---- the service ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GManagerConfig:
+    state_dir: Path  # shared with the instances: election files and membership
+    perf_model_path: Path  # a fitted model saved by perf_model.save_model
+    peer_host: str = "127.0.0.1"  # UCX listener for heartbeats
+    peer_port: int = 0  # 0: any free port
+    http_host: str = "127.0.0.1"  # admin API on TCP
+    http_port: int = 0  # 0: any free port
+    socket_path: Path | None = None  # admin API on a Unix socket; None: <state_dir>/gmanager/<pid>.sock
+    heartbeat_interval_s: float = 1.0  # how often instances send heartbeats, s
+    silent_after_heartbeats: int = 5  # heartbeat periods of silence before an instance is left out
+    plan_interval_s: float = 2.0  # between policy rounds, s
+    block_size: int = 16  # tokens per KV block, as the instances are configured
+    debtor_max_batch: int = 32  # an instance with a smaller batch may lend out its requests' KV
+    creditor_max_used_fraction: float = 0.9  # an instance with less memory in use may take KV
+    max_moves_per_round: int = 16
+    move_timeout_s: float = 60.0  # a MoveKV is answered once committed at a step boundary, s
+    num_creditor_hints: int = 3  # creditors named in each heartbeat reply
+    election_poll_s: float = 0.2  # how often a standby retries for leadership, s
+
+    def __post_init__(self) -> None:
+        for name in ("heartbeat_interval_s", "plan_interval_s", "move_timeout_s", "election_poll_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be positive, got {value}")
+        for name in ("silent_after_heartbeats", "block_size", "max_moves_per_round"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.num_creditor_hints < 0:
+            raise ValueError(f"num_creditor_hints must be >= 0, got {self.num_creditor_hints}")
+
+    @property
+    def thresholds(self) -> Thresholds:
+        return Thresholds(debtor_max_batch=self.debtor_max_batch,
+                          creditor_max_used_fraction=self.creditor_max_used_fraction,
+                          max_moves=self.max_moves_per_round)
+
+
+@dataclass
+class RoundStats:
+    """Counters of the periodic loop and of the moves sent."""
+
+    num_rounds: int = 0
+    num_round_errors: int = 0
+    last_round_s: float = 0.0  # wall time of the last round, s
+    last_error: str = ""
+    moves: Counter = field(default_factory=Counter)  # result -> number of moves
+
+
+class NotLeader(Exception):
+    """A command that only the leader carries out reached a standby."""
+
+
+class InconsistentState(Exception):
+    """The soft state cannot be planned from (heartbeats of a move in flight disagree)."""
+
+
+@dataclass(frozen=True)
+class PlannedMove:
+    """A policy move, named as instances name requests (``req_id`` is unique per home)."""
+
+    home_inst_id: int  # the request's home
+    req_id: int  # the home's request id
+    src_inst_id: int  # holds the blocks now; the home, for every move planned today
+    dst_inst_id: int  # the creditor
+    num_blocks: int  # blocks
+    predicted_gain: float  # cluster decode throughput gained, tokens/s
+
+
+class GManager:
+    """One gManager replica: serves heartbeats and commands while it leads."""
+
+    def __init__(self, config: GManagerConfig, model: PerfModel, election: Election,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.model = model
+        self.election = election
+        self.clock = clock
+        self.view = ClusterView(silent_after_s=config.silent_after_heartbeats * config.heartbeat_interval_s)
+        self.membership = LocalMembership(config.state_dir, stale_after_s=config.silent_after_heartbeats
+                                          * config.heartbeat_interval_s)
+        self.leadership: LeaderInfo | None = None
+        self.stats = RoundStats()
+        self.transport = None
+        self.http_port = 0
+        self.socket_path = config.socket_path or config.state_dir / "gmanager" / f"{os.getpid()}.sock"
+        self._move_ids = itertools.count(1)
+        self._round_lock = asyncio.Lock()  # the loop and on-demand rebalances do not interleave
+        self._stopping = asyncio.Event()
+        # Instances moved by the last round, and when it ended: planning waits for their next
+        # heartbeat, or it would plan again from figures that predate the moves.
+        self._moved_at_s: dict[int, float] = {}
+
+    @property
+    def epoch(self) -> int:
+        return self.leadership.epoch if self.leadership is not None else 0
+
+    # ---- life ----------------------------------------------------------------------------
+    async def run(self) -> int:
+        """Start listening, campaign, serve while leading; returns the exit code.
+
+        First SIGTERM (or SIGINT): stop, resign, exit 0. A second one exits at once.
+        """
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, self._on_signal)
+        loop.add_signal_handler(signal.SIGINT, self._on_signal)
+        runners: list[web.AppRunner] = []
+        tasks: list[asyncio.Task] = []
+        exit_code = 0
+        try:
+            await self._start_transport()
+            runners = await self._start_http()
+            addresses = CandidateAddresses(self.transport.address.host, self.transport.address.port,
+                                           self.http_port, str(self.socket_path))
+            log.info("gManager pid %d standing by: peers at %s, HTTP on %s:%d, socket %s", os.getpid(),
+                     self.transport.address, self.config.http_host, self.http_port, self.socket_path)
+            campaign = asyncio.create_task(self.election.campaign(addresses), name="campaign")
+            stop = asyncio.create_task(self._stopping.wait(), name="stop")
+            tasks = [campaign, stop]
+            await asyncio.wait([campaign, stop], return_when=asyncio.FIRST_COMPLETED)
+            if self._stopping.is_set():
+                return 0
+            self.leadership = campaign.result()
+            log.info("leading with epoch %d", self.epoch)
+            tasks += [asyncio.create_task(self._plan_loop(), name="plan"),
+                      asyncio.create_task(self._watch_leadership(), name="leadership")]
+            done, _ = await asyncio.wait(tasks[1:], return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if task is not stop and task.exception() is not None:
+                    raise task.exception()
+            if not self._stopping.is_set():
+                exit_code = EXIT_LOST_LEADERSHIP
+            return exit_code
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            if exit_code != EXIT_LOST_LEADERSHIP:
+                self.election.resign()
+            self.leadership = None
+            for runner in runners:
+                await runner.cleanup()
+            if self.transport is not None:
+                await self.transport.close()
+            log.info("gManager stopped")
+
+    def _on_signal(self) -> None:
+        if self._stopping.is_set():
+            log.warning("second stop signal: exiting now")
+            os._exit(1)
+        log.info("stop signal: resigning")
+        self._stopping.set()
+
+    async def _watch_leadership(self) -> None:
+        while self.election.is_leader():
+            await asyncio.sleep(self.config.election_poll_s)
+        log.error("lost leadership of epoch %d (the lock file is gone): stepping down", self.epoch)
+
+    async def _start_transport(self) -> None:
+        from infinite_llm.transport.ucx import UcxTransport
+
+        self.transport = UcxTransport(TransportConfig(host=self.config.peer_host, port=self.config.peer_port,
+                                                      request_timeout_s=self.config.move_timeout_s))
+        await self.transport.start(self.handle)
+
+    async def _start_http(self) -> list[web.AppRunner]:
+        runner = web.AppRunner(AdminApp(self).build())
+        await runner.setup()
+        self.socket_path.parent.mkdir(parents=True, exist_ok=True)
+        self.socket_path.unlink(missing_ok=True)  # left by a killed replica of this path
+        await web.UnixSite(runner, str(self.socket_path)).start()
+        site = web.TCPSite(runner, self.config.http_host, self.config.http_port)
+        await site.start()
+        self.http_port = site._server.sockets[0].getsockname()[1]
+        return [runner]
+
+    # ---- heartbeats --------------------------------------------------------------------------
+    async def handle(self, message: Message) -> Message | None:
+        """The UCX handler. Exceptions become ErrorReply for the sender."""
+        if not isinstance(message, Heartbeat):
+            raise ValueError(f"the gManager does not serve {message.TYPE}")
+        if self.leadership is None:
+            raise NotLeader(f"pid {os.getpid()} is a standby; the leader is in leader.json")
+        now_s = self.clock()
+        try:
+            outcome = self.view.receive(message, now_s)
+        except HeartbeatRefused as refused:
+            log.warning("heartbeat refused: %s", refused)
+            raise
+        return HeartbeatReply(epoch=self.epoch, acked_placement_version=outcome.acked_placement_version,
+                              needs_full_placement=outcome.needs_full_placement,
+                              creditors=self.view.creditor_hints(now_s, message.inst_id,
+                                                                 self.config.num_creditor_hints))
+
+    # ---- planning and moving ---------------------------------------------------------------
+    async def _plan_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.plan_interval_s)
+            if self.moves_settled():
+                await self._timed_step("round", lambda: self.rebalance(dry_run=False))
+            await self._timed_step("forget", self._forget_silent)
+
+    async def _timed_step(self, name: str, step: Callable[[], Any]) -> None:
+        """One step of the loop: its errors are logged and counted, never stop the loop."""
+        started = time.perf_counter()
+        try:
+            result = step()
+            if asyncio.iscoroutine(result):
+                await result
+        except Exception as exc:
+            self.stats.num_round_errors += 1
+            self.stats.last_error = f"{name}: {exc}"
+            log.exception("%s step failed", name)
+        finally:
+            elapsed = time.perf_counter() - started
+            if name == "round":
+                self.stats.last_round_s = elapsed
+            if elapsed > self.config.plan_interval_s:
+                log.warning("%s step took %.3f s, longer than the plan interval", name, elapsed)
+
+    async def _forget_silent(self) -> None:
+        for inst_id in self.view.forget_silent(self.clock()):
+            log.warning("instance %d silent for %.1f s: left out", inst_id, self.view.silent_after_s)
+
+    def moves_settled(self) -> bool:
+        """Every instance moved by the last round has sent a heartbeat since (or gone silent)."""
+        live = {r.inst_id: r for r in self.view.live(self.clock())}
+        return all(inst_id not in live or live[inst_id].heard_at_s > moved_at
+                   for inst_id, moved_at in self._moved_at_s.items())
+
+    async def rebalance(self, dry_run: bool) -> dict[str, Any]:
+        """One policy round: plan from the soft state, and unless ``dry_run`` send the moves.
+
+        Returns the epoch and the moves in plan order, each with its predicted gain (cluster
+        decode tokens/s) and, when sent, its result.
+        """
+        if self.leadership is None:
+            raise NotLeader(f"pid {os.getpid()} is a standby; only the leader plans")
+        async with self._round_lock:
+            snapshot, requests = self.view.snapshot(self.clock(), self.config.block_size)
+            try:
+                planned = plan(snapshot, self.model, self.config.thresholds)
+            except ValueError as err:
+                raise InconsistentState(f"the heartbeats disagree, no plan until they settle: {err}") from err
+            moves = [PlannedMove(*requests[m.req_id], m.src_inst, m.dst_inst, m.num_blocks, m.predicted_gain)
+                     for m in planned]
+            results = ["not_sent"] * len(moves) if dry_run else await self._send_moves(moves)
+            if not dry_run:
+                self.stats.num_rounds += 1
+        return {
+            "epoch": self.epoch,
+            "dry_run": dry_run,
+            "moves": [{"req_id": m.req_id, "home_inst_id": m.home_inst_id, "src_inst_id": m.src_inst_id,
+                       "dst_inst_id": m.dst_inst_id, "num_blocks": m.num_blocks,
+                       "predicted_gain_tokens_per_s": m.predicted_gain, "result": r}
+                      for m, r in zip(moves, results)],
+        }
+
+    async def _send_moves(self, moves: list[PlannedMove]) -> list[str]:
+        """Send each move to its source; a source's moves in plan order, sources in parallel."""
+        members = self.membership.members()
+        by_source: dict[int, list[int]] = {}
+        for index, move in enumerate(moves):
+            by_source.setdefault(move.src_inst_id, []).append(index)
+        results = ["not_sent"] * len(moves)
+
+        async def send_all_of(source: int, indices: list[int]) -> None:
+            for index in indices:
+                results[index] = await self._send_move(moves[index], members)
+
+        await asyncio.gather(*(send_all_of(s, i) for s, i in by_source.items()))
+        ended_s = self.clock()
+        self._moved_at_s = {inst_id: ended_s for m in moves for inst_id in (m.src_inst_id, m.dst_inst_id)}
+        for result in results:
+            self.stats.moves[result] += 1
+        return results
+
+    async def _send_move(self, move: PlannedMove, members: dict) -> str:
+        member = members.get(move.src_inst_id)
+        if member is None:
+            log.warning("no address for instance %d: move of request %d not sent", move.src_inst_id, move.req_id)
+            return "no_address"
+        command = MoveKV(epoch=self.epoch, move_id=next(self._move_ids), home_inst_id=move.home_inst_id,
+                         req_id=move.req_id, src_inst_id=move.src_inst_id, dst_inst_id=move.dst_inst_id,
+                         num_blocks=move.num_blocks)
+        peer = PeerAddress(member.peer_host, member.peer_port)
+        try:
+            reply = await self.transport.request(peer, command, timeout_s=self.config.move_timeout_s)
+        except RemoteError as err:
+            log.warning("move %d refused by instance %d: %s", command.move_id, move.src_inst_id, err.detail)
+            return "refused"
+        except RequestTimeout:
+            log.warning("move %d: no answer from instance %d", command.move_id, move.src_inst_id)
+            return "timeout"
+        except PeerUnreachable as err:
+            log.warning("move %d: instance %d unreachable: %s", command.move_id, move.src_inst_id, err.detail)
+            return "unreachable"
+        if not isinstance(reply, Ack):
+            log.warning("move %d: unexpected reply %s", command.move_id, reply.TYPE)
+            return "refused"
+        log.info("move %d committed: %d blocks of request %d from %d to %d", command.move_id, move.num_blocks,
+                 move.req_id, move.src_inst_id, move.dst_inst_id)
+        return "committed"
+
+    # ---- status ------------------------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        now_s = self.clock()
+        leader = self.leadership or self.election.leader()
+        instances = []
+        for record in self.view.live(now_s):
+            instances.append(self.instance_status(record, now_s))
+        return {
+            "leader": self.leadership is not None,
+            "pid": os.getpid(),
+            "peer_address": str(self.transport.address) if self.transport is not None else None,
+            "http_port": self.http_port,
+            "epoch": self.epoch,
+            "leader_pid": leader.pid if leader is not None else None,
+            "leader_epoch": leader.epoch if leader is not None else None,
+            "instances": instances,
+            "heartbeats": {"taken": self.view.num_heartbeats, "refused": self.view.num_refused,
+                           "placement_gaps": self.view.num_gaps},
+            "rounds": {"completed": self.stats.num_rounds, "errors": self.stats.num_round_errors,
+                       "last_round_s": self.stats.last_round_s, "last_error": self.stats.last_error},
+            "moves": dict(self.stats.moves),
+        }
+
+    def instance_status(self, record: InstanceRecord, now_s: float) -> dict[str, Any]:
+        pool = record.pool
+        return {
+            "instance_id": record.inst_id,
+            "num_blocks_total": pool.num_blocks_total,
+            "num_blocks_free": pool.num_blocks_free,
+            "pool_used_fraction": (1 - pool.num_blocks_free / pool.num_blocks_total) if pool.num_blocks_total else 0.0,
+            "batch_size": record.batch_size,
+            "role": role_of(pool),
+            "num_blocks_lent": pool.num_blocks_lent,
+            "num_blocks_borrowed": pool.num_blocks_borrowed,
+            "placement_version": record.placement.version,
+            "last_heartbeat_age_s": now_s - record.heard_at_s,
+        }
+
+
+# ---- admin HTTP API ---------------------------------------------------------------------------
+class AdminApp:
+    """``GET /v1/status``, ``GET /v1/instances/{id}``, ``POST /v1/rebalance``; JSON errors."""
+
+    def __init__(self, gmanager: GManager) -> None:
+        self.gmanager = gmanager
+
+    def build(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/v1/status", self.get_status)
+        app.router.add_get("/v1/instances/{inst_id}", self.get_instance)
+        app.router.add_post("/v1/rebalance", self.post_rebalance)
+        return app
+
+    async def get_status(self, request: web.Request) -> web.Response:
+        return web.json_response(self.gmanager.status())
+
+    async def get_instance(self, request: web.Request) -> web.Response:
+        try:
+            inst_id = int(request.match_info["inst_id"])
+        except ValueError:
+            return _error(400, f"instance id must be an integer, got {request.match_info['inst_id']!r}")
+        now_s = self.gmanager.clock()
+        record = {r.inst_id: r for r in self.gmanager.view.live(now_s)}.get(inst_id)
+        if record is None:
+            return _error(404, f"unknown instance {inst_id} (no recent heartbeat)")
+        return web.json_response(self.gmanager.instance_status(record, now_s))
+
+    async def post_rebalance(self, request: web.Request) -> web.Response:
+        try:
+            body = json.loads(await request.read() or b"{}")
+        except ValueError as err:
+            return _error(400, f"body is not JSON: {err}")
+        if not isinstance(body, dict):
+            return _error(400, "body must be a JSON object")
+        unknown = sorted(set(body) - {"dry_run"})
+        if unknown:
+            return _error(400, f"unknown fields: {', '.join(unknown)}")
+        dry_run = body.get("dry_run", False)
+        if not isinstance(dry_run, bool):
+            return _error(400, f"dry_run must be true or false, got {dry_run!r}")
+        try:
+            return web.json_response(await self.gmanager.rebalance(dry_run))
+        except NotLeader as err:
+            return _error(503, str(err))
+        except InconsistentState as err:
+            return _error(409, str(err))
+
+
+def _error(status: int, detail: str) -> web.Response:
+    return web.json_response({"error": detail}, status=status)
+
+
+# ---- entry point ----------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None = None) -> GManagerConfig:
+    p = argparse.ArgumentParser(prog="python -m infinite_llm.scheduler.gmanager",
+                                description="The gManager: one replica; the elected leader plans and moves KV.")
+    p.add_argument("--state-dir", type=Path, required=True, help="shared with the instances")
+    p.add_argument("--perf-model", type=Path, required=True, help="a fitted perf model (JSON)")
+    p.add_argument("--peer-host", default="127.0.0.1")
+    p.add_argument("--peer-port", type=int, default=0)
+    p.add_argument("--http-host", default="127.0.0.1")
+    p.add_argument("--http-port", type=int, default=0)
+    p.add_argument("--socket-path", type=Path, default=None)
+    p.add_argument("--heartbeat-interval-s", type=float, default=1.0)
+    p.add_argument("--silent-after-heartbeats", type=int, default=5)
+    p.add_argument("--plan-interval-s", type=float, default=2.0)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--debtor-max-batch", type=int, default=32)
+    p.add_argument("--creditor-max-used-fraction", type=float, default=0.9)
+    p.add_argument("--max-moves-per-round", type=int, default=16)
+    p.add_argument("--move-timeout-s", type=float, default=60.0)
+    p.add_argument("--election-poll-s", type=float, default=0.2)
+    a = p.parse_args(argv)
+    return GManagerConfig(
+        state_dir=a.state_dir, perf_model_path=a.perf_model, peer_host=a.peer_host, peer_port=a.peer_port,
+        http_host=a.http_host, http_port=a.http_port, socket_path=a.socket_path,
+        heartbeat_interval_s=a.heartbeat_interval_s, silent_after_heartbeats=a.silent_after_heartbeats,
+        plan_interval_s=a.plan_interval_s, block_size=a.block_size, debtor_max_batch=a.debtor_max_batch,
+        creditor_max_used_fraction=a.creditor_max_used_fraction, max_moves_per_round=a.max_moves_per_round,
+        move_timeout_s=a.move_timeout_s, election_poll_s=a.election_poll_s)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=os.environ.get("INFLLM_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = parse_args(argv)
+        model = load_model(config.perf_model_path)
+    except (ValueError, OSError) as err:
+        print(f"gmanager: {err}", file=sys.stderr)
+        return 2
+    election = LocalElection(config.state_dir, poll_interval_s=config.election_poll_s)
+    return asyncio.run(GManager(config, model, election).run())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
