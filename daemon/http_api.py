@@ -78,6 +78,8 @@ class InstanceService(Protocol):
 
     async def drain(self) -> dict[str, Any]: ...
 
+    async def uncordon(self) -> dict[str, Any]: ...
+
 
 def _json(data: Any, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
@@ -207,6 +209,7 @@ class LocalApp:
         app = web.Application(client_max_size=_MAX_BODY_BYTES)
         app.router.add_get("/v1/status", self.status)
         app.router.add_post("/v1/drain", self.drain)
+        app.router.add_post("/v1/uncordon", self.uncordon)
         app.router.add_post("/v1/generate", self.generate)
         return app
 
@@ -230,6 +233,11 @@ class LocalApp:
         if (refusal := self._forbidden(request)) is not None:
             return refusal
         return _json(await self.service.drain())
+
+    async def uncordon(self, request: web.Request) -> web.Response:
+        if (refusal := self._forbidden(request)) is not None:
+            return refusal
+        return _json(await self.service.uncordon())
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         if (refusal := self._forbidden(request)) is not None:

@@ -542,6 +542,12 @@ class InstanceDaemon:
                                "num_blocks": len(s.block_ids)} for s in self.ledger.held.values()],
         }
 
+    async def uncordon(self) -> dict[str, Any]:
+        """Admit requests again after a drain."""
+        self.draining = False
+        self._publish()
+        return {"draining": False}
+
     async def drain(self) -> dict[str, Any]:
         """Stop admitting. Safe to stop once nothing runs here and nothing is held for others."""
         self.draining = True

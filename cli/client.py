@@ -1,0 +1,225 @@
+"""The client library behind `infctl`: find the cluster in its state folder and talk to it.
+
+Everything here is usable from Python. The gManager leader and the instances publish where they
+listen in the state folder (`gmanager/leader.json`, `members/<id>.json`); their admin APIs are
+HTTP over Unix sockets.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from infinite_llm.daemon.local_cluster import UnixHTTPConnection
+
+
+class ClusterError(Exception):
+    """A failure the CLI reports in one line, with its exit code."""
+
+    exit_code = 1
+
+
+class Unreachable(ClusterError):
+    """No leader, or a daemon that does not answer."""
+
+    exit_code = 3
+
+
+class TimedOut(ClusterError):
+    exit_code = 4
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """A daemon's admin API."""
+
+    name: str
+    pid: int
+    socket_path: str
+
+    def call(self, method: str, path: str, body: Any = None, timeout_s: float = 30.0) -> Any:
+        try:
+            conn = UnixHTTPConnection(self.socket_path, timeout=timeout_s)
+            conn.request(method, path, body=None if body is None else json.dumps(body).encode(),
+                         headers={"Content-Type": "application/json"})
+            response = conn.getresponse()
+            raw = response.read()
+            conn.close()
+        except OSError as exc:
+            raise Unreachable(f"{self.name} at {self.socket_path} does not answer: {exc}") from None
+        data = json.loads(raw) if raw else {}
+        if response.status >= 400:
+            message = data.get("error") if isinstance(data, dict) else data
+            if isinstance(message, dict):
+                message = message.get("message", message)
+            raise ClusterError(f"{self.name}: {message} (HTTP {response.status})")
+        return data
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class ClusterClient:
+    """The cluster whose daemons share ``state_dir``."""
+
+    def __init__(self, state_dir: Path | str) -> None:
+        self.state_dir = Path(state_dir)
+
+    # ---- discovery ----------------------------------------------------------------------
+    def instances(self) -> dict[int, dict[str, Any]]:
+        """Live instances by id, as they published themselves."""
+        found = {}
+        for path in sorted((self.state_dir / "members").glob("*.json")):
+            try:
+                member = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            if _alive(int(member.get("pid", 0))):
+                found[int(member["inst_id"])] = member
+        return found
+
+    def instance(self, inst_id: int) -> Endpoint:
+        member = self.instances().get(inst_id)
+        if member is None:
+            raise Unreachable(f"no live instance {inst_id} in {self.state_dir}")
+        return Endpoint(f"instance {inst_id}", int(member["pid"]), member["socket_path"])
+
+    def leader(self) -> Endpoint:
+        path = self.state_dir / "gmanager" / "leader.json"
+        try:
+            leader = json.loads(path.read_text())
+        except (OSError, ValueError):
+            raise Unreachable(f"no gManager leader in {self.state_dir}") from None
+        if not _alive(int(leader.get("pid", 0))) or not leader.get("socket_path"):
+            raise Unreachable(f"the gManager leader recorded in {path} is gone")
+        return Endpoint(f"gManager (epoch {leader['epoch']})", int(leader["pid"]), leader["socket_path"])
+
+    # ---- reads --------------------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        """The cluster as the leader sees it, with each instance's own pool and requests."""
+        try:
+            cluster = self.leader().call("GET", "/v1/status")
+        except Unreachable as exc:
+            if not self.instances():
+                raise Unreachable(f"no cluster runs in {self.state_dir}: no leader and no instance") from None
+            cluster = {"leader": None, "error": str(exc)}
+        cluster["instances_detail"] = {
+            inst_id: self.instance(inst_id).call("GET", "/v1/status") for inst_id in self.instances()}
+        return cluster
+
+    def instance_status(self, inst_id: int) -> dict[str, Any]:
+        return self.instance(inst_id).call("GET", "/v1/status")
+
+    # ---- commands -----------------------------------------------------------------------
+    def rebalance(self, dry_run: bool) -> dict[str, Any]:
+        return self.leader().call("POST", "/v1/rebalance", {"dry_run": dry_run}, timeout_s=120.0)
+
+    def drain(self, inst_id: int, timeout_s: float, dry_run: bool = False) -> dict[str, Any]:
+        """Cordon the instance and wait until nothing runs there and it holds nothing for others."""
+        endpoint = self.instance(inst_id)
+        if dry_run:
+            status = endpoint.call("GET", "/v1/status")
+            return {"instance_id": inst_id, "dry_run": True, "running_requests": len(status["requests"]),
+                    "blocks_held_for_others": status["pool"]["num_blocks_held_for_others"]}
+        deadline = time.monotonic() + timeout_s
+        while True:
+            report = endpoint.call("POST", "/v1/drain")
+            if report["safe_to_stop"]:
+                return report
+            if time.monotonic() >= deadline:
+                raise TimedOut(f"instance {inst_id} still runs {report['running_requests']} request(s) and holds "
+                               f"{report['blocks_held_for_others']} block(s) for others after {timeout_s:g} s")
+            time.sleep(0.2)
+
+    def uncordon(self, inst_id: int) -> dict[str, Any]:
+        return self.instance(inst_id).call("POST", "/v1/uncordon")
+
+    def generate(self, prompt: str, inst_id: int | None = None, **params: Any) -> Iterator[dict[str, Any]]:
+        """Stream a request's steps from one instance (default: the one with the most free blocks)."""
+        members = self.instances()
+        if not members:
+            raise Unreachable(f"no live instance in {self.state_dir}")
+        if inst_id is None:
+            inst_id = max(members, key=lambda i: (members[i]["num_blocks_free"], -i))
+        endpoint = self.instance(inst_id)
+        conn = UnixHTTPConnection(endpoint.socket_path, timeout=600)
+        conn.request("POST", "/v1/generate", body=json.dumps({"prompt": prompt, "params": params}).encode(),
+                     headers={"Content-Type": "application/json"})
+        response = conn.getresponse()
+        if response.status != 200:
+            raise ClusterError(f"instance {inst_id}: {json.loads(response.read()).get('error')}")
+        for line in response:
+            if line.strip():
+                yield json.loads(line)
+        conn.close()
+
+    # ---- a local cluster ----------------------------------------------------------------
+    def up(self, num_instances: int, pool_blocks: int, model: str | None, device: str,
+           perf_model: Path | None, timeout_s: float = 300.0, log=print) -> None:
+        """Start a gManager and ``num_instances`` instances on this machine, in the background."""
+        if self.instances():
+            raise ClusterError(f"a cluster already runs in {self.state_dir}: `infctl down` first")
+        run_dir = self.state_dir / "run"
+        run_dir.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ, UCX_WARN_UNUSED_ENV_VARS="n", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        if device == "cpu":
+            env["UCX_TLS"] = "tcp,sm,self"
+        if perf_model is not None:
+            args = [sys.executable, "-m", "infinite_llm.scheduler.gmanager", "--state-dir", str(self.state_dir),
+                    "--perf-model", str(perf_model), "--http-port", "0", "--socket-path", str(run_dir / "gmanager.sock")]
+            _spawn(args, run_dir / "gmanager.log", env)
+        for inst_id in range(1, num_instances + 1):
+            args = [sys.executable, "-m", "infinite_llm.daemon", "--instance-id", str(inst_id),
+                    "--kv-pool-blocks", str(pool_blocks), "--device", device, "--http-port", "0",
+                    "--socket-path", str(run_dir / f"infinited-{inst_id}.sock"), "--state-dir", str(self.state_dir)]
+            if model:
+                args += ["--model", model]
+            _spawn(args, run_dir / f"infinited-{inst_id}.log", env)
+        deadline = time.monotonic() + timeout_s
+        seen = 0
+        while time.monotonic() < deadline:
+            count = len(self.instances())
+            if count != seen:
+                seen = count
+                log(f"{count}/{num_instances} instances ready")
+            if count == num_instances:
+                return
+            time.sleep(0.5)
+        raise TimedOut(f"only {seen} of {num_instances} instances came up in {timeout_s:g} s; logs in {run_dir}")
+
+    def down(self, timeout_s: float = 60.0) -> int:
+        """Stop every daemon of the cluster (SIGTERM, then SIGKILL after ``timeout_s``)."""
+        pids = [int(m["pid"]) for m in self.instances().values()]
+        try:
+            pids.append(self.leader().pid)
+        except Unreachable:
+            pass
+        for pid in pids:
+            os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for pid in pids:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        return len(pids)
+
+
+def _spawn(args: list[str], log_path: Path, env: dict[str, str]) -> None:
+    with open(log_path, "ab") as log:
+        subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                         start_new_session=True)

@@ -1,0 +1,167 @@
+"""`infctl`: status, drain, rebalance and a local cluster, as a thin shell over `client.py`.
+
+Exit codes: 0 done, 1 failed, 2 usage, 3 no leader or a daemon unreachable, 4 timed out.
+Errors are one line on stderr; ``INFCTL_DEBUG=1`` shows the traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import typer
+
+from .client import ClusterClient, ClusterError
+
+DEFAULT_STATE_DIR = os.environ.get("INFLLM_STATE_DIR", "/var/lib/infinite-llm")
+
+app = typer.Typer(help="Operate an Infinite-LLM cluster.", no_args_is_help=True, add_completion=True)
+StateDir = typer.Option(DEFAULT_STATE_DIR, "--state-dir", envvar="INFLLM_STATE_DIR",
+                        help="the cluster's state folder (shared by its daemons)")
+AsJson = typer.Option(False, "--json", help="print JSON for scripts")
+
+
+def _run(action: Callable[[], Any]) -> Any:
+    try:
+        return action()
+    except ClusterError as exc:
+        if os.environ.get("INFCTL_DEBUG") == "1":
+            traceback.print_exc()
+        typer.echo(f"infctl: {exc}", err=True)
+        raise typer.Exit(exc.exit_code) from None
+    except Exception as exc:  # noqa: BLE001  one line, unless debugging
+        if os.environ.get("INFCTL_DEBUG") == "1":
+            traceback.print_exc()
+        typer.echo(f"infctl: {type(exc).__name__}: {exc}", err=True)
+        raise typer.Exit(1) from None
+
+
+def _print_json(data: Any) -> None:
+    typer.echo(json.dumps(data, indent=2, sort_keys=True))
+
+
+@app.command()
+def status(state_dir: Path = StateDir, instance: Optional[int] = typer.Option(None, "--instance", help="one instance, with per-request placement"),
+           as_json: bool = AsJson) -> None:
+    """The cluster (leader, epoch, instances), or one instance's requests and where their KV lives."""
+    client = ClusterClient(state_dir)
+    if instance is not None:
+        data = _run(lambda: client.instance_status(instance))
+        if as_json:
+            return _print_json(data)
+        pool = data["pool"]
+        typer.echo(f"instance {data['instance_id']}  model {data['model']}  draining {data['draining']}  "
+                   f"epoch {data['epoch']}")
+        typer.echo(f"pool: {pool['num_blocks_free']}/{pool['num_blocks_total']} blocks free, "
+                   f"{pool['num_blocks_held_for_others']} held for others ({pool['block_size']} tokens each)")
+        for request in data["requests"]:
+            where = ", ".join(f"{s['token_start']}-{s['token_start'] + s['num_tokens']} on {s['instance_id']}"
+                              for s in request["segments"])
+            typer.echo(f"  request {request['request_id']} ({request['state']}, {request['num_tokens']} tokens): {where}")
+        for held in data["held_segments"]:
+            typer.echo(f"  holds {held['num_blocks']} blocks of request {held['request_id']} "
+                       f"of instance {held['home_instance_id']}")
+        return None
+    data = _run(client.status)
+    if as_json:
+        return _print_json(data)
+    if data.get("leader") is None:
+        typer.echo(f"leader: none ({data.get('error', 'not found')})")
+    else:
+        typer.echo(f"leader: epoch {data.get('epoch')}")
+    typer.echo(f"{'instance':>8} {'free/total':>12} {'held':>6} {'requests':>9} {'draining':>9}")
+    for inst_id, detail in sorted(data["instances_detail"].items()):
+        pool = detail["pool"]
+        typer.echo(f"{inst_id:>8} {pool['num_blocks_free']:>5}/{pool['num_blocks_total']:<6} "
+                   f"{pool['num_blocks_held_for_others']:>6} {len(detail['requests']):>9} {str(detail['draining']):>9}")
+    return None
+
+
+@app.command()
+def drain(inst_id: int = typer.Argument(..., metavar="INSTANCE"), state_dir: Path = StateDir,
+          timeout: float = typer.Option(600.0, "--timeout", help="seconds to wait until it is safe to stop"),
+          dry_run: bool = typer.Option(False, "--dry-run", help="report what a drain would wait for"),
+          as_json: bool = AsJson) -> None:
+    """Cordon an instance (it admits nothing new) and wait until it is safe to stop."""
+    report = _run(lambda: ClusterClient(state_dir).drain(inst_id, timeout, dry_run))
+    if as_json:
+        return _print_json(report)
+    if dry_run:
+        typer.echo(f"instance {inst_id}: {report['running_requests']} request(s) to finish, "
+                   f"{report['blocks_held_for_others']} block(s) held for others")
+    else:
+        typer.echo(f"instance {inst_id} is drained: safe to stop")
+    return None
+
+
+@app.command()
+def uncordon(inst_id: int = typer.Argument(..., metavar="INSTANCE"), state_dir: Path = StateDir) -> None:
+    """Let a drained instance admit requests again."""
+    _run(lambda: ClusterClient(state_dir).uncordon(inst_id))
+    typer.echo(f"instance {inst_id} admits requests")
+
+
+@app.command()
+def rebalance(state_dir: Path = StateDir, dry_run: bool = typer.Option(False, "--dry-run", help="plan only"),
+              as_json: bool = AsJson) -> None:
+    """Run a placement round now; with --dry-run print each planned move and its predicted gain."""
+    report = _run(lambda: ClusterClient(state_dir).rebalance(dry_run))
+    if as_json:
+        return _print_json(report)
+    moves = report.get("moves", [])
+    if not moves:
+        typer.echo("no move gains throughput")
+    for move in moves:
+        result = "" if report.get("dry_run") else f"  [{move['result']}]"
+        typer.echo(f"request {move['req_id']} of instance {move['home_inst_id']}: {move['num_blocks']} blocks "
+                   f"{move['src_inst_id']} -> {move['dst_inst_id']}, predicted gain "
+                   f"{move['predicted_gain_tokens_per_s']:.4g} tokens/s{result}")
+    return None
+
+
+@app.command()
+def up(state_dir: Path = StateDir, instances: int = typer.Option(3, "--instances", min=1),
+       pool_blocks: int = typer.Option(2048, "--pool-blocks", min=1, help="KV blocks per instance"),
+       model: Optional[str] = typer.Option(None, "--model", help="GGUF file or Hugging Face folder"),
+       device: str = typer.Option("cpu", "--device"),
+       perf_model: Optional[Path] = typer.Option(None, "--perf-model", help="run a gManager with this model")) -> None:
+    """Start a local cluster in the background: N instances (and a gManager with --perf-model)."""
+    _run(lambda: ClusterClient(state_dir).up(instances, pool_blocks, model, device, perf_model, log=typer.echo))
+    typer.echo(f"cluster up in {state_dir}")
+
+
+@app.command()
+def down(state_dir: Path = StateDir) -> None:
+    """Stop every daemon of the local cluster."""
+    count = _run(lambda: ClusterClient(state_dir).down())
+    typer.echo(f"stopped {count} daemon(s)")
+
+
+@app.command()
+def generate(prompt: str, state_dir: Path = StateDir, instance: Optional[int] = typer.Option(None, "--instance"),
+             max_tokens: int = typer.Option(64, "--max-tokens", min=1),
+             temperature: float = typer.Option(0.0, "--temperature", min=0.0),
+             ignore_eos: bool = typer.Option(False, "--ignore-eos", help="go on past end-of-sequence (benchmarks)")) -> None:
+    """Stream a completion of PROMPT from the cluster."""
+    client = ClusterClient(state_dir)
+
+    def stream() -> None:
+        for step in client.generate(prompt, instance, max_tokens=max_tokens, temperature=temperature,
+                                    ignore_eos=ignore_eos):
+            sys.stdout.write(step["text"])
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+
+    _run(stream)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

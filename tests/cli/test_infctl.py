@@ -1,0 +1,97 @@
+"""`infctl` against nothing (usage and unreachable errors) and against a real local cluster."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from infinite_llm.cli.main import app
+from infinite_llm.daemon.local_cluster import passkey_prompt
+
+REPO = Path(__file__).resolve().parents[2]
+PERF_MODEL = REPO / "bench" / "results" / "perf_model-cpu.json"
+
+
+def infctl(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    return subprocess.run([sys.executable, "-m", "infinite_llm.cli.main", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def test_usage_and_unreachable_exit_codes(tmp_path):
+    runner = CliRunner()
+    assert runner.invoke(app, ["drain"]).exit_code == 2  # missing INSTANCE
+    result = runner.invoke(app, ["status", "--state-dir", str(tmp_path)])
+    assert result.exit_code == 3
+    assert "no cluster runs" in result.output and "Traceback" not in result.output
+    assert runner.invoke(app, ["rebalance", "--state-dir", str(tmp_path)]).exit_code == 3
+    assert runner.invoke(app, ["drain", "7", "--state-dir", str(tmp_path)]).exit_code == 3
+
+
+@pytest.fixture(scope="module")
+def cluster_dir(tmp_path_factory):
+    state = tmp_path_factory.mktemp("infctl")
+    up = infctl("up", "--state-dir", str(state), "--instances", "2", "--pool-blocks", "40",
+                "--perf-model", str(PERF_MODEL))
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        yield state
+    finally:
+        down = infctl("down", "--state-dir", str(state))
+        assert down.returncode == 0, down.stderr
+
+
+def test_status_generate_rebalance(cluster_dir):
+    out = infctl("status", "--state-dir", str(cluster_dir), "--json")
+    assert out.returncode == 0, out.stderr
+    status = json.loads(out.stdout)
+    assert sorted(status["instances_detail"]) == ["1", "2"]
+    assert status["epoch"] >= 1
+
+    gen = infctl("generate", "The capital of France is", "--state-dir", str(cluster_dir), "--max-tokens", "8")
+    assert gen.returncode == 0 and gen.stdout.strip(), gen.stderr
+
+    plan = infctl("rebalance", "--dry-run", "--json", "--state-dir", str(cluster_dir))
+    assert plan.returncode == 0, plan.stderr
+    assert json.loads(plan.stdout)["dry_run"] is True
+
+    one = infctl("status", "--instance", "1", "--state-dir", str(cluster_dir))
+    assert one.returncode == 0 and "instance 1" in one.stdout
+
+
+def test_drain_waits_times_out_and_uncordons(cluster_dir):
+    # A long request on instance 1: a drain with a short timeout must time out (exit 4).
+    done = threading.Event()
+
+    def long_request() -> None:
+        infctl("generate", passkey_prompt(30), "--instance", "1", "--max-tokens", "300", "--ignore-eos",
+               "--state-dir", str(cluster_dir))
+        done.set()
+
+    thread = threading.Thread(target=long_request)
+    thread.start()
+    try:
+        for _ in range(200):
+            status = json.loads(infctl("status", "--instance", "1", "--json", "--state-dir", str(cluster_dir)).stdout)
+            if status["requests"]:
+                break
+        timed_out = infctl("drain", "1", "--timeout", "0.5", "--state-dir", str(cluster_dir))
+        assert timed_out.returncode == 4, timed_out.stdout + timed_out.stderr
+        assert "still runs 1 request" in timed_out.stderr
+    finally:
+        thread.join(timeout=300)
+    assert done.is_set()
+    drained = infctl("drain", "1", "--timeout", "60", "--state-dir", str(cluster_dir))
+    assert drained.returncode == 0 and "safe to stop" in drained.stdout
+    refused = infctl("generate", "Hello", "--instance", "1", "--state-dir", str(cluster_dir))
+    assert refused.returncode == 1 and "draining" in refused.stderr
+    assert infctl("uncordon", "1", "--state-dir", str(cluster_dir)).returncode == 0
+    assert infctl("generate", "Hello", "--instance", "1", "--max-tokens", "2", "--state-dir", str(cluster_dir)).returncode == 0
