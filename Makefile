@@ -14,6 +14,9 @@ PYTEST_ARGS ?=
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
+	@# Debian's systemd package brings systemd-analyze, which the unit tests run.
+	@command -v systemd-analyze >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq systemd >/dev/null); } || true
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PIP) install --upgrade pip setuptools wheel
 	@$(PY) -c 'import torch' 2>/dev/null || $(PIP) install '$(TORCH_SPEC)'

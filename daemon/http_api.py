@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import grp
 import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator, Mapping, Protocol
@@ -283,8 +284,23 @@ class LocalApp:
         return response
 
 
-async def start_local_site(runner: web.AppRunner, path: Path, admin_group: str | None) -> web.UnixSite:
-    """Listen on the Unix socket, mode 0660, group-owned by the admin group when one is set."""
+def systemd_socket() -> socket.socket | None:
+    """The listening socket systemd passed (socket activation), if it passed one to this process."""
+    if os.environ.get("LISTEN_PID") != str(os.getpid()) or int(os.environ.get("LISTEN_FDS", "0")) < 1:
+        return None
+    sock = socket.socket(fileno=3)  # SD_LISTEN_FDS_START
+    sock.setblocking(False)
+    return sock
+
+
+async def start_local_site(runner: web.AppRunner, path: Path, admin_group: str | None) -> web.BaseSite:
+    """Listen on the Unix socket: the one systemd passed (its unit sets mode and group), or a new
+    one at ``path``, mode 0660, group-owned by the admin group when one is set."""
+    inherited = systemd_socket()
+    if inherited is not None:
+        site = web.SockSite(runner, inherited)
+        await site.start()
+        return site
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.is_socket():
         path.unlink()  # left by a previous run that was killed
