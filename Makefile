@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 TORCH_SPEC := $(if $(shell command -v nvidia-smi 2>/dev/null),torch,torch==2.13.0)
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-slow run clean
+.PHONY: setup test test-slow run run-engine clean
 
 setup: $(STAMP)
 
@@ -31,9 +31,15 @@ test: setup
 	@$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
-# The embedded default: SmolLM2-135M on the CPU answers a long prompt whose KV is spread over
-# several in-process pools, and prints where each segment lives.
+# The main job: a local cluster (a gManager, three instances with SmolLM2-135M, on the GPU when
+# there is one) answers a passkey prompt of several thousand tokens whose KV spans every
+# instance, shows where it lives, drains an instance under load and stops.
+# RUN_ARGS=--short runs the same steps on a shorter prompt (as CI does).
 run: setup
+	@$(PY) -m infinite_llm.cli.demo $(RUN_ARGS)
+
+# One process: the engine with its KV spread over in-process pools.
+run-engine: setup
 	@$(PY) -m infinite_llm.engine.demo $(RUN_ARGS)
 
 test-slow: setup

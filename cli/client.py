@@ -148,8 +148,12 @@ class ClusterClient:
     def uncordon(self, inst_id: int) -> dict[str, Any]:
         return self.instance(inst_id).call("POST", "/v1/uncordon")
 
-    def generate(self, prompt: str, inst_id: int | None = None, **params: Any) -> Iterator[dict[str, Any]]:
-        """Stream a request's steps from one instance (default: the one with the most free blocks)."""
+    def generate(self, prompt: str | list[dict[str, str]], inst_id: int | None = None,
+                 **params: Any) -> Iterator[dict[str, Any]]:
+        """Stream a request's steps from one instance (default: the one with the most free blocks).
+
+        ``prompt``: text, or chat messages (rendered with the model's template).
+        """
         members = self.instances()
         if not members:
             raise Unreachable(f"no live instance in {self.state_dir}")
@@ -157,8 +161,8 @@ class ClusterClient:
             inst_id = max(members, key=lambda i: (members[i]["num_blocks_free"], -i))
         endpoint = self.instance(inst_id)
         conn = UnixHTTPConnection(endpoint.socket_path, timeout=600)
-        conn.request("POST", "/v1/generate", body=json.dumps({"prompt": prompt, "params": params}).encode(),
-                     headers={"Content-Type": "application/json"})
+        body = {"messages" if isinstance(prompt, list) else "prompt": prompt, "params": params}
+        conn.request("POST", "/v1/generate", body=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
         response = conn.getresponse()
         if response.status != 200:
             raise ClusterError(f"instance {inst_id}: {json.loads(response.read()).get('error')}")
@@ -169,7 +173,7 @@ class ClusterClient:
 
     # ---- a local cluster ----------------------------------------------------------------
     def up(self, num_instances: int, pool_blocks: int, model: str | None, device: str,
-           perf_model: Path | None, timeout_s: float = 300.0, log=print) -> None:
+           perf_model: Path | None, timeout_s: float = 300.0, log=print, max_num_batched_tokens: int = 512) -> None:
         """Start a gManager and ``num_instances`` instances on this machine, in the background."""
         if self.instances():
             raise ClusterError(f"a cluster already runs in {self.state_dir}: `infctl down` first")
@@ -185,6 +189,7 @@ class ClusterClient:
         for inst_id in range(1, num_instances + 1):
             args = [sys.executable, "-m", "infinite_llm.daemon", "--instance-id", str(inst_id),
                     "--kv-pool-blocks", str(pool_blocks), "--device", device, "--http-port", "0",
+                    "--max-num-batched-tokens", str(max_num_batched_tokens),
                     "--socket-path", str(run_dir / f"infinited-{inst_id}.sock"), "--state-dir", str(self.state_dir)]
             if model:
                 args += ["--model", model]
@@ -197,6 +202,8 @@ class ClusterClient:
                 seen = count
                 log(f"{count}/{num_instances} instances ready")
             if count == num_instances:
+                # One more membership period, so that every instance has read every other's entry.
+                time.sleep(2.5)
                 return
             time.sleep(0.5)
         raise TimedOut(f"only {seen} of {num_instances} instances came up in {timeout_s:g} s; logs in {run_dir}")
