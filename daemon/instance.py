@@ -32,6 +32,8 @@ from infinite_llm.transport.messages import (
     Drain,
     Echo,
     EchoReply,
+    ErrorCode,
+    ErrorReply,
     FreeSegment,
     Heartbeat,
     HeartbeatReply,
@@ -300,7 +302,9 @@ class InstanceDaemon:
         if isinstance(message, (MoveKV, Drain)):
             if not self.fence.admit(message.epoch):
                 self.metrics.stale_epoch_commands.inc()
-                raise PermissionError(f"epoch {message.epoch} is older than {self.fence.newest_epoch}")
+                self.metrics.moves.labels(result="stale_epoch").inc()
+                return ErrorReply(ErrorCode.STALE_EPOCH,
+                                  f"epoch {message.epoch} is older than {self.fence.newest_epoch}")
             if isinstance(message, Drain):
                 self.draining = True
                 return None
