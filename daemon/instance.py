@@ -155,6 +155,9 @@ class InstanceDaemon:
         from infinite_llm.transport.ucx import UcxTransport
 
         c = self.config
+        if c.etcd_endpoints:
+            # Never fall back silently: an instance that cannot find its cluster must say so.
+            raise ValueError("discovery through etcd is not built yet: leave etcd_endpoints empty and share state_dir")
         checkpoint = await asyncio.to_thread(load_checkpoint, c.model, show_progress=True)
         mc = checkpoint.config
         device = torch.device(c.device)

@@ -54,3 +54,25 @@ def test_bad_values_are_refused_with_the_reason(tmp_path: Path, text: str, messa
 def test_missing_file() -> None:
     with pytest.raises(ConfigError, match="config file not found"):
         load_config("/nonexistent/infinited.toml")
+
+
+def test_daemon_refuses_etcd_discovery_it_does_not_have(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "infinite_llm.daemon", "--etcd-endpoints", "10.0.0.1:2379", "--http-port", "0",
+         "--socket-path", str(tmp_path / "s.sock"), "--state-dir", str(tmp_path / "state")],
+        capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1] == (
+        "infinited: discovery through etcd is not built yet: leave etcd_endpoints empty and share state_dir")
+
+
+def test_daemon_bad_flag_is_a_usage_error(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "infinite_llm.daemon", "--block-size", "24"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "block_size must be a power of two" in result.stderr
