@@ -4,8 +4,8 @@
    pools too small for the prompt on any one of them;
 2. send a passkey-retrieval prompt of several thousand tokens and stream the answer;
 3. show where the request's KV lives while it decodes (`infctl status --instance 1`);
-4. drain instance 3 while a second request decodes: it admits nothing new and reports safe to
-   stop once the request no longer needs it;
+4. drain instance 3 while a second, smaller request decodes with part of its KV there: it admits
+   nothing new and reports safe to stop once the request is done with it;
 5. stop the cluster, and exit 0 only if the answer holds the passkey.
 
     python -m infinite_llm.cli.demo            # several thousand tokens
@@ -70,11 +70,11 @@ def main(argv: list[str] | None = None) -> int:
                   max_num_batched_tokens=128)
         try:
             messages = passkey_messages(num_fillers, passkey)
-            section(f"asking instance 1 for the passkey hidden in about {len(messages[0]['content']) // 4} tokens")
+            section("asking instance 1 for the passkey hidden in a long prompt")
             answer, holders, shown = [], set(), False
             for step in client.generate(messages, 1, max_tokens=24):
                 if not shown:
-                    print("   first token; the request's KV now lives here:")
+                    print(f"   prompt of {step['prompt_tokens']} tokens prefilled; the request's KV now lives here:")
                     holders = show_placement(client, 1)
                     shown = True
                     print("   answer: ", end="", flush=True)
@@ -85,13 +85,21 @@ def main(argv: list[str] | None = None) -> int:
 
             section("draining instance 3 while a second request decodes on instance 1")
             time.sleep(2.5)  # the instances republish the blocks the first request gave back
+            # Smaller than the first, so that it fits without instance 3 once that one is drained.
             second: list[str] = []
-            runner = threading.Thread(target=lambda: second.extend(
-                s["text"] for s in client.generate(passkey_messages(num_fillers, passkey), 1, max_tokens=48,
-                                                   ignore_eos=True)))
+            decoding = threading.Event()
+
+            def second_request() -> None:
+                for step in client.generate(passkey_messages(num_fillers * 3 // 5, passkey), 1, max_tokens=48,
+                                            ignore_eos=True):
+                    second.append(step["text"])
+                    decoding.set()
+
+            runner = threading.Thread(target=second_request)
             runner.start()
-            while not client.instance_status(3)["held_segments"] and runner.is_alive():
-                time.sleep(0.05)  # until instance 3 holds blocks of the second request
+            decoding.wait(timeout=600)
+            print("   the second request decodes; its KV lives here:")
+            show_placement(client, 1)
             started = time.monotonic()
             report = client.drain(3, timeout_s=600)
             print(f"   instance 3 is safe to stop after {time.monotonic() - started:.1f} s: "

@@ -278,6 +278,7 @@ class LocalApp:
                 await response.write(orjson.dumps({
                     "request_id": event.request_id, "text": event.new_text, "token_ids": list(event.new_token_ids),
                     "finished": event.finished, "finish_reason": event.finish_reason,
+                    "prompt_tokens": event.num_prompt_tokens, "completion_tokens": event.num_output_tokens,
                 }) + b"\n")
         finally:
             await events.aclose()
