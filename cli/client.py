@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from infinite_llm.daemon.local_cluster import UnixHTTPConnection
+from infinite_llm.daemon.membership import process_alive
 
 
 class ClusterError(Exception):
@@ -63,16 +64,6 @@ class Endpoint:
         return data
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 class ClusterClient:
     """The cluster whose daemons share ``state_dir``."""
 
@@ -88,7 +79,7 @@ class ClusterClient:
                 member = json.loads(path.read_text())
             except (OSError, ValueError):
                 continue
-            if _alive(int(member.get("pid", 0))):
+            if process_alive(int(member.get("pid", 0))):
                 found[int(member["inst_id"])] = member
         return found
 
@@ -104,7 +95,7 @@ class ClusterClient:
             leader = json.loads(path.read_text())
         except (OSError, ValueError):
             raise Unreachable(f"no gManager leader in {self.state_dir}") from None
-        if not _alive(int(leader.get("pid", 0))) or not leader.get("socket_path"):
+        if not process_alive(int(leader.get("pid", 0))) or not leader.get("socket_path"):
             raise Unreachable(f"the gManager leader recorded in {path} is gone")
         return Endpoint(f"gManager (epoch {leader['epoch']})", int(leader["pid"]), leader["socket_path"])
 
@@ -218,10 +209,10 @@ class ClusterClient:
         for pid in pids:
             os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
-        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        while any(process_alive(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.2)
         for pid in pids:
-            if _alive(pid):
+            if process_alive(pid):
                 os.kill(pid, signal.SIGKILL)
         return len(pids)
 

@@ -56,7 +56,7 @@ from .heartbeat import HeartbeatState
 from .http_api import GenerationEvent, LocalApp, OpenAIApp, RequestRefused, start_local_site
 from .ledger import CreditorLedger, EpochFence
 from .local_auth import admin_group_id
-from .membership import LocalMembership, Member
+from .membership import LocalMembership, Member, process_alive
 from .metrics import InstanceMetrics
 from .peers import PeerDirectory, TransportLender, TransportRemoteAttention
 from .sd_notify import SystemdNotifier
@@ -425,13 +425,7 @@ class InstanceDaemon:
             address = PeerAddress(str(leader["peer_host"]), int(leader["peer_port"]))
         except (OSError, ValueError, KeyError, TypeError):
             return None
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return None
-        except PermissionError:
-            pass
-        return epoch, address
+        return (epoch, address) if process_alive(pid) else None
 
     def _send_heartbeat(self) -> None:
         if self._heartbeat_task is not None and not self._heartbeat_task.done():

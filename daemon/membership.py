@@ -55,13 +55,16 @@ class LocalMembership:
                 member = Member(**json.loads(path.read_text()))
             except (OSError, ValueError, TypeError):
                 continue  # half-written by a crashed writer or not ours: skip it
-            if now - member.updated_at > self.stale_after_s or not _alive(member.pid):
+            if now - member.updated_at > self.stale_after_s or not process_alive(member.pid):
                 continue
             found[member.inst_id] = member
         return found
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (one of another user's counts too)."""
+    if pid <= 0:  # 0 and negatives name process groups, not a process
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
