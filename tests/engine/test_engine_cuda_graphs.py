@@ -37,28 +37,39 @@ def random_model(device: torch.device) -> LlamaModel:
     return LlamaModel(config, weights, device=device, dtype=torch.bfloat16)
 
 
+BLOCK_SIZE, CONTEXT = 16, 100
+
+
+def decode_step_inputs(model: LlamaModel, batch: int):
+    """A random pool and one decode step of ``batch`` requests holding ``CONTEXT`` keys each.
+
+    Returns (pool, layout, attention, token_ids, positions, logits rows).
+    """
+    c, device = model.config, model.device
+    pool = allocate_kv_pool(KVPoolShape(64, c.num_layers, BLOCK_SIZE, c.num_kv_heads, c.head_dim), torch.bfloat16,
+                            device)
+    pool.normal_()
+    blocks_per_seq = -(-(CONTEXT + 1) // BLOCK_SIZE)
+    chunks, tables, slots = [], {}, []
+    for b in range(batch):
+        ids = tuple(range(b * blocks_per_seq, (b + 1) * blocks_per_seq))
+        tables[str(b)] = (Segment(0, ids, 0, CONTEXT + 1),)
+        chunks.append(ScheduledChunk(str(b), CONTEXT, 1, True))
+        slots.append(ids[CONTEXT // BLOCK_SIZE] * BLOCK_SIZE + CONTEXT % BLOCK_SIZE)
+    layout = build_step_attention(0, chunks, tables, slots, home_instance_id=0, block_size=BLOCK_SIZE, device=device)
+    attention = DistAttention(layout, pool, 0, None, num_heads=c.num_heads, sm_scale=model.sm_scale)
+    token_ids = torch.randint(0, c.vocab_size, (batch,), device=device)
+    positions = torch.full((batch,), CONTEXT, dtype=torch.int64, device=device)
+    return pool, layout, attention, token_ids, positions, torch.arange(batch, device=device)
+
+
 @pytest.mark.parametrize("batch", [3, 4])  # 3 pads to the captured size 4
 def test_graph_decode_matches_eager(batch: int) -> None:
     from infinite_llm.engine.cuda_graphs import PiecewiseDecodeGraphs
 
     device = torch.device("cuda")
     model = random_model(device)
-    c = model.config
-    block_size, context = 16, 100
-    pool = allocate_kv_pool(KVPoolShape(64, c.num_layers, block_size, c.num_kv_heads, c.head_dim), torch.bfloat16, device)
-    pool.normal_()
-    blocks_per_seq = -(-(context + 1) // block_size)
-    chunks, tables, slots = [], {}, []
-    for b in range(batch):
-        ids = tuple(range(b * blocks_per_seq, (b + 1) * blocks_per_seq))
-        tables[str(b)] = (Segment(0, ids, 0, context + 1),)
-        chunks.append(ScheduledChunk(str(b), context, 1, True))
-        slots.append(ids[context // block_size] * block_size + context % block_size)
-    layout = build_step_attention(0, chunks, tables, slots, home_instance_id=0, block_size=block_size, device=device)
-    attention = DistAttention(layout, pool, 0, None, num_heads=c.num_heads, sm_scale=model.sm_scale)
-    token_ids = torch.randint(0, c.vocab_size, (batch,), device=device)
-    positions = torch.full((batch,), context, dtype=torch.int64, device=device)
-    rows = torch.arange(batch, device=device)
+    pool, layout, attention, token_ids, positions, rows = decode_step_inputs(model, batch)
 
     graphs = PiecewiseDecodeGraphs(model, (1, 2, 4, 8))
     loop = asyncio.new_event_loop()
@@ -77,23 +88,8 @@ def test_whole_step_graph_matches_eager(batch: int) -> None:
 
     device = torch.device("cuda")
     model = random_model(device)
-    c = model.config
-    block_size, context = 16, 100
-    pool = allocate_kv_pool(KVPoolShape(64, c.num_layers, block_size, c.num_kv_heads, c.head_dim), torch.bfloat16, device)
-    pool.normal_()
-    padding_block = 63
-    blocks_per_seq = -(-(context + 1) // block_size)
-    chunks, tables, slots = [], {}, []
-    for b in range(batch):
-        ids = tuple(range(b * blocks_per_seq, (b + 1) * blocks_per_seq))
-        tables[str(b)] = (Segment(0, ids, 0, context + 1),)
-        chunks.append(ScheduledChunk(str(b), context, 1, True))
-        slots.append(ids[context // block_size] * block_size + context % block_size)
-    layout = build_step_attention(0, chunks, tables, slots, home_instance_id=0, block_size=block_size, device=device)
-    attention = DistAttention(layout, pool, 0, None, num_heads=c.num_heads, sm_scale=model.sm_scale)
-    token_ids = torch.randint(0, c.vocab_size, (batch,), device=device)
-    positions = torch.full((batch,), context, dtype=torch.int64, device=device)
-    rows = torch.arange(batch, device=device)
+    padding_block, block_size = 63, BLOCK_SIZE
+    pool, layout, attention, token_ids, positions, rows = decode_step_inputs(model, batch)
 
     loop = asyncio.new_event_loop()
     eager = loop.run_until_complete(model.forward(token_ids, positions, attention, rows))
@@ -106,7 +102,7 @@ def test_whole_step_graph_matches_eager(batch: int) -> None:
     # Only the padding block may differ: the real rows wrote what the eager step wrote.
     assert torch.equal(pool[:padding_block], pool_after_eager[:padding_block])
     # A second step on the same graph with other values gives the eager result too.
-    token_ids2 = torch.randint(0, c.vocab_size, (batch,), device=device)
+    token_ids2 = torch.randint(0, model.config.vocab_size, (batch,), device=device)
     again = graphs.forward(token_ids2, positions, layout.slot_mapping, home.block_tables, home.kv_lens, rows)
     eager2 = loop.run_until_complete(model.forward(token_ids2, positions, attention, rows))
     torch.testing.assert_close(again, eager2, rtol=2e-2, atol=2e-2)
