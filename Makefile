@@ -17,6 +17,10 @@ $(STAMP): pyproject.toml Makefile
 	@# Debian's systemd package brings systemd-analyze, which the unit tests run.
 	@command -v systemd-analyze >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq systemd >/dev/null); } || true
+	@# Debian's etcd-server package brings /usr/bin/etcd (3.4), which the etcd election and
+	@# membership tests start on a private data folder.
+	@command -v etcd >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server >/dev/null); } || true
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PIP) install --upgrade pip setuptools wheel
 	@$(PY) -c 'import torch' 2>/dev/null || $(PIP) install '$(TORCH_SPEC)'

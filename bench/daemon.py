@@ -27,6 +27,7 @@ import platform
 import tempfile
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import torch
@@ -45,6 +46,28 @@ def decode_rate(events: list[tuple[float, dict]]) -> tuple[float, int]:
     return tokens / (times[-1] - times[0]), tokens
 
 
+def histogram_means(cluster: LocalCluster) -> dict[int, dict[str, float]]:
+    """Per instance: mean remote-attention wait (home) and attend serving time (creditor), s."""
+    means: dict[int, dict[str, float]] = {}
+    for inst in cluster:
+        with urllib.request.urlopen(f"http://127.0.0.1:{inst.http_port}/metrics", timeout=10) as response:
+            text = response.read().decode()
+        values = {}
+        for line in text.splitlines():
+            name, _, value = line.partition(" ")
+            if name in ("infllm_remote_attention_seconds_sum", "infllm_remote_attention_seconds_count",
+                        "infllm_attend_serve_seconds_sum", "infllm_attend_serve_seconds_count"):
+                values[name] = float(value)
+        row = {}
+        for key in ("remote_attention", "attend_serve"):
+            count = values.get(f"infllm_{key}_seconds_count", 0.0)
+            if count:
+                row[f"{key}_mean_s"] = values[f"infllm_{key}_seconds_sum"] / count
+                row[f"{key}_count"] = int(count)
+        means[inst.inst_id] = row
+    return means
+
+
 def run_request(cluster: LocalCluster, prompt: str, new_tokens: int, placements: list) -> list[tuple[float, dict]]:
     events = []
     for event in cluster[1].stream(prompt, max_tokens=new_tokens, ignore_eos=True):
@@ -55,7 +78,8 @@ def run_request(cluster: LocalCluster, prompt: str, new_tokens: int, placements:
     return events
 
 
-def split_case(num_instances: int, context_blocks: int, prompt: str, new_tokens: int, device: str) -> dict:
+def split_case(num_instances: int, context_blocks: int, prompt: str, new_tokens: int, device: str,
+               extra_args: list[str]) -> dict:
     share = math.ceil(context_blocks / num_instances)
     if num_instances == 1:
         pools = [context_blocks + 64]
@@ -63,17 +87,19 @@ def split_case(num_instances: int, context_blocks: int, prompt: str, new_tokens:
         # The home keeps about one share (plus room for a prefill chunk); each creditor takes a share.
         pools = [share + 10] + [share + 4] * (num_instances - 1)
     with tempfile.TemporaryDirectory(prefix="infllm-bench-") as root:
-        cluster = LocalCluster(Path(root), num_instances, pools[0], device=device, pool_blocks_per_instance=pools)
+        cluster = LocalCluster(Path(root), num_instances, pools[0], device=device, pool_blocks_per_instance=pools,
+                               extra_args=extra_args)
         try:
             cluster.wait_ready()
             run_request(cluster, prompt, 4, [])  # warm-up
             time.sleep(2.5)  # peers republish their freed blocks
             placement: list[int] = []
             rate, tokens = decode_rate(run_request(cluster, prompt, new_tokens, placement))
+            latencies = histogram_means(cluster)
         finally:
             cluster.stop()
     return {"instances": num_instances, "pools": pools, "placement": placement, "decode_tokens_per_s": rate,
-            "decode_tokens": tokens}
+            "decode_tokens": tokens, "latencies": latencies}
 
 
 async def leader_moves(address: PeerAddress, req_id: int, num_blocks: int, stop: threading.Event,
@@ -103,10 +129,12 @@ async def leader_moves(address: PeerAddress, req_id: int, num_blocks: int, stop:
     return done, failed
 
 
-def move_case(context_blocks: int, prompt: str, new_tokens: int, blocks_per_move: int, device: str) -> dict:
+def move_case(context_blocks: int, prompt: str, new_tokens: int, blocks_per_move: int, device: str,
+              extra_args: list[str]) -> dict:
     pools = [context_blocks + 64, context_blocks + 64]
     with tempfile.TemporaryDirectory(prefix="infllm-bench-") as root:
-        cluster = LocalCluster(Path(root), 2, pools[0], device=device, pool_blocks_per_instance=pools)
+        cluster = LocalCluster(Path(root), 2, pools[0], device=device, pool_blocks_per_instance=pools,
+                               extra_args=extra_args)
         try:
             cluster.wait_ready()
             run_request(cluster, prompt, 4, [])  # warm-up
@@ -146,6 +174,8 @@ def main() -> None:
     parser.add_argument("--context-items", type=int, default=130, help="passkey items (about 15 tokens each)")
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--model", default=None,
+                        help="GGUF file or Hugging Face folder (default: the embedded SmolLM2-135M)")
     args = parser.parse_args()
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     if args.device == "cpu":
@@ -154,20 +184,28 @@ def main() -> None:
     # Tokens are about 15 per item plus the question; blocks with room for the output.
     context_blocks = math.ceil((15 * args.context_items + 40 + args.new_tokens) / BLOCK_SIZE)
 
-    splits = [split_case(n, context_blocks, prompt, args.new_tokens, args.device) for n in (1, 2, 3)]
+    extra_args = ["--model", args.model] if args.model else []
+    splits = [split_case(n, context_blocks, prompt, args.new_tokens, args.device, extra_args) for n in (1, 2, 3)]
     for row in splits:
         row["vs_one_instance"] = row["decode_tokens_per_s"] / splits[0]["decode_tokens_per_s"]
-    moves = [move_case(context_blocks, prompt, args.new_tokens, k, args.device) for k in (1, 2)]
+    moves = [move_case(context_blocks, prompt, args.new_tokens, k, args.device, extra_args) for k in (1, 2)]
 
     gpu = torch.cuda.get_device_name().replace(" ", "-") if args.device.startswith("cuda") else "cpu"
-    report = {"device": gpu, "machine": platform.node(), "torch": torch.__version__, "model": "SmolLM2-135M-Instruct",
+    report = {"device": gpu, "machine": platform.node(), "torch": torch.__version__, "model": args.model or "SmolLM2-135M-Instruct",
               "context_blocks": context_blocks, "new_tokens": args.new_tokens, "splits": splits, "moves": moves}
-    out = Path(args.out_dir) / f"daemon-{gpu}.json"
+    suffix = f"-{Path(args.model).name}" if args.model else ""
+    out = Path(args.out_dir) / f"daemon-{gpu}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"{'instances':>9} {'placement':>12} {'decode tok/s':>13} {'vs one':>7}")
     for r in splits:
         print(f"{r['instances']:>9} {str(r['placement']):>12} {r['decode_tokens_per_s']:>13.2f} {r['vs_one_instance']:>7.3f}")
+    for r in splits[1:]:
+        home = r["latencies"].get(1, {})
+        served = [v["attend_serve_mean_s"] for k, v in r["latencies"].items() if k != 1 and "attend_serve_mean_s" in v]
+        if home.get("remote_attention_mean_s") and served:
+            print(f"  {r['instances']} instances: remote attention wait {1e6 * home['remote_attention_mean_s']:.0f} us "
+                  f"per layer, of which serving {1e6 * sum(served) / len(served):.0f} us")
     print(f"{'moved/step':>10} {'tok/s without':>14} {'tok/s with':>11} {'cost':>7} {'moves/step':>10}")
     for r in moves:
         print(f"{r['tokens_per_move']:>10} {r['decode_tokens_per_s_without']:>14.2f} {r['decode_tokens_per_s_with']:>11.2f} "

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import platform
@@ -43,6 +44,7 @@ import torch  # noqa: E402
 import ucxx  # noqa: E402
 
 from infinite_llm.transport import messages as m  # noqa: E402
+from infinite_llm.transport.codec import FrameLimits  # noqa: E402
 from infinite_llm.transport.interface import PeerAddress, TransportConfig  # noqa: E402
 from infinite_llm.transport.ucx import UcxTransport  # noqa: E402
 
@@ -50,12 +52,13 @@ KiB, MiB = 1 << 10, 1 << 20
 MESSAGE_SIZES = [64 * KiB, 1 * MiB, 4 * MiB, 64 * MiB]
 POOL_BYTES = 256 * MiB
 PING_BYTES = 1 * KiB
+STAGING_SIZES = [1 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB]
 
 
 # --- server ---------------------------------------------------------------------------------
 
 
-async def serve(device: str) -> None:
+async def serve(device: str, inline_cuda_limit_bytes: int | None = None) -> None:
     pool = torch.empty(POOL_BYTES, dtype=torch.uint8, device=device)
 
     def place(message: m.Message):
@@ -69,7 +72,7 @@ async def serve(device: str) -> None:
             views.append(pool[start:start + run.num_blocks * block_nbytes].view(spec.shape))
         return views
 
-    async def handle(message: m.Message) -> m.Message | None:
+    def handle(message: m.Message) -> m.Message | None:  # answers at once, as the daemons' do
         if isinstance(message, m.Echo):
             return m.EchoReply(message.payload)
         if isinstance(message, m.KVBlocks):
@@ -77,10 +80,34 @@ async def serve(device: str) -> None:
                                     sum(r.num_blocks for r in message.runs))
         return None
 
-    transport = UcxTransport(TransportConfig(receive_device=device))
+    transport = UcxTransport(TransportConfig(receive_device=device, limits=limits_with(inline_cuda_limit_bytes)))
     await transport.start(handle, place)
     print(f"PORT {transport.address.port}", flush=True)
     await asyncio.sleep(3600)
+
+
+def _has_uvloop() -> bool:
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def run_loop(coroutine):
+    """Run on uvloop where it is installed, as the daemons do (both the layer and bare ucxx)."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coroutine)
+    return uvloop.run(coroutine)
+
+
+def limits_with(inline_cuda_limit_bytes: int | None) -> FrameLimits:
+    """Default frame limits, with device-buffer staging set when given (0: never staged)."""
+    if inline_cuda_limit_bytes is None:
+        return FrameLimits()
+    return dataclasses.replace(FrameLimits(), inline_cuda_limit_bytes=inline_cuda_limit_bytes)
 
 
 # --- bare ucxx anchors (their own pair of processes) ----------------------------------------
@@ -280,15 +307,44 @@ def percentiles(samples: list[float]) -> dict:
             "p99_us": float(np.percentile(samples, 99) * 1e6)}
 
 
-async def measure_round_trips(transport, server, device: str, count: int) -> dict:
-    payload = torch.randint(0, 255, (PING_BYTES,), dtype=torch.uint8, device=device)
-    layer: list[float] = []
+async def round_trip_samples(transport, server, device: str, nbytes: int, count: int) -> list[float]:
+    payload = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
+    samples: list[float] = []
     for i in range(count + count // 10):
         t0 = time.perf_counter()
         await transport.request(server, m.Echo(payload), timeout_s=10)
         if i >= count // 10:
-            layer.append(time.perf_counter() - t0)
-    return {"message_bytes": PING_BYTES, "count": count, "layer": percentiles(layer)}
+            samples.append(time.perf_counter() - t0)
+    return samples
+
+
+async def measure_round_trips(transport, server, device: str, count: int) -> dict:
+    samples = await round_trip_samples(transport, server, device, PING_BYTES, count)
+    return {"message_bytes": PING_BYTES, "count": count, "layer": percentiles(samples)}
+
+
+async def measure_staging(device: str, count: int) -> list[dict]:
+    """Round trips of device buffers of several sizes, staged through the host (the default
+    limit) against sent GPU-to-GPU by UCX (limit 0): where the default limit should lie."""
+    rows = []
+    for limit in (None, 0):
+        server_process, port = start_process(["--role", "server", "--device", device,
+                                              "--inline-cuda-limit", str(-1 if limit is None else limit)])
+        transport = UcxTransport(TransportConfig(receive_device=device, request_timeout_s=60,
+                                                 limits=limits_with(limit)))
+        try:
+            await transport.start(lambda message: asyncio.sleep(0))
+            server = PeerAddress("127.0.0.1", port)
+            for nbytes in STAGING_SIZES:
+                samples = await round_trip_samples(transport, server, device, nbytes, count)
+                rows.append({"message_bytes": nbytes, "staged": limit is None and nbytes <= FrameLimits().inline_cuda_limit_bytes,
+                             "inline_cuda_limit_bytes": FrameLimits().inline_cuda_limit_bytes if limit is None else 0,
+                             **percentiles(samples)})
+        finally:
+            await transport.close()
+            server_process.kill()
+            server_process.wait(timeout=10)
+    return rows
 
 
 def start_process(role_args: list[str]) -> tuple[subprocess.Popen, int]:
@@ -329,6 +385,8 @@ async def run_client(args) -> dict:
     finally:
         server_process.kill()
         server_process.wait(timeout=10)
+    if device.startswith("cuda"):
+        round_trips["staging"] = await measure_staging(device, max(200, args.round_trips // 5))
     round_trips["bare_ucxx"] = bare["round_trip"]
     round_trips["overhead_p50"] = (round_trips["layer"]["p50_us"]
                                    / round_trips["bare_ucxx"]["p50_us"])
@@ -357,6 +415,9 @@ def print_table(results: dict) -> None:
     print(f"1 KiB round trip: layer p50 {r['layer']['p50_us']:.1f} us p99 "
           f"{r['layer']['p99_us']:.1f} us; bare ucxx p50 {r['bare_ucxx']['p50_us']:.1f} us "
           f"p99 {r['bare_ucxx']['p99_us']:.1f} us; overhead {r['overhead_p50']:.2f}x")
+    for row in r.get("staging", []):
+        print(f"device round trip {row['message_bytes'] // KiB:>5} KiB, staging limit "
+              f"{row['inline_cuda_limit_bytes'] // KiB:>4} KiB: p50 {row['p50_us']:.1f} us p99 {row['p99_us']:.1f} us")
 
 
 def main() -> None:
@@ -370,18 +431,20 @@ def main() -> None:
     parser.add_argument("--block-nbytes", type=int, default=64 * KiB)
     parser.add_argument("--round-trips", type=int, default=2000)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--inline-cuda-limit", type=int, default=-1,
+                        help="(server) device bytes staged through the host; -1: the default")
     args = parser.parse_args()
     torch.set_num_threads(1)  # one core per process: two processes share the host
     if args.role == "server":
-        asyncio.run(serve(args.device))
+        run_loop(serve(args.device, None if args.inline_cuda_limit < 0 else args.inline_cuda_limit))
         return
     if args.role == "bare-server":
-        asyncio.run(serve_bare(args.device))
+        run_loop(serve_bare(args.device))
         return
     if args.role == "bare-client":
-        print(json.dumps(asyncio.run(run_bare_client(args, args.port))), flush=True)
+        print(json.dumps(run_loop(run_bare_client(args, args.port))), flush=True)
         return
-    results = asyncio.run(run_client(args))
+    results = run_loop(run_client(args))
     name = machine_name(args.device)
     report = {
         "machine": name, "device": args.device, "platform": platform.platform(),
@@ -389,6 +452,7 @@ def main() -> None:
         "ucxx": ucxx.__version__, "ucx": ".".join(map(str, ucxx.get_ucx_version())),
         "UCX_TLS": os.environ.get("UCX_TLS", "(UCX default)"),
         "layer_spin_s": TransportConfig().spin_s, "bare_progress_mode": "polling",
+        "event_loop": "uvloop" if _has_uvloop() else "asyncio",
         "window": args.window, **results,
     }
     out = args.out or Path(__file__).parent / "results" / f"transport-{name}.json"

@@ -1,12 +1,15 @@
-"""The client library behind `infctl`: find the cluster in its state folder and talk to it.
+"""The client library behind `infctl`: find the cluster and talk to it.
 
 Everything here is usable from Python. The gManager leader and the instances publish where they
-listen in the state folder (`gmanager/leader.json`, `members/<id>.json`); their admin APIs are
-HTTP over Unix sockets.
+listen in the state folder (`gmanager/leader.json`, `members/<id>.json`), or in etcd when the
+cluster runs with it (`<prefix>/gmanager/leader`, `<prefix>/members/<id>`, read once per
+lookup with a bounded wait). Their admin APIs are HTTP over Unix sockets, so commands reach the
+daemons of the host they run on.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -15,8 +18,16 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from dataclasses import asdict
+from typing import Any, Iterable, Iterator
 
+from infinite_llm.daemon.etcd_discovery import (
+    DEFAULT_PREFIX,
+    DEFAULT_REQUEST_TIMEOUT_S,
+    EtcdUnreachable,
+    parse_endpoints,
+    read_cluster,
+)
 from infinite_llm.daemon.local_cluster import UnixHTTPConnection
 from infinite_llm.daemon.membership import process_alive
 
@@ -65,14 +76,47 @@ class Endpoint:
 
 
 class ClusterClient:
-    """The cluster whose daemons share ``state_dir``."""
+    """The cluster whose daemons share ``state_dir``, or that register in etcd.
 
-    def __init__(self, state_dir: Path | str) -> None:
+    ``etcd_endpoints``: ``host:port`` strings (or one comma-separated string); when given, the
+    leader and the instances are looked up in etcd under ``etcd_prefix``, each read bounded by
+    ``etcd_timeout_s`` seconds. ``state_dir`` then serves only the local-cluster helpers.
+    """
+
+    def __init__(self, state_dir: Path | str, etcd_endpoints: str | Iterable[str] = (),
+                 etcd_prefix: str = DEFAULT_PREFIX, etcd_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S) -> None:
         self.state_dir = Path(state_dir)
+        given = etcd_endpoints.split(",") if isinstance(etcd_endpoints, str) else list(etcd_endpoints)
+        try:
+            pairs = parse_endpoints(given) if any(e.strip() for e in given) else ()
+        except ValueError as exc:
+            raise ClusterError(str(exc)) from None
+        self.etcd_endpoints = tuple(f"{host}:{port}" for host, port in pairs)
+        self.etcd_prefix = etcd_prefix
+        self.etcd_timeout_s = etcd_timeout_s
+
+    @property
+    def location(self) -> str:
+        """Where the cluster is looked up, for messages."""
+        if self.etcd_endpoints:
+            return f"etcd at {','.join(self.etcd_endpoints)} (prefix {self.etcd_prefix})"
+        return str(self.state_dir)
+
+    def _read_etcd(self):
+        try:
+            return asyncio.run(read_cluster(self.etcd_endpoints, self.etcd_prefix, self.etcd_timeout_s))
+        except EtcdUnreachable as exc:
+            raise Unreachable(str(exc)) from None
+        except TimeoutError:
+            raise Unreachable(f"etcd at {','.join(self.etcd_endpoints)} did not answer within "
+                              f"{self.etcd_timeout_s:g} s") from None
 
     # ---- discovery ----------------------------------------------------------------------
     def instances(self) -> dict[int, dict[str, Any]]:
         """Live instances by id, as they published themselves."""
+        if self.etcd_endpoints:  # live: etcd deletes a record whose lease expired
+            _, members = self._read_etcd()
+            return {inst_id: asdict(member) for inst_id, member in sorted(members.items())}
         found = {}
         for path in sorted((self.state_dir / "members").glob("*.json")):
             try:
@@ -86,10 +130,15 @@ class ClusterClient:
     def instance(self, inst_id: int) -> Endpoint:
         member = self.instances().get(inst_id)
         if member is None:
-            raise Unreachable(f"no live instance {inst_id} in {self.state_dir}")
+            raise Unreachable(f"no live instance {inst_id} in {self.location}")
         return Endpoint(f"instance {inst_id}", int(member["pid"]), member["socket_path"])
 
     def leader(self) -> Endpoint:
+        if self.etcd_endpoints:
+            info, _ = self._read_etcd()
+            if info is None:
+                raise Unreachable(f"no gManager leader in {self.location}")
+            return Endpoint(f"gManager (epoch {info.epoch})", info.pid, info.socket_path)
         path = self.state_dir / "gmanager" / "leader.json"
         try:
             leader = json.loads(path.read_text())
@@ -106,7 +155,7 @@ class ClusterClient:
             cluster = self.leader().call("GET", "/v1/status")
         except Unreachable as exc:
             if not self.instances():
-                raise Unreachable(f"no cluster runs in {self.state_dir}: no leader and no instance") from None
+                raise Unreachable(f"no cluster runs in {self.location}: no leader and no instance") from None
             cluster = {"leader": None, "error": str(exc)}
         cluster["instances_detail"] = {
             inst_id: self.instance(inst_id).call("GET", "/v1/status") for inst_id in self.instances()}
@@ -119,12 +168,52 @@ class ClusterClient:
     def rebalance(self, dry_run: bool) -> dict[str, Any]:
         return self.leader().call("POST", "/v1/rebalance", {"dry_run": dry_run}, timeout_s=120.0)
 
-    def drain(self, inst_id: int, timeout_s: float, dry_run: bool = False) -> dict[str, Any]:
-        """Cordon the instance and wait until nothing runs there and it holds nothing for others."""
+    def drain(self, inst_id: int, timeout_s: float, dry_run: bool = False, poll_s: float = 0.5) -> dict[str, Any]:
+        """Cordon the instance, move its work off and wait until it is safe to stop.
+
+        Through the gManager leader: it refuses (ClusterError, nothing moved) when the other
+        instances lack room or the instance is unknown, cordons the instance, moves every
+        segment it holds for others and its requests' full blocks away, and reports safe to stop
+        once nothing runs there and it holds nothing. A dry run returns the planned moves. On
+        timeout (TimedOut) the instance stays cordoned and the gManager goes on draining it.
+
+        With no leader, the instance's own API: cordon, and wait until its requests finished
+        and their homes freed what it holds (nothing is moved, so this may wait long).
+        """
+        try:
+            leader = self.leader()
+        except Unreachable:
+            return self._drain_without_leader(inst_id, timeout_s, dry_run)
+        report = leader.call("POST", "/v1/drain", {"instance_id": inst_id, "dry_run": dry_run}, timeout_s=60.0)
+        if dry_run:
+            return report
+        deadline = time.monotonic() + timeout_s
+        while not report["safe_to_stop"]:
+            if report.get("state") == "lost":
+                raise ClusterError(f"instance {inst_id} went silent before it was drained")
+            if time.monotonic() >= deadline:
+                raise TimedOut(self._not_drained(inst_id, report, timeout_s))
+            time.sleep(poll_s)
+            report = leader.call("GET", f"/v1/drain/{inst_id}")
+        return report
+
+    def _not_drained(self, inst_id: int, report: dict[str, Any], timeout_s: float) -> str:
+        """Why a drain is not done, from the instance's own figures when it answers."""
+        running, held = report.get("running_requests", 0), report.get("blocks_held_for_others", 0)
+        try:
+            status = self.instance(inst_id).call("GET", "/v1/status", timeout_s=5.0)
+            running = len(status["requests"])
+            held = status["pool"]["num_blocks_held_for_others"] + status["pool"]["num_blocks_reserved_for_others"]
+        except ClusterError:
+            pass  # the gManager's figures, from the last heartbeats
+        return (f"instance {inst_id} still runs {running} request(s) and holds {held} block(s) for others "
+                f"after {timeout_s:g} s; it stays cordoned")
+
+    def _drain_without_leader(self, inst_id: int, timeout_s: float, dry_run: bool) -> dict[str, Any]:
         endpoint = self.instance(inst_id)
         if dry_run:
             status = endpoint.call("GET", "/v1/status")
-            return {"instance_id": inst_id, "dry_run": True, "running_requests": len(status["requests"]),
+            return {"instance_id": inst_id, "dry_run": True, "moves": [], "running_requests": len(status["requests"]),
                     "blocks_held_for_others": status["pool"]["num_blocks_held_for_others"]}
         deadline = time.monotonic() + timeout_s
         while True:
@@ -133,11 +222,17 @@ class ClusterClient:
                 return report
             if time.monotonic() >= deadline:
                 raise TimedOut(f"instance {inst_id} still runs {report['running_requests']} request(s) and holds "
-                               f"{report['blocks_held_for_others']} block(s) for others after {timeout_s:g} s")
+                               f"{report['blocks_held_for_others']} block(s) for others after {timeout_s:g} s "
+                               f"(no gManager leader: nothing was moved off it); it stays cordoned")
             time.sleep(0.2)
 
     def uncordon(self, inst_id: int) -> dict[str, Any]:
-        return self.instance(inst_id).call("POST", "/v1/uncordon")
+        """Admit requests again: through the leader (which calls off its drain), else locally."""
+        try:
+            leader = self.leader()
+        except Unreachable:
+            return self.instance(inst_id).call("POST", "/v1/uncordon")
+        return leader.call("POST", "/v1/uncordon", {"instance_id": inst_id})
 
     def generate(self, prompt: str | list[dict[str, str]], inst_id: int | None = None,
                  **params: Any) -> Iterator[dict[str, Any]]:
@@ -147,7 +242,7 @@ class ClusterClient:
         """
         members = self.instances()
         if not members:
-            raise Unreachable(f"no live instance in {self.state_dir}")
+            raise Unreachable(f"no live instance in {self.location}")
         if inst_id is None:
             inst_id = max(members, key=lambda i: (members[i]["num_blocks_free"], -i))
         endpoint = self.instance(inst_id)

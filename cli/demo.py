@@ -5,7 +5,7 @@
 2. send a passkey-retrieval prompt of several thousand tokens and stream the answer;
 3. show where the request's KV lives while it decodes (`infctl status --instance 1`);
 4. drain instance 3 while a second, smaller request decodes with part of its KV there: it admits
-   nothing new and reports safe to stop once the request is done with it;
+   nothing new, the gManager moves that KV to another instance, and it reports safe to stop;
 5. stop the cluster, and exit 0 only if the answer holds the passkey.
 
     python -m infinite_llm.cli.demo            # several thousand tokens

@@ -22,7 +22,15 @@ DEFAULT_STATE_DIR = os.environ.get("INFLLM_STATE_DIR", "/var/lib/infinite-llm")
 app = typer.Typer(help="Operate an Infinite-LLM cluster.", no_args_is_help=True, add_completion=True)
 StateDir = typer.Option(DEFAULT_STATE_DIR, "--state-dir", envvar="INFLLM_STATE_DIR",
                         help="the cluster's state folder (shared by its daemons)")
+Etcd = typer.Option("", "--etcd", envvar="INFCTL_ETCD", show_default=False,
+                    help="comma-separated etcd host:port list: find the cluster there, not in the state folder")
+EtcdPrefix = typer.Option("/infinite-llm", "--etcd-prefix", envvar="INFCTL_ETCD_PREFIX",
+                          help="the cluster's keys in etcd")
 AsJson = typer.Option(False, "--json", help="print JSON for scripts")
+
+
+def _client(state_dir: Path, etcd: str = "", etcd_prefix: str = "/infinite-llm") -> ClusterClient:
+    return ClusterClient(state_dir, etcd_endpoints=etcd, etcd_prefix=etcd_prefix)
 
 
 def _run(action: Callable[[], Any]) -> Any:
@@ -46,11 +54,10 @@ def _print_json(data: Any) -> None:
 
 @app.command()
 def status(state_dir: Path = StateDir, instance: Optional[int] = typer.Option(None, "--instance", help="one instance, with per-request placement"),
-           as_json: bool = AsJson) -> None:
+           etcd: str = Etcd, etcd_prefix: str = EtcdPrefix, as_json: bool = AsJson) -> None:
     """The cluster (leader, epoch, instances), or one instance's requests and where their KV lives."""
-    client = ClusterClient(state_dir)
     if instance is not None:
-        data = _run(lambda: client.instance_status(instance))
+        data = _run(lambda: _client(state_dir, etcd, etcd_prefix).instance_status(instance))
         if as_json:
             return _print_json(data)
         pool = data["pool"]
@@ -66,7 +73,7 @@ def status(state_dir: Path = StateDir, instance: Optional[int] = typer.Option(No
             typer.echo(f"  holds {held['num_blocks']} blocks of request {held['request_id']} "
                        f"of instance {held['home_instance_id']}")
         return None
-    data = _run(client.status)
+    data = _run(lambda: _client(state_dir, etcd, etcd_prefix).status())
     if as_json:
         return _print_json(data)
     if data.get("leader") is None:
@@ -84,32 +91,44 @@ def status(state_dir: Path = StateDir, instance: Optional[int] = typer.Option(No
 @app.command()
 def drain(inst_id: int = typer.Argument(..., metavar="INSTANCE"), state_dir: Path = StateDir,
           timeout: float = typer.Option(600.0, "--timeout", help="seconds to wait until it is safe to stop"),
-          dry_run: bool = typer.Option(False, "--dry-run", help="report what a drain would wait for"),
-          as_json: bool = AsJson) -> None:
-    """Cordon an instance (it admits nothing new) and wait until it is safe to stop."""
-    report = _run(lambda: ClusterClient(state_dir).drain(inst_id, timeout, dry_run))
+          dry_run: bool = typer.Option(False, "--dry-run", help="print the moves a drain would make; change nothing"),
+          etcd: str = Etcd, etcd_prefix: str = EtcdPrefix, as_json: bool = AsJson) -> None:
+    """Cordon an instance, move its KV off through the gManager, and wait until it is safe to stop."""
+    report = _run(lambda: _client(state_dir, etcd, etcd_prefix).drain(inst_id, timeout, dry_run))
     if as_json:
         return _print_json(report)
+    moves = report.get("moves", [])
+    for move in moves:
+        result = "" if dry_run else f"  [{move['result']}]"
+        typer.echo(f"request {move['req_id']} of instance {move['home_inst_id']}: {move['num_blocks']} blocks "
+                   f"{move['src_inst_id']} -> {move['dst_inst_id']}{result}")
     if dry_run:
-        typer.echo(f"instance {inst_id}: {report['running_requests']} request(s) to finish, "
-                   f"{report['blocks_held_for_others']} block(s) held for others")
+        if "running_requests" in report:  # no leader: the instance's own figures, nothing would move
+            typer.echo(f"instance {inst_id}: {report['running_requests']} request(s) to finish, "
+                       f"{report['blocks_held_for_others']} block(s) held for others; no gManager leader, "
+                       f"nothing would be moved")
+        else:
+            typer.echo(f"instance {inst_id}: {len(moves)} move(s) planned, {report['num_blocks_held']} block(s) "
+                       f"held for others and {report['num_blocks_own_movable']} of its own requests' blocks, "
+                       f"{report['num_blocks_free_elsewhere']} free elsewhere")
     else:
         typer.echo(f"instance {inst_id} is drained: safe to stop")
     return None
 
 
 @app.command()
-def uncordon(inst_id: int = typer.Argument(..., metavar="INSTANCE"), state_dir: Path = StateDir) -> None:
+def uncordon(inst_id: int = typer.Argument(..., metavar="INSTANCE"), state_dir: Path = StateDir,
+             etcd: str = Etcd, etcd_prefix: str = EtcdPrefix) -> None:
     """Let a drained instance admit requests again."""
-    _run(lambda: ClusterClient(state_dir).uncordon(inst_id))
+    _run(lambda: _client(state_dir, etcd, etcd_prefix).uncordon(inst_id))
     typer.echo(f"instance {inst_id} admits requests")
 
 
 @app.command()
 def rebalance(state_dir: Path = StateDir, dry_run: bool = typer.Option(False, "--dry-run", help="plan only"),
-              as_json: bool = AsJson) -> None:
+              etcd: str = Etcd, etcd_prefix: str = EtcdPrefix, as_json: bool = AsJson) -> None:
     """Run a placement round now; with --dry-run print each planned move and its predicted gain."""
-    report = _run(lambda: ClusterClient(state_dir).rebalance(dry_run))
+    report = _run(lambda: _client(state_dir, etcd, etcd_prefix).rebalance(dry_run))
     if as_json:
         return _print_json(report)
     moves = report.get("moves", [])
@@ -145,11 +164,12 @@ def down(state_dir: Path = StateDir) -> None:
 def generate(prompt: str, state_dir: Path = StateDir, instance: Optional[int] = typer.Option(None, "--instance"),
              max_tokens: int = typer.Option(64, "--max-tokens", min=1),
              temperature: float = typer.Option(0.0, "--temperature", min=0.0),
-             ignore_eos: bool = typer.Option(False, "--ignore-eos", help="go on past end-of-sequence (benchmarks)")) -> None:
+             ignore_eos: bool = typer.Option(False, "--ignore-eos", help="go on past end-of-sequence (benchmarks)"),
+             etcd: str = Etcd, etcd_prefix: str = EtcdPrefix) -> None:
     """Stream a completion of PROMPT from the cluster."""
-    client = ClusterClient(state_dir)
 
     def stream() -> None:
+        client = _client(state_dir, etcd, etcd_prefix)
         for step in client.generate(prompt, instance, max_tokens=max_tokens, temperature=temperature,
                                     ignore_eos=ignore_eos):
             sys.stdout.write(step["text"])

@@ -30,6 +30,8 @@ class Timeouts:
     debtor_lost_s: float = 30.0  # segments held for a silent debtor are freed after this
     drain_s: float = 600.0  # graceful stop: time to finish or hand over work
     connect_s: float = 1.0  # opening a connection to a peer
+    etcd_request_s: float = 2.0  # one request to etcd, the first connection included
+    etcd_lease_s: float = 10.0  # TTL of the membership lease: a killed instance leaves etcd after this
 
 
 @dataclass(frozen=True)
@@ -56,7 +58,8 @@ class InstanceConfig:
     http_port: int | None = 8000  # 0: any free port; None: no TCP API
     socket_path: Path = Path("/run/infinite-llm/infinited.sock")  # local admin API
     admin_group: str | None = None  # besides root, members may call mutating local endpoints
-    etcd_endpoints: tuple[str, ...] = ()  # empty: local discovery through state_dir
+    etcd_endpoints: tuple[str, ...] = ()  # host:port of etcd; empty: local discovery through state_dir
+    etcd_prefix: str = "/infinite-llm"  # the cluster's keys in etcd (one prefix per cluster)
     state_dir: Path = Path("/var/lib/infinite-llm")  # local election and membership files
     timeouts: Timeouts = field(default_factory=Timeouts)
 
@@ -93,9 +96,20 @@ class InstanceConfig:
             raise ConfigError(f"admin_group must be a group name, got {self.admin_group!r}")
         if any(not isinstance(e, str) or not e for e in self.etcd_endpoints):
             raise ConfigError(f"etcd_endpoints must be host:port strings, got {self.etcd_endpoints!r}")
+        if self.etcd_endpoints:
+            from .etcd_discovery import parse_endpoints
+
+            try:
+                parse_endpoints(self.etcd_endpoints)
+            except ValueError as exc:
+                raise ConfigError(f"etcd_endpoints: {exc}") from None
+        if not isinstance(self.etcd_prefix, str) or not self.etcd_prefix.startswith("/") or self.etcd_prefix.endswith("/"):
+            raise ConfigError(f"etcd_prefix must start with '/' and not end with one, got {self.etcd_prefix!r}")
         for name, value in dataclasses.asdict(self.timeouts).items():
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ConfigError(f"timeouts.{name} must be a positive number of seconds, got {value!r}")
+        if self.timeouts.etcd_lease_s < 2:  # etcd's shortest lease with its default election timeout
+            raise ConfigError(f"timeouts.etcd_lease_s must be at least 2 s, got {self.timeouts.etcd_lease_s!r}")
 
     @property
     def discovery(self) -> str:

@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any, AsyncIterator, Sequence
 
@@ -34,6 +35,7 @@ from infinite_llm.transport.messages import (
     EchoReply,
     ErrorCode,
     ErrorReply,
+    ForwardSegment,
     FreeSegment,
     Heartbeat,
     HeartbeatReply,
@@ -48,6 +50,7 @@ from infinite_llm.transport.messages import (
     PoolFigures,
     RequestPlacementEntry,
     TryMoveKV,
+    Uncordon,
 )
 
 from .config import InstanceConfig
@@ -56,9 +59,9 @@ from .heartbeat import HeartbeatState
 from .http_api import GenerationEvent, LocalApp, OpenAIApp, RequestRefused, start_local_site
 from .ledger import CreditorLedger, EpochFence
 from .local_auth import admin_group_id
-from .membership import LocalMembership, Member, process_alive
+from .membership import Member, membership_for, process_alive
 from .metrics import InstanceMetrics
-from .peers import PeerDirectory, TransportLender, TransportRemoteAttention
+from .peers import PeerDirectory, TransportLender, TransportRemoteAttention, forward_segment
 from .sd_notify import SystemdNotifier
 
 log = logging.getLogger(__name__)
@@ -74,7 +77,7 @@ class InstanceDaemon:
         self.notifier = notifier or SystemdNotifier()
         self.metrics = InstanceMetrics()
         self.peers = PeerDirectory(config.instance_id)
-        self.membership = LocalMembership(config.state_dir, stale_after_s=5 * config.timeouts.heartbeat_interval_s)
+        self.membership = membership_for(config)  # the state folder, or etcd when endpoints are set
         self.fence = EpochFence()
         self.draining = False
         self._stopping = asyncio.Event()
@@ -126,6 +129,7 @@ class InstanceDaemon:
             for task in (stop, *tasks):
                 task.cancel()
             await asyncio.gather(stop, *tasks, return_exceptions=True)
+            await self.membership.close()  # etcd: revoking the lease deletes the record at once
             for runner in runners:
                 await runner.cleanup()
             if self.lender is not None:
@@ -155,9 +159,9 @@ class InstanceDaemon:
         from infinite_llm.transport.ucx import UcxTransport
 
         c = self.config
-        if c.etcd_endpoints:
-            # Never fall back silently: an instance that cannot find its cluster must say so.
-            raise ValueError("discovery through etcd is not built yet: leave etcd_endpoints empty and share state_dir")
+        # Before the model loads: an instance that cannot reach its cluster's etcd says so at once
+        # (EtcdUnreachable, a bounded wait) rather than after a long load.
+        await self.membership.start()
         checkpoint = await asyncio.to_thread(load_checkpoint, c.model, show_progress=True)
         mc = checkpoint.config
         device = torch.device(c.device)
@@ -284,10 +288,16 @@ class InstanceDaemon:
             self._prompt_tokens.pop(request_id, None)
 
     # ---- serving peers -----------------------------------------------------------------------
-    async def _handle(self, message: Message) -> Message | None:
+    def _handle(self, message: Message) -> Message | None | Awaitable[Message | None]:
+        """The transport's handler. Answers at once (inline, no task: an attend request is on
+        the critical path of another instance's step), except commands that wait on this
+        engine's step boundary or on peers, returned as awaitables that run as tasks."""
         if isinstance(message, AttendRequest):
             self.ledger.heard_from(message.home_inst_id, time.monotonic())
-            return self.creditor.attend(message)
+            started = time.perf_counter()
+            result = self.creditor.attend(message)
+            self.metrics.attend_serve_seconds.observe(time.perf_counter() - started)
+            return result
         if isinstance(message, TryMoveKV):
             return self._try_move(message)
         if isinstance(message, KVBlocks):
@@ -302,30 +312,39 @@ class InstanceDaemon:
             self.ledger.free_segment(message.home_inst_id, message.req_id, message.segment_id)
             self.creditor.forget(message.home_inst_id)
             return None
-        if isinstance(message, (MoveKV, Drain)):
+        if isinstance(message, (MoveKV, Drain, Uncordon, ForwardSegment)):
             if not self.fence.admit(message.epoch):
                 self.metrics.stale_epoch_commands.inc()
                 self.metrics.moves.labels(result="stale_epoch").inc()
                 return ErrorReply(ErrorCode.STALE_EPOCH,
                                   f"epoch {message.epoch} is older than {self.fence.newest_epoch}")
-            if isinstance(message, Drain):
-                self.draining = True
+            if isinstance(message, (Drain, Uncordon)):
+                # Published at once, so that peers stop spilling here before the next tick.
+                self.draining = isinstance(message, Drain)
+                self._publish()
                 return None
-            return await self._order_move(message)
+            if isinstance(message, ForwardSegment):
+                return forward_segment(self.transport, self.ledger, self.pool, message,
+                                       self.config.timeouts.peer_request_s)
+            return self._order_move(message)
         if isinstance(message, Echo):
             return EchoReply(message.payload)
         raise ValueError(f"instance {self.config.instance_id} does not serve {message.TYPE}")
 
     async def _order_move(self, message: MoveKV) -> None:
-        """A gManager move of blocks of this instance's own request, from its home pool."""
+        """A gManager move of blocks of this instance's own request: from its home pool, or from
+        a creditor to another creditor (the home drives it: only it may switch its table)."""
         own = self.config.instance_id
-        if message.src_inst_id != own or message.home_inst_id != own:
-            raise ValueError(f"instance {own} moves only its own requests' home blocks; "
-                             f"asked to move from {message.src_inst_id} for home {message.home_inst_id}")
-        try:
-            self.peers.by_inst(message.dst_inst_id)
-        except KeyError:
-            raise ValueError(f"instance {message.dst_inst_id} is not a known peer") from None
+        if message.home_inst_id != own:
+            raise ValueError(f"instance {own} moves only its own requests' blocks; "
+                             f"asked to move blocks of a request of instance {message.home_inst_id}")
+        if message.dst_inst_id == own:
+            raise ValueError(f"instance {own} does not take blocks back home on command")
+        for inst_id in {message.src_inst_id, message.dst_inst_id} - {own}:
+            try:
+                self.peers.by_inst(inst_id)
+            except KeyError:
+                raise ValueError(f"instance {inst_id} is not a known peer") from None
         if str(message.req_id) not in self.engine.scheduler.requests:
             raise ValueError(f"no request {message.req_id} here")
         done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
@@ -340,8 +359,12 @@ class InstanceDaemon:
         moves, self._ordered_moves = self._ordered_moves, []
         for message, done in moves:
             try:
-                ok = await self.lender.move(self.engine, str(message.req_id), message.num_blocks,
-                                            self.peers.by_inst(message.dst_inst_id))
+                dst = self.peers.by_inst(message.dst_inst_id)
+                if message.src_inst_id == self.config.instance_id:
+                    ok = await self.lender.move(self.engine, str(message.req_id), message.num_blocks, dst)
+                else:
+                    ok = await self.lender.move_held(self.engine, str(message.req_id), message.num_blocks,
+                                                     self.peers.by_inst(message.src_inst_id), dst, message.epoch)
             except Exception as exc:  # the gManager hears of it; the engine goes on
                 log.warning("ordered move %d failed: %s", message.move_id, exc)
                 ok = False
@@ -417,7 +440,11 @@ class InstanceDaemon:
 
     # ---- the gManager ---------------------------------------------------------------------
     def _find_leader(self) -> tuple[int, PeerAddress] | None:
-        """The gManager leader published in the state folder (local election), if alive."""
+        """The gManager leader: the etcd leader key (epoch: its create revision), or the record
+        in the state folder (local election) if its process is alive."""
+        if self.config.discovery == "etcd":
+            info = self.membership.leader()  # the watched copy: no I/O here
+            return None if info is None else (info.epoch, PeerAddress(info.peer_host, info.peer_port))
         path = Path(self.config.state_dir) / "gmanager" / "leader.json"
         try:
             leader = json.loads(path.read_text())

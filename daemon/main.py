@@ -33,6 +33,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict]
     parser.add_argument("--admin-group", dest="admin_group")
     parser.add_argument("--state-dir", dest="state_dir")
     parser.add_argument("--etcd-endpoints", dest="etcd_endpoints", help="comma-separated host:port list")
+    parser.add_argument("--etcd-prefix", dest="etcd_prefix", help="the cluster's keys in etcd (default /infinite-llm)")
+    parser.add_argument("--etcd-lease-s", type=float, dest="timeouts.etcd_lease_s",
+                        help="membership lease TTL, s: a killed instance leaves etcd after this")
+    parser.add_argument("--etcd-request-s", type=float, dest="timeouts.etcd_request_s", help="one etcd request, s")
     parser.add_argument("--heartbeat-interval-s", type=float, dest="timeouts.heartbeat_interval_s")
     parser.add_argument("--reservation-s", type=float, dest="timeouts.reservation_s")
     parser.add_argument("--debtor-lost-s", type=float, dest="timeouts.debtor_lost_s")
@@ -61,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
             uvloop.run(daemon.run())
         else:
             asyncio.run(daemon.run())
-    except (FileNotFoundError, ValueError) as exc:
+    except (FileNotFoundError, ValueError, ConnectionError) as exc:  # ConnectionError: etcd unreachable
         print(f"infinited: {exc}", file=sys.stderr)
         return 1
     return 0

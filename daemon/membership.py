@@ -4,6 +4,9 @@ The single-machine default has no etcd: ``<state_dir>/members/<inst_id>.json`` i
 atomically (temporary file, then rename) every heartbeat period and removed on a clean stop.
 Readers drop entries whose process is gone or that were not refreshed for a while, so a killed
 instance leaves the membership without anyone cleaning up after it.
+
+With several hosts the same records live in etcd under leases (:mod:`.etcd_discovery`);
+:func:`membership_for` picks the backend from the configuration.
 """
 
 from __future__ import annotations
@@ -13,6 +16,11 @@ import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .config import InstanceConfig
+    from .etcd_discovery import EtcdMembership
 
 
 @dataclass(frozen=True)
@@ -33,6 +41,12 @@ class LocalMembership:
     def __init__(self, state_dir: Path, stale_after_s: float) -> None:
         self.folder = Path(state_dir) / "members"
         self.stale_after_s = stale_after_s
+
+    async def start(self) -> None:
+        """Nothing to connect to: the folder is made on the first publish."""
+
+    async def close(self) -> None:
+        """Nothing held open; ``withdraw`` removes the record."""
 
     def publish(self, member: Member) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -59,6 +73,16 @@ class LocalMembership:
                 continue
             found[member.inst_id] = member
         return found
+
+
+def membership_for(config: "InstanceConfig") -> "LocalMembership | EtcdMembership":
+    """etcd when the configuration names endpoints, else the state folder."""
+    if config.discovery == "etcd":
+        from .etcd_discovery import EtcdMembership
+
+        return EtcdMembership(config.etcd_endpoints, prefix=config.etcd_prefix,
+                              lease_ttl_s=config.timeouts.etcd_lease_s, request_timeout_s=config.timeouts.etcd_request_s)
+    return LocalMembership(config.state_dir, stale_after_s=5 * config.timeouts.heartbeat_interval_s)
 
 
 def process_alive(pid: int) -> bool:

@@ -32,6 +32,9 @@ class InstanceMetrics:
         self.remote_attention_seconds = Histogram(
             "infllm_remote_attention_seconds", "Wait for one layer's remote attention parts, seconds",
             buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0), registry=r)
+        self.attend_serve_seconds = Histogram(
+            "infllm_attend_serve_seconds", "Serving one attend request for another instance (compute), seconds",
+            buckets=(2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1), registry=r)
         self.prompt_tokens = Counter("infllm_prompt_tokens", "Prompt tokens prefilled", registry=r)
         self.generated_tokens = Counter("infllm_generated_tokens", "Output tokens generated", registry=r)
         self.tokens_per_second = Gauge(

@@ -1,5 +1,10 @@
 """The home side of DistAttention across daemons: remote attention and KV moves over a transport.
 
+Moves are driven by the request's home, the only one that may switch its block table: from its
+own pool to a peer (:meth:`TransportLender.move`), and from one peer to another
+(:meth:`TransportLender.move_held`, whose data the holding peer sends with
+:func:`forward_segment`).
+
 Three id spaces meet here, each translated in one place:
 
 * instance ids: the cluster's (config ``instance_id``, on the wire) and the engine's (its own
@@ -31,6 +36,7 @@ from infinite_llm.transport.messages import (
     AttendResult,
     AttendSlice,
     BlockRun,
+    ForwardSegment,
     FreeSegment,
     KVBlocks,
     KVBlocksStored,
@@ -40,6 +46,7 @@ from infinite_llm.transport.messages import (
     TryMoveKV,
 )
 
+from .ledger import CreditorLedger
 from .metrics import InstanceMetrics
 
 log = logging.getLogger(__name__)
@@ -234,6 +241,93 @@ class TransportLender:
         self.metrics.moves.labels(result="committed").inc()
         return True
 
+    async def move_held(self, engine: LLMEngine, request_id: str, num_blocks: int, src: Peer, dst: Peer,
+                        epoch: int) -> bool:
+        """Move the request's segments held by ``src`` to ``dst``, whole, oldest first, as many
+        as fit in ``num_blocks``; True once all of them moved. A failure stops there: the
+        segments moved before it stay moved, the rest stay on ``src``.
+
+        Called between steps (the ordered moves of the engine loop): the table switches only
+        once ``dst`` committed each copy, and ``src`` frees its copy only after the switch.
+        """
+        bm = engine.block_manager
+        picked, total = [], 0
+        for segment in bm.block_table(request_id):
+            if segment.instance_id != src.engine_id:
+                continue
+            if total + len(segment.block_ids) > num_blocks:
+                break
+            picked.append(segment)
+            total += len(segment.block_ids)
+        if not picked:
+            raise ValueError(f"request {request_id} has no whole segment of at most {num_blocks} blocks "
+                             f"on instance {src.inst_id}")
+        for segment in picked:
+            if not await self._relocate(engine, request_id, segment, src, dst, epoch):
+                return False
+        return True
+
+    async def _relocate(self, engine: LLMEngine, request_id: str, segment: Segment, src: Peer, dst: Peer,
+                        epoch: int) -> bool:
+        """One segment from creditor ``src`` to creditor ``dst``: reserve, forward, commit, switch, free."""
+        bm = engine.block_manager
+        pool = engine.pools[engine.home_instance_id]
+        block_nbytes = pool[0].numel() * pool.element_size()  # the cluster shares one layout
+        move_id = next(self._move_ids)
+        own = self.peers.own_inst_id
+        segment_id = segment.token_start // engine.config.block_size
+        num_blocks = len(segment.block_ids)
+        try:
+            reply = await self.transport.request(dst.address, TryMoveKV(
+                epoch=epoch, move_id=move_id, req_id=int(request_id), home_inst_id=own, src_inst_id=src.inst_id,
+                num_blocks=num_blocks, block_nbytes=block_nbytes), timeout_s=self.timeout_s)
+        except TransportError as exc:
+            log.warning("move of request %s's segment %d to instance %d: %s", request_id, segment_id, dst.inst_id, exc)
+            self.metrics.moves.labels(result="failed").inc()
+            return False
+        if isinstance(reply, MoveRejected):
+            dst.num_blocks_free = reply.num_blocks_free
+            log.info("instance %d refused request %s's segment %d: %s", dst.inst_id, request_id, segment_id,
+                     reply.reason.value)
+            self.metrics.moves.labels(result="rejected").inc()
+            return False
+        if not isinstance(reply, MoveReserved) or len(reply.dst_block_ids) != num_blocks:
+            raise RuntimeError(f"instance {dst.inst_id} answered a try-move with {reply!r}")
+        committed = False
+        try:
+            stored = await self.transport.request(src.address, ForwardSegment(
+                epoch=epoch, move_id=move_id, home_inst_id=own, req_id=int(request_id), segment_id=segment_id,
+                dst_inst_id=dst.inst_id, dst_host=dst.address.host, dst_port=dst.address.port,
+                reservation_id=reply.reservation_id, dst_block_ids=reply.dst_block_ids), timeout_s=self.timeout_s)
+            if not isinstance(stored, KVBlocksStored) or stored.num_blocks != num_blocks:
+                raise RuntimeError(f"instance {src.inst_id} forwarded {stored!r}")
+            if segment not in bm.block_table(request_id):
+                # The request ended (or its table changed) while the data travelled: no commit,
+                # the reservation expires there.
+                raise RuntimeError(f"request {request_id} no longer has segment {segment_id} on {src.inst_id}")
+            committed = True
+            await self.transport.request(dst.address, MoveCommit(
+                move_id, reply.reservation_id, int(request_id), own, segment_id), timeout_s=self.timeout_s)
+            # No await between the commit's answer and the switch: the next step attends at dst.
+            bm.relocate_remote(request_id, segment.token_start, src.engine_id, dst.engine_id, reply.dst_block_ids)
+        except (TransportError, RuntimeError, ValueError, KeyError) as exc:
+            log.warning("move of request %s's segment %d from instance %d to %d failed: %s", request_id, segment_id,
+                        src.inst_id, dst.inst_id, exc)
+            self.metrics.moves.labels(result="failed").inc()
+            if committed:
+                # The commit may have landed before its answer was lost: free the copy there.
+                self._free_later(dst, FreeSegment(own, int(request_id), segment_id))
+            return False
+        self._free_later(src, FreeSegment(own, int(request_id), segment_id))
+        dst.num_blocks_free = max(0, dst.num_blocks_free - num_blocks)
+        self.metrics.moves.labels(result="committed").inc()
+        return True
+
+    def _free_later(self, peer: Peer, message: FreeSegment) -> None:
+        task = asyncio.get_running_loop().create_task(self._send_free(peer, message))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
     async def _send_free(self, peer: Peer, message: FreeSegment) -> None:
         try:
             await self.transport.send(peer.address, message, timeout_s=self.timeout_s)
@@ -244,3 +338,28 @@ class TransportLender:
     async def close(self) -> None:
         if self._background:
             await asyncio.wait(self._background, timeout=self.timeout_s)
+
+
+async def forward_segment(transport: Transport, ledger: CreditorLedger, pool: torch.Tensor, message: ForwardSegment,
+                          timeout_s: float) -> KVBlocksStored:
+    """The creditor's share of a creditor-to-creditor move: send a held segment's blocks from
+    ``pool`` (``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``) straight into
+    the destination's reservation and return the destination's acknowledgement.
+
+    The segment stays held here (its home may still attend over it) until the home frees it.
+    Lent blocks are full and never written again, so reading them while serving attention is safe.
+    """
+    segment = ledger.segment(message.home_inst_id, message.req_id, message.segment_id)
+    if len(message.dst_block_ids) != len(segment.block_ids):
+        raise ValueError(f"segment {message.segment_id} of request {message.req_id} has {len(segment.block_ids)} "
+                         f"blocks here, {len(message.dst_block_ids)} were reserved")
+    runs = coalesce_runs(segment.block_ids, message.dst_block_ids)
+    # A run is consecutive on both sides: its buffer is a view of this pool, no copy.
+    data = tuple(pool[r.src_block_id:r.src_block_id + r.num_blocks] for r in runs)
+    stored = await transport.request(PeerAddress(message.dst_host, message.dst_port), KVBlocks(
+        message.move_id, message.reservation_id, tuple(BlockRun(r.dst_block_id, r.num_blocks) for r in runs), data),
+        timeout_s=timeout_s)
+    if not isinstance(stored, KVBlocksStored):
+        raise RuntimeError(f"instance {message.dst_inst_id} answered the blocks with {type(stored).__name__}")
+    ledger.heard_from(message.home_inst_id, time.monotonic())
+    return stored

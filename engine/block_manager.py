@@ -270,6 +270,35 @@ class BlockManager:
         self._pending[(request_id, move.token_start)] = move
         return move
 
+    def relocate_remote(self, request_id: str, token_start: int, src_instance_id: int, dst_instance_id: int,
+                        dst_block_ids: Sequence[int]) -> Segment:
+        """Point a segment held by one peer at the copy another peer now holds; returns it.
+
+        The creditor-to-creditor move's switch: the home calls it once ``dst_instance_id``
+        committed the copy, between steps. Peer segments are never coalesced (each peer holds a
+        segment under its own id, the first block), and no block of this process changes hands.
+        Raises KeyError for an unknown request, ValueError when the table has no such segment
+        on ``src_instance_id`` or the block counts differ.
+        """
+        if self.is_local(src_instance_id) or self.is_local(dst_instance_id):
+            raise ValueError(f"instances {src_instance_id} and {dst_instance_id} must both be peers of this process")
+        if src_instance_id == dst_instance_id:
+            raise ValueError(f"a relocation needs two peers, got {src_instance_id} twice")
+        table = self._tables[request_id]
+        index = next((i for i, s in enumerate(table)
+                      if s.token_start == token_start and s.instance_id == src_instance_id), None)
+        if index is None:
+            raise ValueError(f"request {request_id} has no segment at token {token_start} on instance {src_instance_id}")
+        if (request_id, token_start) in self._pending:
+            raise ValueError(f"request {request_id}: its segment at token {token_start} is already moving")
+        source = table[index]
+        if len(dst_block_ids) != len(source.block_ids):
+            raise ValueError(f"request {request_id}: {len(dst_block_ids)} blocks for a segment of "
+                             f"{len(source.block_ids)}")
+        moved = Segment(dst_instance_id, tuple(dst_block_ids), source.token_start, source.num_tokens)
+        table[index] = moved
+        return moved
+
     def take_back(self, request_id: str, segment_index: int) -> SegmentMove:
         """Reserve home blocks for a lent segment, to bring its KV back home."""
         table = self._tables[request_id]

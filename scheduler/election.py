@@ -7,12 +7,14 @@ One interface, two backends:
   lock when the process dies, ``kill -9`` included, so a standby polling the lock takes over
   without anyone cleaning up. The epoch is a counter in ``<state_dir>/gmanager/epoch``,
   incremented under the lock by each new leader, so it strictly increases across leaders.
-* etcd (not built): a lease kept alive by the leader, a transaction that creates the leader key
-  only if absent; the key's create revision is the epoch; losing the lease is losing leadership.
+* :class:`~.etcd_election.EtcdElection` (several hosts): a lease kept alive by each replica, a
+  transaction that creates the leader key only if absent; the key's create revision is the
+  epoch; a lease not refreshed within half its TTL is lost leadership.
 
 Both answer the same questions: :meth:`Election.campaign` (block until leading, return the
 epoch), :meth:`Election.is_leader` (still leading?), :meth:`Election.resign` and
-:meth:`Election.leader` (who leads, for clients and standbys).
+:meth:`Election.leader` (who leads, for clients and standbys); :meth:`Election.close` releases
+what the backend holds when the replica stops.
 """
 
 from __future__ import annotations
@@ -63,6 +65,10 @@ class Election(Protocol):
 
     def leader(self) -> LeaderInfo | None:
         """The current leader as published, or None when none is known."""
+        ...
+
+    async def close(self) -> None:
+        """Release connections and finish a resignation (bounded); called once, at stop."""
         ...
 
 
@@ -118,6 +124,9 @@ class LocalElection:
         os.close(self._lock_fd)
         self._lock_fd = None
         self._info = None
+
+    async def close(self) -> None:
+        """Nothing to release beyond the lock, which ``resign`` (or the process's exit) drops."""
 
     def leader(self) -> LeaderInfo | None:
         try:

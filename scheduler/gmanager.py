@@ -8,21 +8,26 @@ Three layers, from pure to I/O:
   has no base for). It turns into a :class:`~.policy.ClusterSnapshot` for the policy.
 * :class:`GManager`: the daemon. A UCX listener serves Heartbeats; a periodic loop plans with
   :func:`~.policy.plan` and sends each move as ``MoveKV`` stamped with the leader's epoch; an
-  admin HTTP API (Unix socket and TCP) reports status and runs a rebalance on demand.
+  admin HTTP API (Unix socket and TCP) reports status, runs a rebalance on demand and drains
+  an instance (planned by :func:`~.drain.plan_drain`, sent and re-planned until it is empty).
 * :func:`main`: argparse, campaign, serve while leading, step down, SIGTERM.
 
-Instances move only their own requests' home blocks today (``MoveKV`` with ``src_inst_id ==
-home_inst_id``). The policy plans only such moves (a debtor offers blocks of its own
-requests), and the gManager sends nothing else.
+Every ``MoveKV`` goes to the request's home, which alone may switch its block table: a move of
+its own pool's blocks, or of a segment a creditor holds to another creditor (the home forwards
+it, see ``docs/daemon.md``). The policy plans only moves from the home's pool; a drain
+(:mod:`.drain`) plans both kinds.
 
-Peer addresses come from the local membership folder (``<state_dir>/members``), where every
-``infinited`` publishes its UCX listener; heartbeats do not carry them.
+Peer addresses come from the membership, where every ``infinited`` publishes its UCX listener
+(heartbeats do not carry them): the local folder ``<state_dir>/members``, or etcd's
+``<prefix>/members/`` when ``--etcd-endpoints`` is given, in which case the election goes
+through etcd too (:mod:`.etcd_election`).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import itertools
 import json
 import logging
@@ -38,8 +43,28 @@ from typing import Any, Callable
 
 from aiohttp import web
 
+from infinite_llm.daemon.etcd_discovery import (
+    EtcdKeys,
+    EtcdMembership,
+    EtcdUnreachable,
+    lease_ttl_seconds,
+    parse_endpoints,
+)
 from infinite_llm.daemon.membership import LocalMembership
+from infinite_llm.scheduler.drain import (
+    DrainEntry,
+    DrainFigures,
+    DrainInstance,
+    DrainMove,
+    DrainPlan,
+    DrainRefused,
+    DrainSnapshot,
+    UnknownInstance,
+    drain_figures,
+    plan_drain,
+)
 from infinite_llm.scheduler.election import CandidateAddresses, Election, LeaderInfo, LocalElection
+from infinite_llm.scheduler.etcd_election import EtcdElection
 from infinite_llm.scheduler.perf_model import PerfModel, load_model
 from infinite_llm.scheduler.policy import (
     ClusterSnapshot,
@@ -54,11 +79,13 @@ from infinite_llm.transport.interface import PeerAddress, TransportConfig
 from infinite_llm.transport.messages import (
     Ack,
     CreditorHint,
+    Drain,
     Heartbeat,
     HeartbeatReply,
     Message,
     MoveKV,
     PoolFigures,
+    Uncordon,
 )
 from infinite_llm.transport.placement import PlacementGap, VersionedPlacement, apply_heartbeat
 
@@ -227,12 +254,21 @@ class GManagerConfig:
     move_timeout_s: float = 60.0  # a MoveKV is answered once committed at a step boundary, s
     num_creditor_hints: int = 3  # creditors named in each heartbeat reply
     election_poll_s: float = 0.2  # how often a standby retries for leadership, s
+    etcd_endpoints: tuple[str, ...] = ()  # host:port of etcd: election and membership there; empty: state_dir
+    etcd_prefix: str = "/infinite-llm"  # the cluster's keys in etcd, as the instances are configured
+    etcd_lease_ttl_s: float = 10.0  # the leader's lease: a dead leader is replaced within this, s
+    etcd_request_s: float = 2.0  # one request to etcd, the first connection included, s
 
     def __post_init__(self) -> None:
-        for name in ("heartbeat_interval_s", "plan_interval_s", "move_timeout_s", "election_poll_s"):
+        for name in ("heartbeat_interval_s", "plan_interval_s", "move_timeout_s", "election_poll_s",
+                     "etcd_request_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be positive, got {value}")
+        if self.etcd_endpoints:
+            parse_endpoints(self.etcd_endpoints)
+            lease_ttl_seconds(self.etcd_lease_ttl_s)
+            EtcdKeys(self.etcd_prefix)
         for name in ("silent_after_heartbeats", "block_size", "max_moves_per_round"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -265,13 +301,32 @@ class InconsistentState(Exception):
     """The soft state cannot be planned from (heartbeats of a move in flight disagree)."""
 
 
+class CommandFailed(Exception):
+    """An instance did not take a command (unreachable, no answer, or a refusal)."""
+
+
+@dataclass
+class DrainState:
+    """One drain the leader runs: the moves sent and how far it has come."""
+
+    inst_id: int  # the drained instance
+    drain_id: int  # unique per epoch, carried by Drain and Uncordon
+    started_s: float  # the gManager's monotonic clock when the instance took the Drain, s
+    state: str = "draining"  # "draining", then "safe_to_stop", or "lost" (the instance went silent)
+    num_rounds: int = 0  # plans made from heartbeats newer than the previous moves
+    moves: list[dict[str, Any]] = field(default_factory=list)  # every move sent, with its result
+    figures: DrainFigures | None = None  # at the last round
+    last_error: str = ""  # why the last round could not plan, if it could not
+    task: asyncio.Task | None = None
+
+
 @dataclass(frozen=True)
 class PlannedMove:
     """A policy move, named as instances name requests (``req_id`` is unique per home)."""
 
     home_inst_id: int  # the request's home
     req_id: int  # the home's request id
-    src_inst_id: int  # holds the blocks now; the home, for every move planned today
+    src_inst_id: int  # holds the blocks now: the home, or a creditor (drain moves)
     dst_inst_id: int  # the creditor
     num_blocks: int  # blocks
     predicted_gain: float  # cluster decode throughput gained, tokens/s
@@ -287,8 +342,14 @@ class GManager:
         self.election = election
         self.clock = clock
         self.view = ClusterView(silent_after_s=config.silent_after_heartbeats * config.heartbeat_interval_s)
-        self.membership = LocalMembership(config.state_dir, stale_after_s=config.silent_after_heartbeats
-                                          * config.heartbeat_interval_s)
+        self.membership: LocalMembership | EtcdMembership
+        if config.etcd_endpoints:  # where the instances publish themselves, as the election goes
+            self.membership = EtcdMembership(config.etcd_endpoints, prefix=config.etcd_prefix,
+                                             lease_ttl_s=config.etcd_lease_ttl_s,
+                                             request_timeout_s=config.etcd_request_s)
+        else:
+            self.membership = LocalMembership(config.state_dir, stale_after_s=config.silent_after_heartbeats
+                                              * config.heartbeat_interval_s)
         self.leadership: LeaderInfo | None = None
         self.stats = RoundStats()
         self.transport = None
@@ -300,6 +361,8 @@ class GManager:
         # Instances moved by the last round, and when it ended: planning waits for their next
         # heartbeat, or it would plan again from figures that predate the moves.
         self._moved_at_s: dict[int, float] = {}
+        self._drains: dict[int, DrainState] = {}  # instance id -> its drain, while cordoned
+        self._drain_ids = itertools.count(1)
 
     @property
     def epoch(self) -> int:
@@ -320,6 +383,7 @@ class GManager:
         try:
             await self._start_transport()
             runners = await self._start_http()
+            await self.membership.start()
             addresses = CandidateAddresses(self.transport.address.host, self.transport.address.port,
                                            self.http_port, str(self.socket_path))
             log.info("gManager pid %d standing by: peers at %s, HTTP on %s:%d, socket %s", os.getpid(),
@@ -342,12 +406,17 @@ class GManager:
                 exit_code = EXIT_LOST_LEADERSHIP
             return exit_code
         finally:
+            # Drains end with the leadership: a successor resumes one when asked again.
+            tasks += [d.task for d in self._drains.values() if d.task is not None]
+            self._drains.clear()
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             if exit_code != EXIT_LOST_LEADERSHIP:
                 self.election.resign()
             self.leadership = None
+            await self.election.close()
+            await self.membership.close()
             for runner in runners:
                 await runner.cleanup()
             if self.transport is not None:
@@ -364,7 +433,9 @@ class GManager:
     async def _watch_leadership(self) -> None:
         while self.election.is_leader():
             await asyncio.sleep(self.config.election_poll_s)
-        log.error("lost leadership of epoch %d (the lock file is gone): stepping down", self.epoch)
+        # The lock file is gone (local), or the lease went unrefreshed for half its TTL or the
+        # key was deleted (etcd): another replica may lead already.
+        log.error("lost leadership of epoch %d: stepping down", self.epoch)
 
     async def _start_transport(self) -> None:
         from infinite_llm.transport.ucx import UcxTransport
@@ -389,18 +460,19 @@ class GManager:
         """The UCX handler. Exceptions become ErrorReply for the sender."""
         if not isinstance(message, Heartbeat):
             raise ValueError(f"the gManager does not serve {message.TYPE}")
-        if self.leadership is None:
-            raise NotLeader(f"pid {os.getpid()} is a standby; the leader is in leader.json")
+        if self.leadership is None or not self.election.is_leader():
+            raise NotLeader(f"pid {os.getpid()} does not lead; heartbeats go to the published leader")
         now_s = self.clock()
         try:
             outcome = self.view.receive(message, now_s)
         except HeartbeatRefused as refused:
             log.warning("heartbeat refused: %s", refused)
             raise
+        # A draining instance takes no blocks: it is never named as a creditor.
+        hints = self.view.creditor_hints(now_s, message.inst_id, self.config.num_creditor_hints + len(self._drains))
+        hints = tuple(h for h in hints if h.inst_id not in self._drains)[:self.config.num_creditor_hints]
         return HeartbeatReply(epoch=self.epoch, acked_placement_version=outcome.acked_placement_version,
-                              needs_full_placement=outcome.needs_full_placement,
-                              creditors=self.view.creditor_hints(now_s, message.inst_id,
-                                                                 self.config.num_creditor_hints))
+                              needs_full_placement=outcome.needs_full_placement, creditors=hints)
 
     # ---- planning and moving ---------------------------------------------------------------
     async def _plan_loop(self) -> None:
@@ -431,6 +503,10 @@ class GManager:
     async def _forget_silent(self) -> None:
         for inst_id in self.view.forget_silent(self.clock()):
             log.warning("instance %d silent for %.1f s: left out", inst_id, self.view.silent_after_s)
+            # A drained instance that stopped is done with; if it comes back, it is not cordoned.
+            drain = self._drains.pop(inst_id, None)
+            if drain is not None and drain.task is not None:
+                drain.task.cancel()
 
     def moves_settled(self) -> bool:
         """Every instance moved by the last round has sent a heartbeat since (or gone silent)."""
@@ -444,10 +520,14 @@ class GManager:
         Returns the epoch and the moves in plan order, each with its predicted gain (cluster
         decode tokens/s) and, when sent, its result.
         """
-        if self.leadership is None:
+        if self.leadership is None or not self.election.is_leader():
             raise NotLeader(f"pid {os.getpid()} is a standby; only the leader plans")
         async with self._round_lock:
             snapshot, requests = self.view.snapshot(self.clock(), self.config.block_size)
+            if self._drains:  # a draining instance offers no room: the policy places nothing there
+                snapshot = dataclasses.replace(snapshot, instances=tuple(
+                    dataclasses.replace(i, free_blocks=0) if i.inst_id in self._drains else i
+                    for i in snapshot.instances))
             try:
                 planned = plan(snapshot, self.model, self.config.thresholds)
             except ValueError as err:
@@ -476,6 +556,11 @@ class GManager:
 
         async def send_all_of(source: int, indices: list[int]) -> None:
             for index in indices:
+                # A move may wait a long time for its commit: leadership is checked before each,
+                # so that a replica that lost it meanwhile sends nothing more.
+                if not self.election.is_leader():
+                    results[index] = "not_leader"
+                    continue
                 results[index] = await self._send_move(moves[index], members)
 
         await asyncio.gather(*(send_all_of(s, i) for s, i in by_source.items()))
@@ -486,9 +571,10 @@ class GManager:
         return results
 
     async def _send_move(self, move: PlannedMove, members: dict) -> str:
-        member = members.get(move.src_inst_id)
+        # The home carries out every move of its request's blocks: only it switches its table.
+        member = members.get(move.home_inst_id)
         if member is None:
-            log.warning("no address for instance %d: move of request %d not sent", move.src_inst_id, move.req_id)
+            log.warning("no address for instance %d: move of request %d not sent", move.home_inst_id, move.req_id)
             return "no_address"
         command = MoveKV(epoch=self.epoch, move_id=next(self._move_ids), home_inst_id=move.home_inst_id,
                          req_id=move.req_id, src_inst_id=move.src_inst_id, dst_inst_id=move.dst_inst_id,
@@ -497,13 +583,13 @@ class GManager:
         try:
             reply = await self.transport.request(peer, command, timeout_s=self.config.move_timeout_s)
         except RemoteError as err:
-            log.warning("move %d refused by instance %d: %s", command.move_id, move.src_inst_id, err.detail)
+            log.warning("move %d refused by instance %d: %s", command.move_id, move.home_inst_id, err.detail)
             return "refused"
         except RequestTimeout:
-            log.warning("move %d: no answer from instance %d", command.move_id, move.src_inst_id)
+            log.warning("move %d: no answer from instance %d", command.move_id, move.home_inst_id)
             return "timeout"
         except PeerUnreachable as err:
-            log.warning("move %d: instance %d unreachable: %s", command.move_id, move.src_inst_id, err.detail)
+            log.warning("move %d: instance %d unreachable: %s", command.move_id, move.home_inst_id, err.detail)
             return "unreachable"
         if not isinstance(reply, Ack):
             log.warning("move %d: unexpected reply %s", command.move_id, reply.TYPE)
@@ -511,6 +597,151 @@ class GManager:
         log.info("move %d committed: %d blocks of request %d from %d to %d", command.move_id, move.num_blocks,
                  move.req_id, move.src_inst_id, move.dst_inst_id)
         return "committed"
+
+    # ---- drain -------------------------------------------------------------------------------
+    def _drain_snapshot(self, now_s: float) -> DrainSnapshot:
+        live = self.view.live(now_s)
+        instances = tuple(DrainInstance(r.inst_id, r.pool.num_blocks_free, r.pool.num_blocks_lent, r.batch_size,
+                                        r.inst_id in self._drains) for r in live)
+        entries = tuple(DrainEntry(r.inst_id, e.req_id, e.inst_id, e.num_blocks)
+                        for r in live for e in r.placement.entries.values())
+        return DrainSnapshot(instances, entries)
+
+    async def drain(self, inst_id: int, dry_run: bool) -> dict[str, Any]:
+        """Cordon ``inst_id`` and move everything off it; returns the drain's report.
+
+        Raises UnknownInstance (no recent heartbeat), DrainRefused (the other instances lack
+        room: nothing is sent and the instance stays as it was) and CommandFailed (the instance
+        did not take the ``Drain``). A dry run returns the planned moves. A drain under way is
+        reported, not started again. The moves go on in the background, planned again from
+        heartbeats newer than the last ones until nothing is left (:meth:`drain_status`).
+        """
+        if self.leadership is None:
+            raise NotLeader(f"pid {os.getpid()} is a standby; only the leader drains")
+        if inst_id in self._drains and not dry_run:
+            return self.drain_status(inst_id)
+        drain_plan = plan_drain(self._drain_snapshot(self.clock()), inst_id)
+        planned = [_drain_move_json(m, "not_sent") for m in drain_plan.moves]
+        if dry_run:
+            return {"instance_id": inst_id, "epoch": self.epoch, "dry_run": True, "moves": planned,
+                    "num_blocks_held": drain_plan.num_blocks_held,
+                    "num_blocks_own_movable": drain_plan.num_blocks_own_movable,
+                    "num_blocks_free_elsewhere": drain_plan.num_blocks_free_elsewhere}
+        drain_id = next(self._drain_ids)
+        await self._command(inst_id, Drain(epoch=self.epoch, drain_id=drain_id, inst_id=inst_id))
+        state = DrainState(inst_id, drain_id, self.clock())
+        self._drains[inst_id] = state
+        log.info("draining instance %d: %d moves planned", inst_id, len(drain_plan.moves))
+        state.task = asyncio.create_task(self._drain_loop(state, drain_plan), name=f"drain-{inst_id}")
+        return {**self.drain_status(inst_id), "planned_moves": planned}
+
+    async def uncordon(self, inst_id: int) -> dict[str, Any]:
+        """Call off a drain (if any) and let the instance admit requests and take blocks again."""
+        if self.leadership is None:
+            raise NotLeader(f"pid {os.getpid()} is a standby; only the leader uncordons")
+        state = self._drains.get(inst_id)
+        if state is None and inst_id not in {r.inst_id for r in self.view.live(self.clock())}:
+            raise UnknownInstance(f"unknown instance {inst_id} (no recent heartbeat)")
+        await self._command(inst_id, Uncordon(epoch=self.epoch, drain_id=state.drain_id if state else 0,
+                                              inst_id=inst_id))
+        if state is not None:
+            del self._drains[inst_id]
+            if state.task is not None:
+                state.task.cancel()
+        return {"instance_id": inst_id, "draining": False}
+
+    async def _command(self, inst_id: int, command: Message) -> None:
+        member = self.membership.members().get(inst_id)
+        if member is None:
+            raise CommandFailed(f"no address for instance {inst_id} in the membership folder")
+        try:
+            await self.transport.request(PeerAddress(member.peer_host, member.peer_port), command,
+                                         timeout_s=self.config.move_timeout_s)
+        except RemoteError as err:
+            raise CommandFailed(f"instance {inst_id} refused {command.TYPE}: {err.detail}") from None
+        except (RequestTimeout, PeerUnreachable) as err:
+            raise CommandFailed(f"instance {inst_id} did not answer {command.TYPE}: {err}") from None
+
+    def drain_status(self, inst_id: int) -> dict[str, Any]:
+        """Where the drain of ``inst_id`` stands; raises UnknownInstance for an instance neither
+        live nor draining. ``safe_to_stop`` holds once a heartbeat of the instance newer than its
+        last moves says it runs nothing and holds nothing for others, and no home places blocks
+        there."""
+        state = self._drains.get(inst_id)
+        try:
+            figures = drain_figures(self._drain_snapshot(self.clock()), inst_id)
+        except UnknownInstance:
+            if state is None:
+                raise
+            figures = state.figures
+        report: dict[str, Any] = {"instance_id": inst_id, "epoch": self.epoch, "draining": state is not None}
+        if figures is not None:
+            report.update(running_requests=figures.num_running, own_requests=figures.num_own_requests,
+                          blocks_held_for_others=figures.num_blocks_held,
+                          blocks_of_others_on_it=figures.num_blocks_on_it)
+        if state is None:
+            return {**report, "state": "not_draining", "safe_to_stop": False}
+        return {**report, "drain_id": state.drain_id, "state": state.state,
+                "safe_to_stop": state.state == "safe_to_stop", "rounds": state.num_rounds,
+                "elapsed_s": self.clock() - state.started_s, "moves": list(state.moves),
+                "last_error": state.last_error}
+
+    async def _drain_loop(self, state: DrainState, drain_plan: DrainPlan | None) -> None:
+        """Send the plan; wait for heartbeats newer than the moves; plan again; until nothing is left."""
+        period = self.config.heartbeat_interval_s
+        while True:
+            try:
+                moves = drain_plan.moves if drain_plan is not None else ()
+                await self._send_drain_moves(state, moves)
+                sent_s = self.clock()
+                # The drained instance's next heartbeat is newer than the Drain too, so nothing
+                # it admitted before the Drain goes unseen.
+                involved = {state.inst_id} | {i for m in moves for i in (m.home_inst_id, m.dst_inst_id)}
+                while True:
+                    await asyncio.sleep(period / 4)
+                    live = {r.inst_id: r for r in self.view.live(self.clock())}
+                    if state.inst_id not in live:
+                        state.state = "lost"
+                        log.warning("drain of instance %d: the instance went silent", state.inst_id)
+                        return
+                    if all(i not in live or live[i].heard_at_s > sent_s for i in involved):
+                        break
+                snapshot = self._drain_snapshot(self.clock())
+                state.figures = drain_figures(snapshot, state.inst_id)
+                state.num_rounds += 1
+                if state.figures.safe_to_stop:
+                    state.state = "safe_to_stop"
+                    log.info("instance %d is drained: safe to stop", state.inst_id)
+                    return
+                try:
+                    drain_plan = plan_drain(snapshot, state.inst_id)
+                    state.last_error = ""
+                except DrainRefused as err:  # room may come back: keep trying
+                    drain_plan, state.last_error = None, str(err)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # one bad round must not end the drain
+                log.exception("drain of instance %d: round failed", state.inst_id)
+                drain_plan, state.last_error = None, f"{type(exc).__name__}: {exc}"
+                await asyncio.sleep(period)
+
+    async def _send_drain_moves(self, state: DrainState, moves: tuple[DrainMove, ...]) -> None:
+        """Each move to its request's home; a home's moves in order, homes in parallel."""
+        if not moves:
+            return
+        members = self.membership.members()
+        by_home: dict[int, list[DrainMove]] = {}
+        for move in moves:
+            by_home.setdefault(move.home_inst_id, []).append(move)
+
+        async def send_all_of(home_moves: list[DrainMove]) -> None:
+            for m in home_moves:
+                result = await self._send_move(
+                    PlannedMove(m.home_inst_id, m.req_id, m.src_inst_id, m.dst_inst_id, m.num_blocks, 0.0), members)
+                state.moves.append(_drain_move_json(m, result))
+                self.stats.moves[result] += 1
+
+        await asyncio.gather(*(send_all_of(v) for v in by_home.values()))
 
     # ---- status ------------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
@@ -548,12 +779,19 @@ class GManager:
             "num_blocks_borrowed": pool.num_blocks_borrowed,
             "placement_version": record.placement.version,
             "last_heartbeat_age_s": now_s - record.heard_at_s,
+            "draining": record.inst_id in self._drains,
         }
+
+
+def _drain_move_json(move: DrainMove, result: str) -> dict[str, Any]:
+    return {"req_id": move.req_id, "home_inst_id": move.home_inst_id, "src_inst_id": move.src_inst_id,
+            "dst_inst_id": move.dst_inst_id, "num_blocks": move.num_blocks, "kind": move.kind, "result": result}
 
 
 # ---- admin HTTP API ---------------------------------------------------------------------------
 class AdminApp:
-    """``GET /v1/status``, ``GET /v1/instances/{id}``, ``POST /v1/rebalance``; JSON errors."""
+    """``GET /v1/status``, ``GET /v1/instances/{id}``, ``POST /v1/rebalance``, ``POST /v1/drain``,
+    ``GET /v1/drain/{id}``, ``POST /v1/uncordon``; JSON errors."""
 
     def __init__(self, gmanager: GManager) -> None:
         self.gmanager = gmanager
@@ -563,7 +801,35 @@ class AdminApp:
         app.router.add_get("/v1/status", self.get_status)
         app.router.add_get("/v1/instances/{inst_id}", self.get_instance)
         app.router.add_post("/v1/rebalance", self.post_rebalance)
+        app.router.add_post("/v1/drain", self.post_drain)
+        app.router.add_get("/v1/drain/{inst_id}", self.get_drain)
+        app.router.add_post("/v1/uncordon", self.post_uncordon)
         return app
+
+    async def post_drain(self, request: web.Request) -> web.Response:
+        body = await _json_object(request, required={"instance_id"}, optional={"dry_run"})
+        if isinstance(body, web.Response):
+            return body
+        dry_run = body.get("dry_run", False)
+        if not isinstance(dry_run, bool):
+            return _error(400, f"dry_run must be true or false, got {dry_run!r}")
+        return await _drain_call(lambda: self.gmanager.drain(body["instance_id"], dry_run))
+
+    async def get_drain(self, request: web.Request) -> web.Response:
+        try:
+            inst_id = int(request.match_info["inst_id"])
+        except ValueError:
+            return _error(400, f"instance id must be an integer, got {request.match_info['inst_id']!r}")
+
+        async def status() -> dict[str, Any]:
+            return self.gmanager.drain_status(inst_id)
+        return await _drain_call(status)
+
+    async def post_uncordon(self, request: web.Request) -> web.Response:
+        body = await _json_object(request, required={"instance_id"}, optional=set())
+        if isinstance(body, web.Response):
+            return body
+        return await _drain_call(lambda: self.gmanager.uncordon(body["instance_id"]))
 
     async def get_status(self, request: web.Request) -> web.Response:
         return web.json_response(self.gmanager.status())
@@ -604,6 +870,39 @@ def _error(status: int, detail: str) -> web.Response:
     return web.json_response({"error": detail}, status=status)
 
 
+async def _json_object(request: web.Request, required: set[str], optional: set[str]) -> dict[str, Any] | web.Response:
+    """The body as a JSON object with an integer ``instance_id``, or the 400 answer."""
+    try:
+        body = json.loads(await request.read() or b"{}")
+    except ValueError as err:
+        return _error(400, f"body is not JSON: {err}")
+    if not isinstance(body, dict):
+        return _error(400, "body must be a JSON object")
+    unknown = sorted(set(body) - required - optional)
+    if unknown:
+        return _error(400, f"unknown fields: {', '.join(unknown)}")
+    missing = sorted(required - set(body))
+    if missing:
+        return _error(400, f"missing fields: {', '.join(missing)}")
+    if "instance_id" in body and type(body["instance_id"]) is not int:
+        return _error(400, f"instance_id must be an integer, got {body['instance_id']!r}")
+    return body
+
+
+async def _drain_call(call: Callable[[], Any]) -> web.Response:
+    """Run a drain command; its refusals become JSON errors."""
+    try:
+        return web.json_response(await call())
+    except NotLeader as err:
+        return _error(503, str(err))
+    except UnknownInstance as err:
+        return _error(404, str(err))
+    except DrainRefused as err:
+        return _error(409, f"drain refused, nothing moved: {err}")
+    except CommandFailed as err:
+        return _error(502, str(err))
+
+
 # ---- entry point ----------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None = None) -> GManagerConfig:
     p = argparse.ArgumentParser(prog="python -m infinite_llm.scheduler.gmanager",
@@ -624,6 +923,11 @@ def parse_args(argv: list[str] | None = None) -> GManagerConfig:
     p.add_argument("--max-moves-per-round", type=int, default=16)
     p.add_argument("--move-timeout-s", type=float, default=60.0)
     p.add_argument("--election-poll-s", type=float, default=0.2)
+    p.add_argument("--etcd-endpoints", default="", help="comma-separated host:port list: elect and find "
+                   "instances through etcd instead of the state folder")
+    p.add_argument("--etcd-prefix", default="/infinite-llm", help="the cluster's keys in etcd")
+    p.add_argument("--etcd-lease-ttl-s", type=float, default=10.0, help="the leader's lease, s (at least 2)")
+    p.add_argument("--etcd-request-s", type=float, default=2.0, help="one request to etcd, s")
     a = p.parse_args(argv)
     return GManagerConfig(
         state_dir=a.state_dir, perf_model_path=a.perf_model, peer_host=a.peer_host, peer_port=a.peer_port,
@@ -631,7 +935,9 @@ def parse_args(argv: list[str] | None = None) -> GManagerConfig:
         heartbeat_interval_s=a.heartbeat_interval_s, silent_after_heartbeats=a.silent_after_heartbeats,
         plan_interval_s=a.plan_interval_s, block_size=a.block_size, debtor_max_batch=a.debtor_max_batch,
         creditor_max_used_fraction=a.creditor_max_used_fraction, max_moves_per_round=a.max_moves_per_round,
-        move_timeout_s=a.move_timeout_s, election_poll_s=a.election_poll_s)
+        move_timeout_s=a.move_timeout_s, election_poll_s=a.election_poll_s,
+        etcd_endpoints=tuple(e.strip() for e in a.etcd_endpoints.split(",") if e.strip()),
+        etcd_prefix=a.etcd_prefix, etcd_lease_ttl_s=a.etcd_lease_ttl_s, etcd_request_s=a.etcd_request_s)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -643,8 +949,17 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as err:
         print(f"gmanager: {err}", file=sys.stderr)
         return 2
-    election = LocalElection(config.state_dir, poll_interval_s=config.election_poll_s)
-    return asyncio.run(GManager(config, model, election).run())
+    election: Election
+    if config.etcd_endpoints:
+        election = EtcdElection(config.etcd_endpoints, prefix=config.etcd_prefix,
+                                 lease_ttl_s=config.etcd_lease_ttl_s, request_timeout_s=config.etcd_request_s)
+    else:
+        election = LocalElection(config.state_dir, poll_interval_s=config.election_poll_s)
+    try:
+        return asyncio.run(GManager(config, model, election).run())
+    except EtcdUnreachable as err:
+        print(f"gmanager: {err}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

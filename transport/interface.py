@@ -20,8 +20,10 @@ class PeerAddress:
 
 
 # Serves one incoming message. Returns the reply, or None where the message needs none (the
-# sender then gets Ack if it asked for a reply). Exceptions become ErrorReply(handler_failed).
-MessageHandler = Callable[[Message], Awaitable[Message | None]]
+# sender then gets Ack if it asked for a reply), either at once or as an awaitable: a handler
+# that answers at once is answered inline (lowest latency); an awaitable runs as its own task.
+# Exceptions become ErrorReply(handler_failed).
+MessageHandler = Callable[[Message], Message | None | Awaitable[Message | None]]
 
 # Given a message whose tensor fields still hold TensorSpecs (the header), returns where its
 # buffers go, one array per buffer in order, or None for fresh tensors. Raises

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+import inspect
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -204,7 +205,8 @@ class InMemoryTransport:
         timer_id = self._network.clock.call_later(
             timeout_s, lambda: self._time_out(msg_id, timeout_s))
         self._pending[msg_id] = _PendingRequest(future, timer_id, peer, message.TYPE)
-        frame = codec.encode(message, msg_id, inline_limit_bytes=self._config.limits.inline_limit_bytes)
+        frame = codec.encode(message, msg_id, inline_limit_bytes=self._config.limits.inline_limit_bytes,
+                             inline_cuda_limit_bytes=self._config.limits.inline_cuda_limit_bytes)
         if not self._network._post(self._address, peer, frame, message, msg_id, None):
             self._finish(msg_id, PeerUnreachable(peer, "no listener"))
         return await future
@@ -215,7 +217,8 @@ class InMemoryTransport:
         self._require_open()
         msg_id = next(self._next_msg_id)
         frame = codec.encode(message, msg_id, wants_reply=False,
-                             inline_limit_bytes=self._config.limits.inline_limit_bytes)
+                             inline_limit_bytes=self._config.limits.inline_limit_bytes,
+                             inline_cuda_limit_bytes=self._config.limits.inline_cuda_limit_bytes)
         if not self._network._post(self._address, peer, frame, message, msg_id, None):
             raise PeerUnreachable(peer, "no listener")
 
@@ -257,7 +260,9 @@ class InMemoryTransport:
         if self._handler is None:
             return ErrorReply(ErrorCode.NO_HANDLER, "transport not started")
         try:
-            reply = await self._handler(message)
+            reply = self._handler(message)
+            if inspect.isawaitable(reply):
+                reply = await reply
         except Exception as e:  # the handler's failure is the requester's to see
             return ErrorReply(ErrorCode.HANDLER_FAILED, f"{type(e).__name__}: {e}")
         return Ack() if reply is None else reply
@@ -301,9 +306,6 @@ def _carry(header: codec.FrameHeader, frame: codec.EncodedFrame,
     """Move a frame's buffers into their destinations, as the wire would."""
     if destinations is None:
         destinations = [allocate(spec, device) for spec in header.specs]
-    codec.check_destinations(header, destinations)
-    codec.fill_inline(header, destinations)
-    for dest, src in zip(codec.wire_destinations(header, destinations), frame.buffers,
-                         strict=True):
+    for dest, src in zip(codec.land_inline(header, destinations), frame.buffers, strict=True):
         copy_bytes(dest, src)
     return codec.assemble(header, destinations)

@@ -209,7 +209,8 @@ class TryMoveKV:
     move_id: int  # chosen by whoever ordered the move, unique per epoch
     req_id: int  # request whose blocks move
     home_inst_id: int  # the request's home
-    src_inst_id: int  # sender
+    src_inst_id: int  # instance whose pool the data comes from: the sender, or for a segment
+    #                   a creditor holds, that creditor (the home asks, the creditor sends)
     num_blocks: int  # blocks to reserve
     block_nbytes: int  # bytes of one block over all layers; the destination checks its layout
 
@@ -298,8 +299,43 @@ class FreeSegment:
 
 
 @dataclass(frozen=True)
+class ForwardSegment:
+    """Home -> a creditor holding one of its segments: send the segment's blocks to another
+    creditor's reservation (a creditor-to-creditor move, driven by the home).
+
+    The receiver sends ``KVBlocks(move_id, reservation_id, ...)`` straight from its pool to the
+    destination and answers with the destination's ``KVBlocksStored``. It keeps its copy: the
+    home switches its block table and only then sends ``FreeSegment`` for the old one.
+    """
+
+    TYPE: ClassVar[str] = "forward_segment"
+    VERSION: ClassVar[int] = 1
+
+    epoch: int  # epoch of the MoveKV command being carried out
+    move_id: int  # the home's id for this move, echoed in KVBlocks
+    home_inst_id: int  # the request's home (sender)
+    req_id: int  # request
+    segment_id: int  # the segment the receiver holds, as the home names it
+    dst_inst_id: int  # the creditor that reserved room for the segment
+    dst_host: str  # its peer listener's host
+    dst_port: int  # its peer listener's port
+    reservation_id: int  # from the destination's MoveReserved
+    dst_block_ids: tuple[int, ...]  # reserved blocks, one per block of the segment, in order
+
+    def __post_init__(self) -> None:
+        _require(len(self.dst_block_ids) > 0, "a segment has at least one block")
+        _require(0 < self.dst_port < 65536, "dst_port must be a TCP port")
+        _require(self.dst_inst_id != self.home_inst_id, "the home takes its blocks back another way")
+
+
+@dataclass(frozen=True)
 class MoveKV:
-    """gManager -> the instance holding the blocks: move them (``move_kvcache``)."""
+    """gManager -> the request's home: move blocks held on ``src_inst_id`` (``move_kvcache``).
+
+    From the home's own pool (``src_inst_id == home_inst_id``) the oldest ``num_blocks`` full
+    blocks move. From a creditor, whole segments move, oldest first, as many as fit in
+    ``num_blocks``: the creditor holds each segment under one id.
+    """
 
     TYPE: ClassVar[str] = "move_kv"
     VERSION: ClassVar[int] = 1
@@ -308,9 +344,9 @@ class MoveKV:
     move_id: int  # unique per epoch
     home_inst_id: int  # the request's home
     req_id: int  # request
-    src_inst_id: int  # receiver: holds the blocks now
+    src_inst_id: int  # holds the blocks now: the home itself or one of its creditors
     dst_inst_id: int  # instance to move them to
-    num_blocks: int  # blocks to move, oldest first
+    num_blocks: int  # blocks to move, oldest first (at most, for a creditor's segments)
 
     def __post_init__(self) -> None:
         _require(self.num_blocks > 0, "num_blocks must be positive")
@@ -327,6 +363,18 @@ class Drain:
     epoch: int  # leader's epoch
     drain_id: int  # unique per epoch
     inst_id: int  # the instance to drain (the receiver)
+
+
+@dataclass(frozen=True)
+class Uncordon:
+    """gManager -> instance: admit requests and take blocks again (a drain is called off)."""
+
+    TYPE: ClassVar[str] = "uncordon"
+    VERSION: ClassVar[int] = 1
+
+    epoch: int  # leader's epoch
+    drain_id: int  # the drain called off
+    inst_id: int  # the instance (the receiver)
 
 
 @dataclass(frozen=True)
@@ -370,16 +418,16 @@ class ErrorReply:
 
 Message = (
     Heartbeat | HeartbeatReply | AttendRequest | AttendResult | TryMoveKV | MoveReserved
-    | MoveRejected | KVBlocks | KVBlocksStored | MoveCommit | FreeSegment | MoveKV | Drain
-    | Echo | EchoReply | Ack | ErrorReply
+    | MoveRejected | KVBlocks | KVBlocksStored | MoveCommit | FreeSegment | ForwardSegment | MoveKV
+    | Drain | Uncordon | Echo | EchoReply | Ack | ErrorReply
 )
 
 MESSAGE_TYPES: dict[str, type] = {
     cls.TYPE: cls
     for cls in (
         Heartbeat, HeartbeatReply, AttendRequest, AttendResult, TryMoveKV, MoveReserved,
-        MoveRejected, KVBlocks, KVBlocksStored, MoveCommit, FreeSegment, MoveKV, Drain,
-        Echo, EchoReply, Ack, ErrorReply,
+        MoveRejected, KVBlocks, KVBlocksStored, MoveCommit, FreeSegment, ForwardSegment, MoveKV,
+        Drain, Uncordon, Echo, EchoReply, Ack, ErrorReply,
     )
 }
 

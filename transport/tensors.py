@@ -39,9 +39,13 @@ class TensorSpec:
         return DTYPE_ITEMSIZE[self.dtype] * math.prod(self.shape)
 
 
+_TORCH_DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in _TORCH_DTYPES.items()}
+
+
 def dtype_name(dtype: object) -> str:
     """The wire name of a numpy, cupy or torch dtype."""
-    return getattr(dtype, "name", None) or str(dtype).removeprefix("torch.")
+    name = _TORCH_DTYPE_NAMES.get(dtype) if isinstance(dtype, torch.dtype) else None
+    return name or getattr(dtype, "name", None) or str(dtype).removeprefix("torch.")
 
 
 def spec_of(array: WireArray) -> TensorSpec:
@@ -52,9 +56,9 @@ def spec_of(array: WireArray) -> TensorSpec:
 
 
 def is_cuda(array: WireArray) -> bool:
-    return hasattr(array, "__cuda_array_interface__") or (
-        isinstance(array, torch.Tensor) and array.is_cuda
-    )
+    if isinstance(array, torch.Tensor):  # first: a CPU tensor's interface check raises inside
+        return array.is_cuda
+    return hasattr(array, "__cuda_array_interface__")
 
 
 def wire_view(array: WireArray) -> object:

@@ -2,8 +2,9 @@
 
 One listener per transport. Requests go over an outbound connection per peer, cached and made
 again on the next request after it fails (a peer that restarted is reached afresh); replies come
-back on the same connection. Incoming connections are served by the listener: each frame's
-handler runs in its own task, so a slow request never blocks the ones behind it.
+back on the same connection. Incoming connections are served by the listener: a handler that
+answers at once (a plain function) is answered inline; one that returns an awaitable runs in a
+task of its own, so a slow request never blocks the ones behind it.
 
 Wire: on one UCX endpoint, each frame is one tag message with the header (see ``codec``), then
 one tag message per buffer that is not inline. UCX matches messages of one endpoint and tag in
@@ -29,8 +30,11 @@ peer shows as RequestTimeout; the daemons' heartbeats decide when it is dead.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import itertools
 import logging
+import time
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -96,9 +100,9 @@ class _Connection:
     def _post_recv(self, buffer):
         return self._ucx_endpoint.tag_recv(Array(buffer), self._recv_tag, TagMaskFull)
 
-    async def send_frame(self, frame: codec.EncodedFrame) -> None:
-        """Send one frame whole. A failure (or cancellation) part-way breaks the connection,
-        since the peer would read the next frame's bytes as this one's."""
+    def post_frame(self, frame: codec.EncodedFrame) -> list:
+        """Post one frame's messages; returns their UCX requests (small frames are often sent
+        already). Raises ConnectionBroken if the connection is gone."""
         # A frame's messages are posted back to back, with no await in between, and UCX keeps
         # the order of the messages posted on one endpoint: frames cannot interleave, so no
         # lock is needed and several frames can be in flight on one connection.
@@ -110,14 +114,29 @@ class _Connection:
             # ~0.4 ms (measured on loopback), a view of the same memory a few microseconds.
             requests = [self._post_send(np.frombuffer(frame.header, dtype=np.uint8))]
             requests.extend(self._post_send(b) for b in frame.buffers)
-            async with asyncio.timeout(self.config.frame_timeout_s):
-                for request in requests:
-                    await self.progress.wait(request)
+        except UCXError as e:
+            self.abort()
+            raise ConnectionBroken(f"{self.label}: send failed: {e!r}") from e
+        return requests
+
+    async def wait_sent(self, requests: list, deadline: float | None = None) -> None:
+        """Until every request of a posted frame completed, by ``deadline`` (time.monotonic(),
+        None: the frame timeout). A failure (or cancellation) part-way breaks the connection,
+        since the peer would read the next frame's bytes as this one's."""
+        frame_deadline = time.monotonic() + self.config.frame_timeout_s
+        deadline = frame_deadline if deadline is None else min(deadline, frame_deadline)
+        try:
+            for request in requests:
+                await self.progress.wait(request, deadline)
         except BaseException as e:
             self.abort()
             if isinstance(e, (UCXError, TimeoutError)):
                 raise ConnectionBroken(f"{self.label}: send failed: {e!r}") from e
             raise
+
+    async def send_frame(self, frame: codec.EncodedFrame, deadline: float | None = None) -> None:
+        """Send one frame whole (see ``post_frame`` and ``wait_sent``)."""
+        await self.wait_sent(self.post_frame(frame), deadline)
 
     async def recv_header(self, timeout_s: float) -> codec.FrameHeader:
         """The next frame's header. Raises ProtocolError for a bad frame, ConnectionBroken
@@ -126,8 +145,7 @@ class _Connection:
         try:
             self._check_open()
             request = self._post_recv(buf)
-            async with asyncio.timeout(timeout_s):
-                await self.progress.wait(request)
+            await self.progress.wait(request, time.monotonic() + timeout_s)
         except UCXMessageTruncatedError:
             raise ProtocolError(ErrorCode.OVERSIZED_FRAME,
                                 f"header over {buf.nbytes} bytes") from None
@@ -142,17 +160,15 @@ class _Connection:
         return codec.decode_header(data, self.config.limits)
 
     async def recv_buffers(self, header: codec.FrameHeader, destinations: list) -> None:
-        codec.check_destinations(header, destinations)
-        codec.fill_inline(header, destinations)
-        views = codec.wire_destinations(header, destinations)
+        views = codec.land_inline(header, destinations)
         if not views:
             return
         try:
             self._check_open()
             requests = [self._post_recv(v) for v in views]
-            async with asyncio.timeout(self.config.frame_timeout_s):
-                for request in requests:
-                    await self.progress.wait(request)
+            deadline = time.monotonic() + self.config.frame_timeout_s
+            for request in requests:
+                await self.progress.wait(request, deadline)
         except UCXMessageTruncatedError:
             raise ProtocolError(ErrorCode.LENGTH_MISMATCH, "a buffer over its length") from None
         except (UCXError, TimeoutError) as e:
@@ -208,24 +224,34 @@ class UcxTransport:
         self, peer: PeerAddress, message: Message, *, timeout_s: float | None = None
     ) -> Message:
         timeout_s = self._config.request_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
         msg_id = next(self._next_msg_id)
         frame = codec.encode(message, msg_id,
-                             inline_limit_bytes=self._config.limits.inline_limit_bytes)
+                             inline_limit_bytes=self._config.limits.inline_limit_bytes,
+                             inline_cuda_limit_bytes=self._config.limits.inline_cuda_limit_bytes)
+        loop = asyncio.get_running_loop()
         connection: _Connection | None = None
         reply: asyncio.Future | None = None
+        timer: asyncio.TimerHandle | None = None
         try:
-            async with asyncio.timeout(timeout_s):
-                connection = await self._connection(peer)
-                reply = asyncio.get_running_loop().create_future()
-                connection.pending[msg_id] = reply
-                await connection.send_frame(frame)
-                return await reply
+            connection = await self._connection_by(peer, deadline)
+            reply = loop.create_future()
+            connection.pending[msg_id] = reply
+            await connection.send_frame(frame, deadline)
+            # One timer on the reply rather than asyncio.timeout around the whole request:
+            # on a round trip of tens of microseconds the latter's cost shows.
+            timer = loop.call_at(loop.time() + max(0.0, deadline - time.monotonic()), _expire, reply)
+            return await reply
         except TimeoutError:
             raise RequestTimeout(peer, message.TYPE, timeout_s) from None
         except ConnectionBroken as e:
             self._drop(peer, connection, PeerUnreachable(peer, str(e)))
+            if time.monotonic() >= deadline:
+                raise RequestTimeout(peer, message.TYPE, timeout_s) from None
             raise PeerUnreachable(peer, str(e)) from None
         finally:
+            if timer is not None:
+                timer.cancel()
             if connection is not None:
                 connection.pending.pop(msg_id, None)
             if reply is not None and reply.done() and not reply.cancelled():
@@ -236,16 +262,19 @@ class UcxTransport:
     ) -> None:
         timeout_s = self._config.request_timeout_s if timeout_s is None else timeout_s
         frame = codec.encode(message, next(self._next_msg_id), wants_reply=False,
-                             inline_limit_bytes=self._config.limits.inline_limit_bytes)
+                             inline_limit_bytes=self._config.limits.inline_limit_bytes,
+                             inline_cuda_limit_bytes=self._config.limits.inline_cuda_limit_bytes)
+        deadline = time.monotonic() + timeout_s
         connection: _Connection | None = None
         try:
-            async with asyncio.timeout(timeout_s):
-                connection = await self._connection(peer)
-                await connection.send_frame(frame)
+            connection = await self._connection_by(peer, deadline)
+            await connection.send_frame(frame, deadline)
         except TimeoutError:
             raise RequestTimeout(peer, message.TYPE, timeout_s) from None
         except ConnectionBroken as e:
             self._drop(peer, connection, PeerUnreachable(peer, str(e)))
+            if time.monotonic() >= deadline:
+                raise RequestTimeout(peer, message.TYPE, timeout_s) from None
             raise PeerUnreachable(peer, str(e)) from None
 
     async def close(self) -> None:
@@ -268,6 +297,14 @@ class UcxTransport:
             self._listener = None
 
     # --- outbound connections: requests and their replies ---
+
+    async def _connection_by(self, peer: PeerAddress, deadline: float) -> _Connection:
+        """The connection to ``peer``, made by ``deadline`` (time.monotonic()) if there is none."""
+        connection = self._outbound.get(peer)
+        if connection is not None and not connection.broken and not self._closed:
+            return connection  # the common case: no await, no timer
+        async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+            return await self._connection(peer)
 
     async def _connection(self, peer: PeerAddress) -> _Connection:
         if self._closed:
@@ -376,26 +413,56 @@ class UcxTransport:
                 await self._reply(connection, header.msg_id, refusal)
             return
         message = codec.assemble(header, destinations)
-        self._spawn(self._handle(connection, header, message))
+        self._dispatch(connection, header, message)
 
-    async def _handle(self, connection: _Connection, header: codec.FrameHeader,
-                      message: Message) -> None:
+    def _dispatch(self, connection: _Connection, header: codec.FrameHeader, message: Message) -> None:
+        """Run the handler. One that answers at once (a plain function) is answered here, with
+        no task; one that returns an awaitable runs as a task of its own, so that a slow
+        handler never holds up the connection's next frame."""
         if self._handler is None:
-            reply: Message = ErrorReply(ErrorCode.NO_HANDLER, "transport not started")
+            outcome: object = ErrorReply(ErrorCode.NO_HANDLER, "transport not started")
         else:
             try:
-                reply = await self._handler(message) or Ack()
+                outcome = self._handler(message)
             except Exception as e:  # the handler's failure is the requester's to see
-                log.exception("handler failed on %s", message.TYPE)
-                reply = ErrorReply(ErrorCode.HANDLER_FAILED, f"{type(e).__name__}: {e}")
+                outcome = _handler_failed(message, e)
+        if inspect.isawaitable(outcome):
+            self._spawn(self._finish(connection, header, message, outcome))
+        elif header.wants_reply:
+            self._post_reply(connection, header.msg_id, outcome or Ack())
+
+    async def _finish(self, connection: _Connection, header: codec.FrameHeader, message: Message,
+                      pending: Awaitable[Message | None]) -> None:
+        try:
+            reply = await pending or Ack()
+        except Exception as e:
+            reply = _handler_failed(message, e)
         if header.wants_reply:
             await self._reply(connection, header.msg_id, reply)
 
-    async def _reply(self, connection: _Connection, msg_id: int, reply: Message) -> None:
-        frame = codec.encode(reply, next(self._next_msg_id), reply_to=msg_id, wants_reply=False,
-                             inline_limit_bytes=self._config.limits.inline_limit_bytes)
+    def _encode_reply(self, msg_id: int, reply: Message) -> codec.EncodedFrame:
+        return codec.encode(reply, next(self._next_msg_id), reply_to=msg_id, wants_reply=False,
+                            inline_limit_bytes=self._config.limits.inline_limit_bytes,
+                            inline_cuda_limit_bytes=self._config.limits.inline_cuda_limit_bytes)
+
+    def _post_reply(self, connection: _Connection, msg_id: int, reply: Message) -> None:
+        """Post a reply; a task waits for its sending only where UCX has not sent it yet."""
         try:
-            await connection.send_frame(frame)
+            requests = connection.post_frame(self._encode_reply(msg_id, reply))
+        except ConnectionBroken:
+            return  # the requester is gone; its side reports that
+        if not all(r.completed for r in requests):
+            self._spawn(self._wait_reply_sent(connection, requests))
+
+    async def _wait_reply_sent(self, connection: _Connection, requests: list) -> None:
+        try:
+            await connection.wait_sent(requests)
+        except ConnectionBroken:
+            pass
+
+    async def _reply(self, connection: _Connection, msg_id: int, reply: Message) -> None:
+        try:
+            await connection.send_frame(self._encode_reply(msg_id, reply))
         except ConnectionBroken:
             pass  # the requester is gone; its side reports that
 
@@ -414,6 +481,16 @@ class UcxTransport:
         task = asyncio.get_running_loop().create_task(coroutine)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+
+def _handler_failed(message: Message, error: Exception) -> ErrorReply:
+    log.error("handler failed on %s", message.TYPE, exc_info=error)
+    return ErrorReply(ErrorCode.HANDLER_FAILED, f"{type(error).__name__}: {error}")
+
+
+def _expire(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_exception(TimeoutError())
 
 
 _progress_by_loop: dict[asyncio.AbstractEventLoop, UcxProgress] = {}

@@ -41,34 +41,51 @@ class UcxProgress:
         loop.add_reader(worker.epoll_file_descriptor, self._on_event)
         self._tick = loop.call_later(SAFETY_TICK_S, self._on_tick)
 
-    async def wait(self, request) -> None:
-        """Until ``request`` completes; raises its error (UCXError subclasses) if it failed."""
+    async def wait(self, request, deadline: float | None = None) -> None:
+        """Until ``request`` completes; raises its error (UCXError subclasses) if it failed, or
+        TimeoutError once ``time.monotonic()`` passes ``deadline`` (None: no limit).
+
+        The deadline is checked while spinning and armed as one timer only once the wait goes
+        to sleep: most waits end within the spin, and a timer per wait (``asyncio.timeout``)
+        would cost more than the wait itself.
+        """
         worker = self._worker
         if not request.completed:
             worker.progress()
         if not request.completed:
-            deadline = time.perf_counter() + self.spin_s
+            spin_until = time.monotonic() + self.spin_s
             while True:
                 await asyncio.sleep(0)
                 worker.progress()
                 if request.completed:
                     break
-                if time.perf_counter() >= deadline:
-                    await self._sleep(request)
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
+                    raise TimeoutError()
+                if now >= spin_until:
+                    await self._sleep(request, deadline)
                     break
         self._arm()
         request.check_error()
 
-    async def _sleep(self, request) -> None:
-        future = self._loop.create_future()
+    async def _sleep(self, request, deadline: float | None) -> None:
+        loop = self._loop
+        future = loop.create_future()
         entry = (request, future)
         self._sleepers.append(entry)
+        timer = None
+        if deadline is not None:
+            timer = loop.call_at(loop.time() + max(0.0, deadline - time.monotonic()), _expire, future)
         self._arm()
         try:
             await future
         finally:
-            if not future.done():  # cancelled
+            if timer is not None:
+                timer.cancel()
+            try:  # still listed when cancelled or timed out
                 self._sleepers.remove(entry)
+            except ValueError:
+                pass
 
     def _arm(self) -> None:
         """Arm the worker so that its fd reports the next event. ``arm`` refuses while events
@@ -107,3 +124,8 @@ class UcxProgress:
         if self._tick is not None:
             self._tick.cancel()
             self._tick = None
+
+
+def _expire(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_exception(TimeoutError())

@@ -67,6 +67,24 @@ def test_status_generate_rebalance(cluster_dir):
     assert one.returncode == 0 and "instance 1" in one.stdout
 
 
+def test_drain_dry_run_and_unknown_instance(cluster_dir):
+    # The leader is known from heartbeats within a period or two of start-up.
+    for _ in range(50):
+        plan = infctl("drain", "2", "--dry-run", "--json", "--state-dir", str(cluster_dir))
+        if plan.returncode == 0:
+            break
+    assert plan.returncode == 0, plan.stderr
+    report = json.loads(plan.stdout)
+    assert report["dry_run"] is True and report["moves"] == [] and report["num_blocks_held"] == 0
+    text = infctl("drain", "2", "--dry-run", "--state-dir", str(cluster_dir))
+    assert text.returncode == 0 and "instance 2: 0 move(s) planned" in text.stdout, text.stderr
+    unknown = infctl("drain", "9", "--state-dir", str(cluster_dir))
+    assert unknown.returncode == 1 and "unknown instance 9" in unknown.stderr, unknown.stderr
+    assert "Traceback" not in unknown.stderr
+    status = json.loads(infctl("status", "--instance", "2", "--json", "--state-dir", str(cluster_dir)).stdout)
+    assert status["draining"] is False  # a dry run changes nothing
+
+
 def test_drain_waits_times_out_and_uncordons(cluster_dir):
     # A long request on instance 1: a drain with a short timeout must time out (exit 4).
     done = threading.Event()

@@ -56,17 +56,34 @@ def test_missing_file() -> None:
         load_config("/nonexistent/infinited.toml")
 
 
-def test_daemon_refuses_etcd_discovery_it_does_not_have(tmp_path: Path) -> None:
+def test_daemon_with_unreachable_etcd_says_so_before_loading_the_model(tmp_path: Path) -> None:
+    import socket
     import subprocess
     import sys
+    import time
 
+    with socket.socket() as s:  # a loopback port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    started = time.monotonic()
     result = subprocess.run(
-        [sys.executable, "-m", "infinite_llm.daemon", "--etcd-endpoints", "10.0.0.1:2379", "--http-port", "0",
-         "--socket-path", str(tmp_path / "s.sock"), "--state-dir", str(tmp_path / "state")],
+        [sys.executable, "-m", "infinite_llm.daemon", "--etcd-endpoints", f"127.0.0.1:{port}", "--http-port", "0",
+         "--etcd-request-s", "1", "--socket-path", str(tmp_path / "s.sock"), "--state-dir", str(tmp_path / "state")],
         capture_output=True, text=True, timeout=120)
-    assert result.returncode == 1
-    assert result.stderr.strip().splitlines()[-1] == (
-        "infinited: discovery through etcd is not built yet: leave etcd_endpoints empty and share state_dir")
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        f"infinited: no etcd answers within 1 s: 127.0.0.1:{port}: "), result.stderr
+    assert time.monotonic() - started < 30  # the import of torch and friends, then one bounded try
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"etcd_endpoints": "10.0.0.1"}, "etcd_endpoints: etcd endpoint must be host:port"),
+    ({"etcd_endpoints": "10.0.0.1:2379", "etcd_prefix": "cluster"}, "etcd_prefix must start with '/'"),
+    ({"timeouts.etcd_lease_s": 1.0}, "etcd_lease_s must be at least 2 s"),
+])
+def test_bad_etcd_settings(overrides, message) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
 
 
 def test_daemon_bad_flag_is_a_usage_error(tmp_path: Path) -> None:

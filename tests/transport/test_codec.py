@@ -60,7 +60,10 @@ def sample_messages() -> list[m.Message]:
         m.FreeSegment(home_inst_id=2, req_id=11, segment_id=0),
         m.MoveKV(epoch=17, move_id=1, home_inst_id=2, req_id=11, src_inst_id=2, dst_inst_id=5,
                  num_blocks=4),
+        m.ForwardSegment(epoch=17, move_id=3, home_inst_id=2, req_id=11, segment_id=4, dst_inst_id=6,
+                         dst_host="127.0.0.1", dst_port=41000, reservation_id=9, dst_block_ids=(7, 8, 12)),
         m.Drain(epoch=17, drain_id=1, inst_id=5),
+        m.Uncordon(epoch=17, drain_id=1, inst_id=5),
         m.Echo(payload=np.arange(10, dtype=np.int64)),
         m.EchoReply(payload=torch.arange(4, dtype=torch.int32)),
         m.Ack(),
@@ -121,8 +124,11 @@ def test_non_contiguous_tensor_is_refused_on_send():
     lambda: m.KVBlocks(1, 1, (m.BlockRun(0, 2),), (torch.zeros(3, 4),)),
     lambda: m.MoveKV(1, 1, 1, 1, 2, 2, 1),
     lambda: m.Heartbeat(1, 1, m.PoolFigures(1, 1, 0, 0), 0, 0, 1, (), (m.PlacementKey(1, 1),)),
+    lambda: m.ForwardSegment(1, 1, 2, 11, 0, 3, "127.0.0.1", 41000, 9, ()),
+    lambda: m.ForwardSegment(1, 1, 2, 11, 0, 3, "127.0.0.1", 70000, 9, (1,)),
+    lambda: m.ForwardSegment(1, 1, 2, 11, 0, 2, "127.0.0.1", 41000, 9, (1,)),
 ], ids=["rows_short", "rows_gap", "lse_dtype", "lse_shape", "run_size", "move_to_self",
-        "full_with_removals"])
+        "full_with_removals", "forward_no_blocks", "forward_bad_port", "forward_to_home"])
 def test_messages_check_their_own_fields(bad):
     with pytest.raises(ValueError):
         bad()
@@ -215,3 +221,33 @@ def test_total_over_the_configured_cap_is_refused():
 def test_preamble_layout_is_fixed():
     assert codec.PREAMBLE.size == 16
     assert struct.calcsize("<4sHHII") == 16
+
+
+def forward_body(**fields) -> dict:
+    f = {"epoch": 3, "move_id": 1, "home_inst_id": 2, "req_id": 11, "segment_id": 0, "dst_inst_id": 3,
+         "dst_host": "127.0.0.1", "dst_port": 41000, "reservation_id": 9, "dst_block_ids": [4, 5]}
+    f.update(fields)
+    return {"t": "forward_segment", "v": 1, "id": 1, "re": None, "f": f, "x": {}, "b": []}
+
+
+def test_a_hand_made_forward_segment_decodes():
+    header = codec.decode_header(frame_with(forward_body()), LIMITS)
+    assert header.message == m.ForwardSegment(3, 1, 2, 11, 0, 3, "127.0.0.1", 41000, 9, (4, 5))
+
+
+@pytest.mark.parametrize("fields", [
+    {"dst_block_ids": []},  # no block to send
+    {"dst_block_ids": [4, "5"]},  # a block id that is not an integer
+    {"dst_host": 7},  # a host that is not a string
+    {"dst_port": 0},  # no port
+    {"dst_inst_id": 2},  # the home as destination
+    {"reservation_id": 1.5},
+], ids=["no_blocks", "string_block", "int_host", "port_zero", "to_home", "float_reservation"])
+def test_bad_forward_segment_fields_are_refused(fields):
+    assert refusal_code(frame_with(forward_body(**fields))) == m.ErrorCode.INVALID_FIELDS
+
+
+def test_forward_segment_with_a_missing_field_is_refused():
+    body = forward_body()
+    del body["f"]["dst_port"]
+    assert refusal_code(frame_with(body)) == m.ErrorCode.INVALID_FIELDS

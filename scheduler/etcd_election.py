@@ -1,0 +1,274 @@
+"""Leader election of gManager replicas through etcd, for replicas on several hosts.
+
+The scheme of etcd's own ``concurrency/election.go``:
+
+* each replica holds a lease (``lease_ttl_s``), refreshed every quarter of its TTL;
+* a campaign is one transaction: *if the leader key was never created (create revision 0),
+  put it with my lease*; else read who holds it;
+* the winner's epoch is the key's create revision. etcd revisions only grow, so a later
+  leader's epoch is larger, and instances can fence off commands of any earlier one;
+* a standby watches the key (a watch from before its first transaction, so a deletion in
+  between is not missed) and tries again when it is deleted: the leader resigned (revoked
+  its lease) or died (the lease expired after its TTL). The watch wait is also bounded by the
+  TTL, so a broken watch stream delays a takeover, never stops it;
+* a leader whose lease was not refreshed for half its TTL no longer leads
+  (:meth:`EtcdElection.is_leader` is false): it may have been paused or cut off while the lease
+  ran out and another replica took over. Half the TTL leaves the other half as margin before
+  etcd can let a successor in.
+
+All calls are bounded by ``request_timeout_s``. An etcd that does not answer at the start is
+an :class:`~infinite_llm.daemon.etcd_discovery.EtcdUnreachable` error; later failures are
+retried (a standby keeps campaigning, a leader loses its lease and steps down).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from dataclasses import asdict
+from typing import Callable, Iterable
+
+from infinite_llm.daemon.etcd_discovery import (
+    DEFAULT_LEASE_TTL_S,
+    DEFAULT_PREFIX,
+    DEFAULT_REQUEST_TIMEOUT_S,
+    EtcdKeys,
+    with_timeout,
+    close_client,
+    connect,
+    decode_leader,
+    encode_leader,
+    lease_ttl_seconds,
+    parse_endpoints,
+)
+from infinite_llm.scheduler.election import CandidateAddresses, LeaderInfo
+
+log = logging.getLogger(__name__)
+
+
+class EtcdElection:
+    """Election on the key ``<prefix>/gmanager/leader`` of an etcd cluster.
+
+    Implements :class:`~infinite_llm.scheduler.election.Election`. ``clock`` is a monotonic
+    clock in seconds (tests may pass their own).
+    """
+
+    def __init__(self, endpoints: str | Iterable[str], prefix: str = DEFAULT_PREFIX,
+                 lease_ttl_s: float = DEFAULT_LEASE_TTL_S, request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        # host:port strings, checked now: a typo is a start-up error, not a campaign that waits
+        self.endpoints = tuple(f"{host}:{port}" for host, port in parse_endpoints(endpoints))
+        self.keys = EtcdKeys(prefix)
+        self.lease_ttl_s = lease_ttl_seconds(lease_ttl_s)  # whole seconds
+        self.request_timeout_s = request_timeout_s  # each etcd request, s
+        self.clock = clock
+        self._client = None
+        self._lease = None
+        self._lease_refreshed_at = -float("inf")  # clock time a successful refresh was sent, s
+        self._info: LeaderInfo | None = None  # ours, while we lead
+        self._lost_reason: str | None = None  # why we stopped leading, once we have
+        self._seen: LeaderInfo | None = None  # the leader key as last read or watched
+        self._key_revision = 0  # etcd revision of the last change of the leader key we know of
+        self._key_changed = asyncio.Event()
+        self._keep_alive_task: asyncio.Task | None = None
+        self._watch_task: asyncio.Task | None = None
+        self._revoke_task: asyncio.Task | None = None
+
+    # ---- the Election interface ----------------------------------------------------------
+    async def campaign(self, addresses: CandidateAddresses) -> LeaderInfo:
+        if self._info is not None:  # a second campaign starts from nothing held
+            self.resign()
+        if self._client is None:
+            self._client = await connect(self.endpoints, self.request_timeout_s)
+        if self._watch_task is None or self._watch_task.done():
+            watch_ready = asyncio.get_running_loop().create_future()
+            self._watch_task = asyncio.create_task(self._watch(watch_ready), name="etcd-leader-watch")
+            await with_timeout(asyncio.shield(watch_ready), 2 * self.request_timeout_s)
+        record = LeaderInfo(epoch=0, pid=os.getpid(), **asdict(addresses))
+        retry_s = min(1.0, self.lease_ttl_s / 4)
+        while True:
+            try:
+                await self._ensure_lease()
+                revision = await self._try_to_lead(record)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001  etcd restarting, a lease gone: try again
+                log.warning("campaign attempt failed: %s", exc)
+                await asyncio.sleep(retry_s)
+                continue
+            if self._info is not None:
+                return self._info
+            await self._wait_for_change(after_revision=revision)
+
+    def is_leader(self) -> bool:
+        """Leading, the key not lost, and the lease refreshed within the last half TTL."""
+        if self._info is None or self._lost_reason is not None:
+            return False
+        age_s = self.clock() - self._lease_refreshed_at
+        if age_s >= self.lease_ttl_s / 2:
+            self._lose(f"the lease was last refreshed {age_s:.1f} s ago, over half its {self.lease_ttl_s} s TTL")
+            return False
+        return True
+
+    def resign(self) -> None:
+        """Stop leading now; the lease is revoked in the background (``close`` waits for it).
+
+        Revoking the lease deletes the leader key at once, so a standby's watch fires without
+        waiting for the TTL.
+        """
+        self._info = None
+        if self._keep_alive_task is not None:
+            self._keep_alive_task.cancel()
+            self._keep_alive_task = None
+        lease, self._lease = self._lease, None
+        if lease is None or self._client is None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # no loop to revoke from: the key goes when the lease expires
+        self._revoke_task = loop.create_task(self._revoke(lease.id), name="etcd-revoke")
+
+    def leader(self) -> LeaderInfo | None:
+        if self._info is not None:
+            return self._info
+        return self._seen
+
+    async def close(self) -> None:
+        """Resign if still holding a lease, wait for the revocation (bounded), disconnect."""
+        self.resign()
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+        # The revocation is bounded by request_timeout_s; the cancelled watch ends at once.
+        await asyncio.gather(*(t for t in (self._revoke_task, self._watch_task) if t is not None),
+                             return_exceptions=True)
+        self._watch_task = self._revoke_task = None
+        if self._client is not None:
+            await close_client(self._client, self.request_timeout_s)
+            self._client = None
+
+    # ---- inside ------------------------------------------------------------------------------
+    def _lose(self, reason: str) -> None:
+        if self._info is not None and self._lost_reason is None:
+            self._lost_reason = reason
+            log.error("no longer leading with epoch %d: %s", self._info.epoch, reason)
+
+    async def _try_to_lead(self, record: LeaderInfo) -> int:
+        """One transaction; returns its revision. Sets ``_info`` when this replica won."""
+        client, key = self._client, self.keys.leader
+        tx = client.transactions
+        succeeded, responses = await with_timeout(client.transaction(
+            compare=[tx.create(key) == 0],
+            success=[tx.put(key, encode_leader(record), lease=self._lease.id)],
+            failure=[tx.get(key)]), self.request_timeout_s)
+        if succeeded:
+            # A put that creates a key does so at the transaction's revision: the create revision.
+            epoch = responses[0].response_put.header.revision
+            self._info = LeaderInfo(**{**asdict(record), "epoch": epoch})
+            self._lost_reason = None
+            self._seen = self._info
+            log.info("won the election: epoch %d, lease %x of %d s", epoch, self._lease.id, self.lease_ttl_s)
+            return epoch
+        found = responses[0]
+        if not found:  # deleted between the compare and the read: cannot happen in one txn
+            return 0
+        _, current = found[0]
+        self._seen = decode_leader(current.value, current.create_revision)
+        return current.header.revision
+
+    async def _wait_for_change(self, after_revision: int) -> None:
+        """Until the watch reports a change of the leader key after ``after_revision``, or a TTL."""
+        deadline = self.clock() + self.lease_ttl_s
+        while self._key_revision <= after_revision:
+            remaining_s = deadline - self.clock()
+            if remaining_s <= 0:
+                return
+            self._key_changed.clear()
+            try:
+                await asyncio.wait_for(self._key_changed.wait(), timeout=remaining_s)
+            except TimeoutError:
+                return
+
+    async def _ensure_lease(self) -> None:
+        if self._lease is not None:
+            return
+        if self._keep_alive_task is not None:
+            self._keep_alive_task.cancel()
+        sent_at = self.clock()
+        self._lease = await with_timeout(self._client.lease(self.lease_ttl_s), self.request_timeout_s)
+        self._lease_refreshed_at = sent_at
+        self._keep_alive_task = asyncio.create_task(self._keep_alive(self._lease), name="etcd-keep-alive")
+
+    async def _keep_alive(self, lease) -> None:
+        """Refresh every quarter TTL; a refresh etcd answers with TTL 0 means the lease is gone."""
+        interval_s = self.lease_ttl_s / 4
+        while True:
+            await asyncio.sleep(interval_s)
+            sent_at = self.clock()
+            try:
+                reply = await with_timeout(self._client.refresh_lease(lease.id), self.request_timeout_s)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001  is_leader turns false once refreshes stay away
+                log.warning("lease refresh failed: %s", exc)
+                continue
+            if reply is None or reply.TTL <= 0:
+                self._lose(f"etcd says lease {lease.id:x} expired")
+                if self._lease is lease:
+                    self._lease = None  # a standby campaigns with a new one
+                return
+            self._lease_refreshed_at = sent_at
+
+    async def _watch(self, ready: asyncio.Future) -> None:
+        """Keep ``_seen`` and ``_key_revision`` current; a broken stream is read afresh."""
+        from aetcd.rtypes import EventKind
+
+        key = self.keys.leader
+        while True:
+            try:
+                current = await with_timeout(self._client.get(key), self.request_timeout_s)
+                # get() gives no revision for a missing key: a status read then names the
+                # revision the watch starts after.
+                if current is not None:
+                    revision = current.header.revision
+                    self._seen = self._info or decode_leader(current.value, current.create_revision)
+                else:
+                    revision = (await with_timeout(self._client.get_prefix(self.keys.root, keys_only=True),
+                                               self.request_timeout_s)).header.revision
+                    self._seen = self._info
+                self._note_change(revision)
+                watch = await with_timeout(self._client.watch(key, start_revision=revision + 1), self.request_timeout_s)
+                if not ready.done():
+                    ready.set_result(None)
+                async for event in watch:
+                    kv = event.kv
+                    if event.kind == EventKind.DELETE:
+                        self._seen = None
+                        if self._info is not None:
+                            self._lose("the leader key was deleted")
+                    else:
+                        self._seen = decode_leader(kv.value, kv.create_revision)
+                        if self._info is not None and kv.create_revision != self._info.epoch:
+                            self._lose(f"the leader key was created again at revision {kv.create_revision}")
+                    self._note_change(kv.mod_revision)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001  etcd restarting: read again shortly
+                log.warning("watch of the leader key broke: %s", exc)
+                if not ready.done():
+                    ready.set_exception(exc)
+                    return
+            await asyncio.sleep(min(1.0, self.request_timeout_s))
+
+    def _note_change(self, revision: int) -> None:
+        self._key_revision = max(self._key_revision, revision)
+        self._key_changed.set()
+
+    async def _revoke(self, lease_id: int) -> None:
+        try:
+            await with_timeout(self._client.revoke_lease(lease_id), self.request_timeout_s)
+        except Exception as exc:  # noqa: BLE001  the key then goes when the lease expires
+            # After a lost lease this is the expected answer ("lease not found"): nothing to undo.
+            log.info("lease %x not revoked: %s", lease_id, exc)

@@ -1,0 +1,180 @@
+"""Membership through a real etcd: records under a lease, seen by watchers, malformed ones
+skipped, gone on withdraw, on a clean stop and when the lease runs out; infctl reads the same."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+
+import aetcd
+from typer.testing import CliRunner
+
+from infinite_llm.cli.client import ClusterClient
+from infinite_llm.cli.main import app
+from infinite_llm.daemon.etcd_discovery import EtcdKeys, EtcdMembership, EtcdUnreachable
+from infinite_llm.daemon.membership import Member
+from etcd_testlib import closed_port, etcd  # noqa: F401  (etcd: the fixture)
+
+TTL_S = 2
+
+
+def member(inst_id: int, free: int = 10) -> Member:
+    return Member(inst_id=inst_id, pid=1000 + inst_id, peer_host="10.0.0.1", peer_port=5000 + inst_id, http_port=0,
+                  socket_path=f"/run/i{inst_id}.sock", num_blocks_total=64, num_blocks_free=free, draining=False,
+                  updated_at=time.time())
+
+
+def run(coroutine, timeout_s: float = 30.0):
+    async def bounded():
+        async with asyncio.timeout(timeout_s):
+            return await coroutine
+    return asyncio.run(bounded())
+
+
+async def until(predicate, timeout_s: float, what: str) -> float:
+    """Seconds until ``predicate()`` holds; AssertionError after ``timeout_s``."""
+    started = time.monotonic()
+    while not predicate():
+        if time.monotonic() - started > timeout_s:
+            raise AssertionError(f"{what}: not within {timeout_s} s")
+        await asyncio.sleep(0.05)
+    return time.monotonic() - started
+
+
+def test_publish_watch_withdraw_and_malformed_records(etcd) -> None:
+    prefix = "/m-basic"
+    keys = EtcdKeys(prefix)
+
+    async def scenario():
+        publisher = EtcdMembership(etcd.endpoint, prefix=prefix, lease_ttl_s=TTL_S)
+        reader = EtcdMembership(etcd.endpoint, prefix=prefix, lease_ttl_s=TTL_S)
+        host, port = etcd.endpoint.split(":")
+        raw = aetcd.Client(host=host, port=int(port), timeout=2)
+        try:
+            # Records that are not members: skipped by readers that start before and after them.
+            await raw.put(keys.member(90), b"{half a record")
+            await raw.put(keys.member(91), json.dumps({"inst_id": 91}).encode())
+            await raw.put(keys.member(92), json.dumps(dataclasses.asdict(member(93))).encode())  # key and id disagree
+            await reader.start()
+            await publisher.start()
+            assert reader.members() == {} and reader.leader() is None
+
+            publisher.publish(member(1))
+            await until(lambda: 1 in reader.members(), 5, "member 1 seen")
+            seen = reader.members()
+            assert set(seen) == {1} and dataclasses.replace(seen[1], updated_at=0) == dataclasses.replace(
+                member(1), updated_at=0)
+            kv = await raw.get(keys.member(1))
+            assert kv.lease != 0  # under the publisher's lease
+
+            publisher.publish(member(1, free=3))  # an update replaces the record
+            await until(lambda: reader.members()[1].num_blocks_free == 3, 5, "update seen")
+            await raw.put(keys.member(94), b"[]")  # malformed, arriving through the watch
+            await asyncio.sleep(0.3)
+            assert set(reader.members()) == {1}
+
+            publisher.withdraw(1)
+            await until(lambda: 1 not in reader.members(), 5, "withdrawn")
+            publisher.publish(member(2))
+            await until(lambda: 2 in reader.members(), 5, "member 2 seen")
+            await publisher.close()  # the lease is revoked: the record goes at once
+            await until(lambda: 2 not in reader.members(), 1.5, "gone on close")
+        finally:
+            await publisher.close()
+            await reader.close()
+            await raw.close()
+
+    run(scenario())
+
+
+def test_a_record_expires_with_its_lease(etcd) -> None:
+    """A publisher that stops refreshing (killed) leaves the membership after its TTL."""
+    prefix = "/m-expire"
+
+    async def scenario():
+        publisher = EtcdMembership(etcd.endpoint, prefix=prefix, lease_ttl_s=TTL_S)
+        reader = EtcdMembership(etcd.endpoint, prefix=prefix, lease_ttl_s=TTL_S)
+        try:
+            await reader.start()
+            await publisher.start()
+            publisher.publish(member(7))
+            await until(lambda: 7 in reader.members(), 5, "member 7 seen")
+            for task in publisher._tasks:  # what SIGKILL does to the refreshes
+                task.cancel()
+            gone_s = await until(lambda: 7 not in reader.members(), TTL_S + 2, "expired")
+            assert gone_s < TTL_S + 1.5, gone_s
+        finally:
+            publisher._lease = None  # nothing left to revoke
+            await publisher.close()
+            await reader.close()
+
+    run(scenario())
+
+
+def test_a_publisher_whose_lease_expired_registers_again(etcd) -> None:
+    prefix = "/m-again"
+
+    async def scenario():
+        publisher = EtcdMembership(etcd.endpoint, prefix=prefix, lease_ttl_s=TTL_S)
+        reader = EtcdMembership(etcd.endpoint, prefix=prefix, lease_ttl_s=TTL_S)
+        try:
+            await reader.start()
+            await publisher.start()
+            publisher.publish(member(3))
+            await until(lambda: 3 in reader.members(), 5, "member 3 seen")
+            await publisher._client.revoke_lease(publisher._lease.id)  # as if it expired in a pause
+            await until(lambda: 3 not in reader.members(), 5, "gone with the lease")
+            publisher.publish(member(3))  # the next tick's publish
+            await until(lambda: 3 in reader.members(), 5, "registered again")
+        finally:
+            await publisher.close()
+            await reader.close()
+
+    run(scenario())
+
+
+def test_infctl_finds_the_cluster_in_etcd(etcd) -> None:
+    prefix = "/m-infctl"
+
+    async def publish_one(publisher: EtcdMembership):
+        await publisher.start()
+        publisher.publish(member(4))
+        reader = EtcdMembership(etcd.endpoint, prefix=prefix)
+        await reader.start()
+        await until(lambda: 4 in reader.members(), 5, "member 4 seen")
+        await reader.close()
+
+    loop = asyncio.new_event_loop()
+    publisher = EtcdMembership(etcd.endpoint, prefix=prefix, lease_ttl_s=TTL_S)
+    try:
+        loop.run_until_complete(asyncio.wait_for(publish_one(publisher), 10))
+        client = ClusterClient("/nonexistent", etcd_endpoints=etcd.endpoint, etcd_prefix=prefix)
+        assert set(client.instances()) == {4} and client.instances()[4]["peer_port"] == 5004
+        runner = CliRunner()
+        # No leader: the one-line error names etcd; the instance is listed but its socket is not here.
+        result = runner.invoke(app, ["rebalance", "--etcd", etcd.endpoint, "--etcd-prefix", prefix])
+        assert result.exit_code == 3 and "no gManager leader in etcd at" in result.output, result.output
+        result = runner.invoke(app, ["uncordon", "4"], env={"INFCTL_ETCD": etcd.endpoint,
+                                                           "INFCTL_ETCD_PREFIX": prefix})
+        assert result.exit_code == 3 and "/run/i4.sock does not answer" in result.output, result.output
+    finally:
+        loop.run_until_complete(asyncio.wait_for(publisher.close(), 10))
+        loop.close()
+
+
+def test_unreachable_etcd_is_a_clear_bounded_error() -> None:
+    endpoint = f"127.0.0.1:{closed_port()}"
+    started = time.monotonic()
+    try:
+        run(EtcdMembership(endpoint, request_timeout_s=1.0).start(), 10)
+    except EtcdUnreachable as exc:
+        assert f"no etcd answers within 1 s: {endpoint}" in str(exc)
+    else:
+        raise AssertionError("start() succeeded without an etcd")
+    result = CliRunner().invoke(app, ["status", "--etcd", endpoint])
+    assert result.exit_code == 3 and "no etcd answers within" in result.output and "Traceback" not in result.output
+    result = CliRunner().invoke(app, ["status", "--etcd", "no-port-here"])
+    assert result.exit_code == 1 and "etcd endpoint must be host:port" in result.output
+    assert time.monotonic() - started < 10

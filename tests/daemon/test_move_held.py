@@ -1,0 +1,181 @@
+"""A creditor-to-creditor move on the in-memory transport: the home H moves its segment held by
+D to X (``TransportLender.move_held``; D sends with ``forward_segment``). The whole trace of
+messages is asserted, and each failure leaves H's table as it was."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import torch
+
+from infinite_llm.daemon.ledger import CreditorLedger
+from infinite_llm.daemon.metrics import InstanceMetrics
+from infinite_llm.daemon.peers import PeerDirectory, TransportLender, forward_segment
+from infinite_llm.engine.block_manager import BlockManager, Segment
+from infinite_llm.transport.errors import PlacementRefused
+from infinite_llm.transport.interface import PeerAddress
+from infinite_llm.transport.memory import InMemoryNetwork
+from infinite_llm.transport.messages import (
+    ForwardSegment,
+    FreeSegment,
+    KVBlocks,
+    KVBlocksStored,
+    MoveCommit,
+    MoveRejected,
+    MoveRejectReason,
+    MoveReserved,
+    TryMoveKV,
+)
+
+H, D, X = 1, 2, 3  # cluster ids; the address of instance i is ("memory", i)
+BLOCK_SIZE = 4
+BLOCK_SHAPE = (2, 2, BLOCK_SIZE, 1, 2)  # [num_layers, 2, block_size, num_kv_heads, head_dim]
+
+
+def address(inst_id: int) -> PeerAddress:
+    return PeerAddress("memory", inst_id)
+
+
+class Creditor:
+    """The creditor side of an instance, as ``infinited`` serves it, over a small pool."""
+
+    def __init__(self, network: InMemoryNetwork, inst_id: int, num_blocks: int) -> None:
+        self.pool = torch.zeros(num_blocks, *BLOCK_SHAPE)
+        free = list(range(num_blocks))
+        self.ledger = CreditorLedger(
+            allocate=lambda n: [free.pop(0) for _ in range(n)] if n <= len(free) else None,
+            free=lambda ids: free.extend(ids), reservation_ttl_s=5.0)
+        self.free = free
+        self.transport = network.transport(address(inst_id))
+
+    async def start(self) -> None:
+        await self.transport.start(self.handle, self.place)
+
+    async def handle(self, message):
+        if isinstance(message, TryMoveKV):
+            reservation = self.ledger.reserve(message.home_inst_id, message.req_id, message.num_blocks, 0.0)
+            if reservation is None:
+                return MoveRejected(message.move_id, MoveRejectReason.NO_SPACE, len(self.free))
+            return MoveReserved(message.move_id, reservation.reservation_id, reservation.block_ids, 5000)
+        if isinstance(message, KVBlocks):
+            return KVBlocksStored(message.move_id, message.reservation_id, sum(r.num_blocks for r in message.runs))
+        if isinstance(message, MoveCommit):
+            self.ledger.commit(message.reservation_id, message.home_inst_id, message.req_id, message.segment_id, 0.0)
+            return None
+        if isinstance(message, FreeSegment):
+            self.ledger.free_segment(message.home_inst_id, message.req_id, message.segment_id)
+            return None
+        if isinstance(message, ForwardSegment):
+            return await forward_segment(self.transport, self.ledger, self.pool, message, timeout_s=5.0)
+        raise ValueError(f"not served: {message.TYPE}")
+
+    def place(self, message):
+        if not isinstance(message, KVBlocks):
+            return None
+        reservation = self.ledger.reservations.get(message.reservation_id)
+        if reservation is None:
+            raise PlacementRefused(f"no reservation {message.reservation_id}")
+        return [self.pool[r.dst_block_id:r.dst_block_id + r.num_blocks] for r in message.runs]
+
+
+class Setup:
+    """H's request "7" has tokens 0..7 (blocks 5, 6 of D, segment 0) and 8..11 at home."""
+
+    def __init__(self, x_blocks: int = 8) -> None:
+        self.network = InMemoryNetwork()
+        self.d = Creditor(self.network, D, 8)
+        self.x = Creditor(self.network, X, x_blocks)
+        self.peers = PeerDirectory(H)
+        self.src = self.peers.update(D, address(D), 8, False)
+        self.dst = self.peers.update(X, address(X), x_blocks, False)
+        self.bm = BlockManager(BLOCK_SIZE, [4])
+        self.bm.allocate("7", 12)
+        self.engine = SimpleNamespace(block_manager=self.bm, pools={0: torch.zeros(4, *BLOCK_SHAPE)},
+                                      config=SimpleNamespace(block_size=BLOCK_SIZE), home_instance_id=0)
+        self.home = self.network.transport(address(H))
+        self.lender = TransportLender(self.home, self.peers, InstanceMetrics(), timeout_s=5.0)
+        # D holds the segment: its blocks 5 and 6, filled with recognisable data.
+        for _ in range(5):
+            self.d.free.pop(0)
+        reservation = self.d.ledger.reserve(H, 7, 2, 0.0)
+        self.d.ledger.commit(reservation.reservation_id, H, 7, 0, 0.0)
+        self.d.pool[5], self.d.pool[6] = 1.5, 2.5
+        self.bm.commit_move(self.bm.lend_to_remote("7", self.src.engine_id, (5, 6), num_written=12))
+
+    async def start(self) -> None:
+        await self.d.start()
+        await self.x.start()
+
+        async def serves_nothing(message):
+            raise ValueError("the home serves nothing here")
+        await self.home.start(serves_nothing)
+
+    def types(self) -> list[tuple[int, int, str]]:
+        return [(int(src.rsplit(":", 1)[-1]), int(dst.rsplit(":", 1)[-1]), t) for src, dst, t in self.network.messages()]
+
+
+def test_the_home_moves_a_held_segment_to_another_creditor() -> None:
+    s = Setup()
+
+    async def scenario() -> bool:
+        await s.start()
+        moved = await s.lender.move_held(s.engine, "7", 2, s.src, s.dst, epoch=4)
+        await s.network.settle()
+        return moved
+
+    assert asyncio.run(scenario()) is True
+    assert s.bm.block_table("7") == (Segment(s.dst.engine_id, (0, 1), 0, 8), Segment(0, (2,), 8, 4))
+    assert [(k, len(v.block_ids)) for k, v in s.x.ledger.held.items()] == [((H, 7, 0), 2)]
+    assert torch.all(s.x.pool[0] == 1.5) and torch.all(s.x.pool[1] == 2.5)
+    assert s.d.ledger.held == {} and sorted(s.d.free) == [5, 6, 7]  # 0..4 stand for other work
+    assert s.types() == [
+        (H, X, "try_move_kv"), (X, H, "move_reserved"),
+        (H, D, "forward_segment"), (D, X, "kv_blocks"), (X, D, "kv_blocks_stored"), (D, H, "kv_blocks_stored"),
+        (H, X, "move_commit"), (X, H, "ack"),
+        (H, D, "free_segment")]  # only after the table points at X
+
+
+def test_a_refusal_at_the_destination_changes_nothing() -> None:
+    s = Setup(x_blocks=1)
+    before = s.bm.block_table("7")
+
+    async def scenario() -> bool:
+        await s.start()
+        return await s.lender.move_held(s.engine, "7", 2, s.src, s.dst, epoch=4)
+
+    assert asyncio.run(scenario()) is False
+    assert s.bm.block_table("7") == before
+    assert list(s.d.ledger.held) == [(H, 7, 0)] and s.x.ledger.reservations == {} and s.x.ledger.held == {}
+    assert s.dst.num_blocks_free == 1  # learnt from the refusal
+
+
+def test_a_failed_forward_leaves_the_table_and_the_reservation_expires() -> None:
+    s = Setup()
+    s.d.ledger.held.clear()  # D lost the segment (say, its home went silent for a while)
+    before = s.bm.block_table("7")
+
+    async def scenario() -> bool:
+        await s.start()
+        return await s.lender.move_held(s.engine, "7", 2, s.src, s.dst, epoch=4)
+
+    assert asyncio.run(scenario()) is False
+    assert s.bm.block_table("7") == before
+    assert s.x.ledger.held == {} and len(s.x.ledger.reservations) == 1  # never committed
+    assert len(s.x.ledger.release_expired(now=10.0)) == 1 and sorted(s.x.free) == list(range(8))
+
+
+def test_only_whole_segments_that_fit_move() -> None:
+    s = Setup()
+
+    async def scenario() -> None:
+        await s.start()
+        try:
+            await s.lender.move_held(s.engine, "7", 1, s.src, s.dst, epoch=4)
+        except ValueError as exc:
+            assert "no whole segment of at most 1 blocks" in str(exc)
+        else:
+            raise AssertionError("a move of part of a held segment must be refused")
+
+    asyncio.run(scenario())
+    assert s.network.messages() == []

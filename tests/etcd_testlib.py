@@ -1,0 +1,103 @@
+"""A real etcd server for tests: a private data folder, free loopback ports, killed at the end.
+
+Debian's ``etcd-server`` package gives ``/usr/bin/etcd`` (``make setup`` installs it). Tests
+that need it take the ``etcd`` fixture (import it into the test module); without the binary
+they are skipped with the reason. Every wait here is bounded.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ETCD_BINARY = shutil.which("etcd") or "/usr/bin/etcd"
+START_TIMEOUT_S = 20.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on (taken and released: nobody binds it in between)."""
+    return free_port()
+
+
+class EtcdServer:
+    """One single-member etcd on 127.0.0.1, its data in a temporary folder."""
+
+    def __init__(self, root: Path | None = None) -> None:
+        self.root = Path(root or tempfile.mkdtemp(prefix="infllm-etcd-"))
+        self.data_dir = self.root / "etcd-data"
+        self.log_path = self.root / "etcd.log"
+        self.client_port = free_port()
+        self.peer_port = free_port()
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def endpoint(self) -> str:
+        """``host:port`` of the client API, as the daemons and infctl take it."""
+        return f"127.0.0.1:{self.client_port}"
+
+    def start(self, timeout_s: float = START_TIMEOUT_S) -> "EtcdServer":
+        client_url, peer_url = f"http://127.0.0.1:{self.client_port}", f"http://127.0.0.1:{self.peer_port}"
+        args = [ETCD_BINARY, "--name", "test", "--data-dir", str(self.data_dir),
+                "--listen-client-urls", client_url, "--advertise-client-urls", client_url,
+                "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
+                "--initial-cluster", f"test={peer_url}", "--log-level", "warn"]
+        with open(self.log_path, "w") as log:
+            self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                            start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"etcd exited with {self.process.returncode}: {self.log()}")
+            try:
+                with urllib.request.urlopen(f"{client_url}/health", timeout=1.0) as response:
+                    if b'"true"' in response.read():
+                        return self
+            except OSError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise TimeoutError(f"etcd did not become healthy within {timeout_s} s: {self.log()}")
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text()[-3000:]
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        """SIGTERM, SIGKILL after 5 s; the data folder goes too."""
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(timeout=10)
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def etcd():
+    """A running etcd for the test module; stopped (and its data removed) at the end."""
+    if not os.access(ETCD_BINARY, os.X_OK):
+        pytest.skip("etcd is not installed (apt-get install etcd-server)")
+    server = EtcdServer()
+    try:
+        yield server.start()
+    finally:
+        server.stop()

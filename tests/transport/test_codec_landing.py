@@ -1,0 +1,54 @@
+"""``land_inline`` (the receive path's one pass) does what its three steps do, and refuses alike."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from infinite_llm.transport import codec
+from infinite_llm.transport import messages as m
+from infinite_llm.transport.tensors import allocate, copy_bytes
+
+LIMITS = codec.FrameLimits()
+
+
+def kv_blocks(run_sizes: list[int]) -> m.KVBlocks:
+    runs = tuple(m.BlockRun(dst_block_id=10 * i, num_blocks=n) for i, n in enumerate(run_sizes))
+    data = tuple(torch.randn(n, 2, 4, 8).to(torch.bfloat16) for n in run_sizes)  # [blocks, 2, block, dim]
+    return m.KVBlocks(move_id=1, reservation_id=2, runs=runs, runs_data=data)
+
+
+@pytest.mark.parametrize("inline_limit_bytes", [0, 300, 8192])
+def test_land_inline_matches_the_three_steps(inline_limit_bytes):
+    message = kv_blocks([1, 2, 1])  # 128-byte blocks: some runs inline, some not, by the limit
+    frame = codec.encode(message, msg_id=1, inline_limit_bytes=inline_limit_bytes)
+    header = codec.decode_header(frame.header, LIMITS)
+
+    landed = [allocate(spec, "cpu") for spec in header.specs]
+    views = codec.land_inline(header, landed)
+    stepwise = [allocate(spec, "cpu") for spec in header.specs]
+    codec.check_destinations(header, stepwise)
+    codec.fill_inline(header, stepwise)
+    expected_views = codec.wire_destinations(header, stepwise)
+
+    assert len(views) == len(expected_views) == len(frame.buffers)
+    for view, src in zip(views, frame.buffers, strict=True):
+        copy_bytes(view, src)
+    for view, src in zip(expected_views, frame.buffers, strict=True):
+        copy_bytes(view, src)
+    for got, want, sent in zip(codec.assemble(header, landed).runs_data,
+                               codec.assemble(header, stepwise).runs_data, message.runs_data, strict=True):
+        assert torch.equal(got, want) and torch.equal(got, sent)
+
+
+def test_land_inline_refuses_what_check_destinations_refuses():
+    frame = codec.encode(kv_blocks([2, 1]), msg_id=1, inline_limit_bytes=0)
+    header = codec.decode_header(frame.header, LIMITS)
+    right = [allocate(spec, "cpu") for spec in header.specs]
+    with pytest.raises(ValueError, match="destinations for"):
+        codec.land_inline(header, right[:1])
+    with pytest.raises(ValueError, match="bytes for"):
+        codec.land_inline(header, [right[0], torch.empty(3, dtype=torch.uint8)])
+    strided = torch.empty(2, 2, 4, 16, dtype=torch.bfloat16)[..., :8]  # right size, not contiguous
+    with pytest.raises(ValueError, match="contiguous"):
+        codec.land_inline(header, [strided, right[1]])
