@@ -58,12 +58,16 @@ def histogram_means(cluster: LocalCluster) -> dict[int, dict[str, float]]:
             if name in ("infllm_remote_attention_seconds_sum", "infllm_remote_attention_seconds_count",
                         "infllm_attend_serve_seconds_sum", "infllm_attend_serve_seconds_count"):
                 values[name] = float(value)
+            elif name.startswith("infllm_remote_attention_seconds_bucket"):
+                values.setdefault("remote_attention_buckets", {})[name.split('le="')[1].rstrip('"}')] = int(float(value))
         row = {}
         for key in ("remote_attention", "attend_serve"):
             count = values.get(f"infllm_{key}_seconds_count", 0.0)
             if count:
                 row[f"{key}_mean_s"] = values[f"infllm_{key}_seconds_sum"] / count
                 row[f"{key}_count"] = int(count)
+        if "remote_attention_buckets" in values:
+            row["remote_attention_cumulative_buckets"] = values["remote_attention_buckets"]
         means[inst.inst_id] = row
     return means
 
@@ -79,7 +83,7 @@ def run_request(cluster: LocalCluster, prompt: str, new_tokens: int, placements:
 
 
 def split_case(num_instances: int, context_blocks: int, prompt: str, new_tokens: int, device: str,
-               extra_args: list[str]) -> dict:
+               extra_args: list[str], profile_dir: Path | None = None) -> dict:
     share = math.ceil(context_blocks / num_instances)
     if num_instances == 1:
         pools = [context_blocks + 64]
@@ -87,8 +91,9 @@ def split_case(num_instances: int, context_blocks: int, prompt: str, new_tokens:
         # The home keeps about one share (plus room for a prefill chunk); each creditor takes a share.
         pools = [share + 10] + [share + 4] * (num_instances - 1)
     with tempfile.TemporaryDirectory(prefix="infllm-bench-") as root:
+        extra_env = {"INFLLM_PROFILE_DIR": str(profile_dir)} if profile_dir else None
         cluster = LocalCluster(Path(root), num_instances, pools[0], device=device, pool_blocks_per_instance=pools,
-                               extra_args=extra_args)
+                               extra_args=extra_args, extra_env=extra_env)
         try:
             cluster.wait_ready()
             run_request(cluster, prompt, 4, [])  # warm-up
@@ -174,6 +179,11 @@ def main() -> None:
     parser.add_argument("--context-items", type=int, default=130, help="passkey items (about 15 tokens each)")
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--profile-dir", type=Path, default=None,
+                        help="profile the daemons of the two-instance case (cProfile) and print where time goes")
+    parser.add_argument("--peer-spin-s", type=float, default=500e-6, help="the instances' --peer-spin-s")
+    parser.add_argument("--mps", action="store_true",
+                        help="record that the processes share the GPU through CUDA MPS (started by the caller)")
     parser.add_argument("--model", default=None,
                         help="GGUF file or Hugging Face folder (default: the embedded SmolLM2-135M)")
     args = parser.parse_args()
@@ -184,16 +194,23 @@ def main() -> None:
     # Tokens are about 15 per item plus the question; blocks with room for the output.
     context_blocks = math.ceil((15 * args.context_items + 40 + args.new_tokens) / BLOCK_SIZE)
 
-    extra_args = ["--model", args.model] if args.model else []
-    splits = [split_case(n, context_blocks, prompt, args.new_tokens, args.device, extra_args) for n in (1, 2, 3)]
+    extra_args = (["--model", args.model] if args.model else []) + ["--peer-spin-s", str(args.peer_spin_s)]
+    splits = [split_case(n, context_blocks, prompt, args.new_tokens, args.device, extra_args,
+                         args.profile_dir if n == 2 else None) for n in (1, 2, 3)]
+    if args.profile_dir:
+        import pstats
+
+        for path in sorted(args.profile_dir.glob("infinited-*.prof")):
+            print(f"--- {path.name}, by own time")
+            pstats.Stats(str(path)).sort_stats("tottime").print_stats(22)
     for row in splits:
         row["vs_one_instance"] = row["decode_tokens_per_s"] / splits[0]["decode_tokens_per_s"]
     moves = [move_case(context_blocks, prompt, args.new_tokens, k, args.device, extra_args) for k in (1, 2)]
 
     gpu = torch.cuda.get_device_name().replace(" ", "-") if args.device.startswith("cuda") else "cpu"
     report = {"device": gpu, "machine": platform.node(), "torch": torch.__version__, "model": args.model or "SmolLM2-135M-Instruct",
-              "context_blocks": context_blocks, "new_tokens": args.new_tokens, "splits": splits, "moves": moves}
-    suffix = f"-{Path(args.model).name}" if args.model else ""
+              "cuda_mps": args.mps, "peer_spin_s": args.peer_spin_s, "context_blocks": context_blocks, "new_tokens": args.new_tokens, "splits": splits, "moves": moves}
+    suffix = (f"-{Path(args.model).name}" if args.model else "") + ("-mps" if args.mps else "") + (f"-spin{args.peer_spin_s:g}" if args.peer_spin_s != 500e-6 else "")
     out = Path(args.out_dir) / f"daemon-{gpu}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")

@@ -54,6 +54,9 @@ class InstanceConfig:
     max_num_batched_tokens: int = 512  # tokens per step: the prefill chunk
     peer_host: str = "127.0.0.1"  # UCX listener, for other instances
     peer_port: int = 0  # 0: any free port (reported in the heartbeat)
+    # How long a wait on a peer spins (progressing UCX) before it sleeps on the worker's event
+    # fd, s: a reply that comes within it is seen at once, at the cost of a busy core meanwhile.
+    peer_spin_s: float = 500e-6
     http_host: str = "127.0.0.1"  # OpenAI-compatible API and /metrics
     http_port: int | None = 8000  # 0: any free port; None: no TCP API
     socket_path: Path = Path("/run/infinite-llm/infinited.sock")  # local admin API
@@ -85,6 +88,8 @@ class InstanceConfig:
         _check_int("max_num_seqs", self.max_num_seqs, minimum=1)
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, minimum=self.block_size)
         _check_int("peer_port", self.peer_port, minimum=0, maximum=65535)
+        if isinstance(self.peer_spin_s, bool) or not isinstance(self.peer_spin_s, (int, float)) or not 0 <= self.peer_spin_s <= 1:
+            raise ConfigError(f"peer_spin_s must be a number of seconds in [0, 1], got {self.peer_spin_s!r}")
         if self.http_port is not None:
             _check_int("http_port", self.http_port, minimum=0, maximum=65535)
         if self.served_model_name is not None and (not isinstance(self.served_model_name, str) or not self.served_model_name):

@@ -171,7 +171,7 @@ class InstanceDaemon:
         if pool_blocks < 1:
             raise ValueError(f"kv_pool_bytes {c.kv_pool_bytes} holds no block of {block_bytes} bytes")
         self.transport = UcxTransport(TransportConfig(
-            host=c.peer_host, port=c.peer_port, connect_timeout_s=c.timeouts.connect_s,
+            host=c.peer_host, port=c.peer_port, spin_s=c.peer_spin_s, connect_timeout_s=c.timeouts.connect_s,
             request_timeout_s=c.timeouts.peer_request_s, receive_device=c.device if device.type == "cuda" else "cpu"))
         self.remote = TransportRemoteAttention(self.transport, self.peers, c.block_size, self.metrics,
                                                c.timeouts.peer_request_s)

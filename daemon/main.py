@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
 import logging
 import os
 import sys
+from pathlib import Path
 
 from .config import ConfigError, load_config
 from .instance import InstanceDaemon
@@ -27,6 +29,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict]
     parser.add_argument("--max-num-batched-tokens", type=int, dest="max_num_batched_tokens")
     parser.add_argument("--peer-host", dest="peer_host")
     parser.add_argument("--peer-port", type=int, dest="peer_port")
+    parser.add_argument("--peer-spin-s", type=float, dest="peer_spin_s",
+                        help="how long a wait on a peer spins before it sleeps, s (default 0.0005)")
     parser.add_argument("--http-host", dest="http_host")
     parser.add_argument("--http-port", type=int, dest="http_port")
     parser.add_argument("--socket-path", dest="socket_path")
@@ -60,7 +64,13 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:  # uvloop is an optimisation; asyncio's loop serves too
         uvloop = None
     daemon = InstanceDaemon(config)
+    # INFLLM_PROFILE_DIR: profile the daemon's thread (cProfile) and write
+    # <dir>/infinited-<instance>.prof at a clean stop, to see where a step's time goes in place.
+    profile_dir = os.environ.get("INFLLM_PROFILE_DIR")
+    profiler = cProfile.Profile() if profile_dir else None
     try:
+        if profiler is not None:
+            profiler.enable()
         if uvloop is not None:
             uvloop.run(daemon.run())
         else:
@@ -68,6 +78,11 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError, ConnectionError) as exc:  # ConnectionError: etcd unreachable
         print(f"infinited: {exc}", file=sys.stderr)
         return 1
+    finally:
+        if profiler is not None:
+            profiler.disable()
+            Path(profile_dir).mkdir(parents=True, exist_ok=True)
+            profiler.dump_stats(str(Path(profile_dir) / f"infinited-{config.instance_id}.prof"))
     return 0
 
 
