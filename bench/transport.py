@@ -5,8 +5,9 @@ Two processes (this one and a server it starts). Measured side by side in one ru
 - bandwidth of one-buffer ``KVBlocks`` messages of 64 KiB .. 64 MiB, received straight into a
   pool on the server, several in flight; anchor: a plain copy of the same bytes in this
   process (host memcpy, or device-to-device on the GPU), bytes counted once;
-- a batch of N KV blocks sent as N runs (scattered destinations) against one contiguous run
-  of the same bytes;
+- a batch of N KV blocks scattered over the source pool, moved as the daemons move them
+  (gathered into one buffer for a contiguous reservation), against one contiguous run of the
+  same bytes; and N runs into scattered destinations (the worst case);
 - round trip of a 1 KiB ``Echo`` (p50, p99).
 
 Bare ucxx anchors run in a second pair of processes (ucxx in ``polling`` mode, its lowest
@@ -46,6 +47,7 @@ import ucxx  # noqa: E402
 from infinite_llm.transport import messages as m  # noqa: E402
 from infinite_llm.transport.codec import FrameLimits  # noqa: E402
 from infinite_llm.transport.interface import PeerAddress, TransportConfig  # noqa: E402
+from infinite_llm.transport.kv_packing import pack_kv_runs  # noqa: E402
 from infinite_llm.transport.ucx import UcxTransport  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -86,21 +88,24 @@ async def serve(device: str, inline_cuda_limit_bytes: int | None = None) -> None
     await asyncio.sleep(3600)
 
 
-def _has_uvloop() -> bool:
+def event_loop_name() -> str:
+    """uvloop where installed, as the daemons run, unless INFLLM_BENCH_LOOP=asyncio (inherited
+    by the benchmark's other processes)."""
+    if os.environ.get("INFLLM_BENCH_LOOP", "uvloop") == "asyncio":
+        return "asyncio"
     try:
         import uvloop  # noqa: F401
     except ImportError:
-        return False
-    return True
+        return "asyncio"
+    return "uvloop"
 
 
 def run_loop(coroutine):
-    """Run on uvloop where it is installed, as the daemons do (both the layer and bare ucxx)."""
-    try:
+    if event_loop_name() == "uvloop":
         import uvloop
-    except ImportError:
-        return asyncio.run(coroutine)
-    return uvloop.run(coroutine)
+
+        return uvloop.run(coroutine)
+    return asyncio.run(coroutine)
 
 
 def limits_with(inline_cuda_limit_bytes: int | None) -> FrameLimits:
@@ -243,9 +248,10 @@ def copy_bandwidth(nbytes: int, device: str, repeats: int) -> float:
 
 
 async def send_blocks(transport: UcxTransport, server: PeerAddress, runs_list, data_list,
-                      num_messages: int, window: int) -> float:
+                      num_messages: int, window: int, pack=None) -> float:
     """Seconds to send ``num_messages`` KVBlocks (cycling over the given ones), ``window`` at
-    a time in flight."""
+    a time in flight. ``pack``: builds each message's (runs, buffers) instead, as a move does
+    (its gather is part of the time)."""
     next_index = 0
 
     async def worker() -> None:
@@ -254,8 +260,8 @@ async def send_blocks(transport: UcxTransport, server: PeerAddress, runs_list, d
             i = next_index
             next_index += 1
             k = i % len(runs_list)
-            await transport.request(server, m.KVBlocks(i, 1, runs_list[k], data_list[k]),
-                                    timeout_s=60)
+            runs, data = pack() if pack is not None else (runs_list[k], data_list[k])
+            await transport.request(server, m.KVBlocks(i, 1, runs, data), timeout_s=60)
 
     t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(window)))
@@ -284,22 +290,32 @@ async def measure_bandwidth(transport, server, device, nbytes: int, window: int)
 
 async def measure_block_batch(transport, server, device, num_blocks: int, block_nbytes: int,
                               window: int) -> dict:
-    """N blocks as N runs into every other destination block, against one contiguous run."""
-    blocks = torch.randint(0, 255, (num_blocks, block_nbytes), dtype=torch.uint8, device=device)
+    """N KV blocks scattered over the source pool, moved as a move does (gathered on the
+    sender into one buffer for a contiguous reservation: ``pack_kv_runs``), against the same
+    bytes already contiguous; and the worst case, N runs into N scattered destinations."""
+    source_pool = torch.randint(0, 255, (4 * num_blocks, block_nbytes), dtype=torch.uint8, device=device)
+    scattered_ids = torch.randperm(4 * num_blocks)[:num_blocks].tolist()
+    contiguous_runs, contiguous_data = (m.BlockRun(0, num_blocks),), (source_pool[:num_blocks],)
     scattered_runs = tuple(m.BlockRun(2 * i, 1) for i in range(num_blocks))
-    scattered_data = tuple(blocks[i:i + 1] for i in range(num_blocks))
-    contiguous_runs, contiguous_data = (m.BlockRun(0, num_blocks),), (blocks,)
+    scattered_data = tuple(source_pool[b:b + 1] for b in scattered_ids)
+
+    def gather():
+        return pack_kv_runs(source_pool, scattered_ids, list(range(num_blocks)))
+
     num_messages = max(8, min(200, (512 * MiB) // (num_blocks * block_nbytes)))
     results = {}
-    for name, runs, data in (("contiguous", contiguous_runs, contiguous_data),
-                             ("scattered", scattered_runs, scattered_data)):
-        await send_blocks(transport, server, [runs], [data], 4, window)
-        seconds = await send_blocks(transport, server, [runs], [data], num_messages, window)
+    for name, runs, data, pack in (("contiguous", contiguous_runs, contiguous_data, None),
+                                   ("gathered", None, None, gather),
+                                   ("scattered", scattered_runs, scattered_data, None)):
+        await send_blocks(transport, server, [runs], [data], 4, window, pack)
+        seconds = await send_blocks(transport, server, [runs], [data], num_messages, window, pack)
         results[name] = num_blocks * block_nbytes * num_messages / seconds
     return {"num_blocks": num_blocks, "block_nbytes": block_nbytes, "messages": num_messages,
             "window": window, "contiguous_bytes_per_s": results["contiguous"],
+            "gathered_bytes_per_s": results["gathered"],
             "scattered_bytes_per_s": results["scattered"],
-            "ratio": results["scattered"] / results["contiguous"]}
+            "ratio": results["gathered"] / results["contiguous"],
+            "scattered_destinations_ratio": results["scattered"] / results["contiguous"]}
 
 
 def percentiles(samples: list[float]) -> dict:
@@ -408,9 +424,10 @@ def print_table(results: dict) -> None:
               f"{row['copy_bytes_per_s'] / 1e9:>10.2f} {row['ratio']:>6.2f} "
               f"{row['bare_ratio']:>9.2f} {row['ratio_to_bare']:>6.2f}")
     b = results["block_batch"]
-    print(f"{b['num_blocks']} blocks x {b['block_nbytes'] // KiB} KiB: scattered "
-          f"{b['scattered_bytes_per_s'] / 1e9:.2f} GB/s, contiguous "
-          f"{b['contiguous_bytes_per_s'] / 1e9:.2f} GB/s, ratio {b['ratio']:.2f}")
+    print(f"{b['num_blocks']} scattered blocks x {b['block_nbytes'] // KiB} KiB: gathered into one buffer "
+          f"{b['gathered_bytes_per_s'] / 1e9:.2f} GB/s, already contiguous "
+          f"{b['contiguous_bytes_per_s'] / 1e9:.2f} GB/s, ratio {b['ratio']:.2f}; "
+          f"into scattered destinations {b['scattered_destinations_ratio']:.2f}")
     r = results["round_trip"]
     print(f"1 KiB round trip: layer p50 {r['layer']['p50_us']:.1f} us p99 "
           f"{r['layer']['p99_us']:.1f} us; bare ucxx p50 {r['bare_ucxx']['p50_us']:.1f} us "
@@ -431,9 +448,13 @@ def main() -> None:
     parser.add_argument("--block-nbytes", type=int, default=64 * KiB)
     parser.add_argument("--round-trips", type=int, default=2000)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--loop", choices=["uvloop", "asyncio"], default=None,
+                        help="event loop of every process (default: uvloop where installed)")
     parser.add_argument("--inline-cuda-limit", type=int, default=-1,
                         help="(server) device bytes staged through the host; -1: the default")
     args = parser.parse_args()
+    if args.loop:
+        os.environ["INFLLM_BENCH_LOOP"] = args.loop
     torch.set_num_threads(1)  # one core per process: two processes share the host
     if args.role == "server":
         run_loop(serve(args.device, None if args.inline_cuda_limit < 0 else args.inline_cuda_limit))
@@ -452,10 +473,11 @@ def main() -> None:
         "ucxx": ucxx.__version__, "ucx": ".".join(map(str, ucxx.get_ucx_version())),
         "UCX_TLS": os.environ.get("UCX_TLS", "(UCX default)"),
         "layer_spin_s": TransportConfig().spin_s, "bare_progress_mode": "polling",
-        "event_loop": "uvloop" if _has_uvloop() else "asyncio",
+        "event_loop": event_loop_name(),
         "window": args.window, **results,
     }
-    out = args.out or Path(__file__).parent / "results" / f"transport-{name}.json"
+    suffix = "-asyncio" if args.loop == "asyncio" else ""
+    out = args.out or Path(__file__).parent / "results" / f"transport-{name}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {out}")

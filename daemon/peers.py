@@ -28,14 +28,13 @@ from infinite_llm.engine.block_manager import OutOfBlocks, Segment
 from infinite_llm.engine.dist_attention import AttendBatch, RemoteAttention
 from infinite_llm.engine.engine import LLMEngine
 from infinite_llm.kernels import AttentionState
-from infinite_llm.transport.block_runs import coalesce_runs
 from infinite_llm.transport.errors import TransportError
 from infinite_llm.transport.interface import PeerAddress, Transport
+from infinite_llm.transport.kv_packing import pack_kv_runs
 from infinite_llm.transport.messages import (
     AttendRequest,
     AttendResult,
     AttendSlice,
-    BlockRun,
     ForwardSegment,
     FreeSegment,
     KVBlocks,
@@ -219,11 +218,10 @@ class TransportLender:
             return False
         segment_id = move.token_start // engine.config.block_size
         try:
-            runs = coalesce_runs(move.src_block_ids, move.dst_block_ids)
-            # A run is consecutive on both sides: its buffer is a view of the home pool, no copy.
-            data = tuple(pool[r.src_block_id:r.src_block_id + r.num_blocks] for r in runs)
-            stored = await self.transport.request(peer.address, KVBlocks(
-                move_id, reply.reservation_id, tuple(BlockRun(r.dst_block_id, r.num_blocks) for r in runs), data),
+            # One buffer per run of consecutive destination blocks (the reservation is contiguous
+            # where the peer's pool allows): a view of the home pool, or a gather of its blocks.
+            runs, data = pack_kv_runs(pool, move.src_block_ids, move.dst_block_ids)
+            stored = await self.transport.request(peer.address, KVBlocks(move_id, reply.reservation_id, runs, data),
                 timeout_s=self.timeout_s)
             if not isinstance(stored, KVBlocksStored) or stored.num_blocks != num_blocks:
                 raise RuntimeError(f"instance {peer.inst_id} stored {stored!r}")
@@ -353,12 +351,9 @@ async def forward_segment(transport: Transport, ledger: CreditorLedger, pool: to
     if len(message.dst_block_ids) != len(segment.block_ids):
         raise ValueError(f"segment {message.segment_id} of request {message.req_id} has {len(segment.block_ids)} "
                          f"blocks here, {len(message.dst_block_ids)} were reserved")
-    runs = coalesce_runs(segment.block_ids, message.dst_block_ids)
-    # A run is consecutive on both sides: its buffer is a view of this pool, no copy.
-    data = tuple(pool[r.src_block_id:r.src_block_id + r.num_blocks] for r in runs)
-    stored = await transport.request(PeerAddress(message.dst_host, message.dst_port), KVBlocks(
-        message.move_id, message.reservation_id, tuple(BlockRun(r.dst_block_id, r.num_blocks) for r in runs), data),
-        timeout_s=timeout_s)
+    runs, data = pack_kv_runs(pool, segment.block_ids, message.dst_block_ids)
+    stored = await transport.request(PeerAddress(message.dst_host, message.dst_port),
+                                     KVBlocks(message.move_id, message.reservation_id, runs, data), timeout_s=timeout_s)
     if not isinstance(stored, KVBlocksStored):
         raise RuntimeError(f"instance {message.dst_inst_id} answered the blocks with {type(stored).__name__}")
     ledger.heard_from(message.home_inst_id, time.monotonic())

@@ -81,6 +81,26 @@ class BlockAllocator:
         self._used.update(ids)
         return ids
 
+    def allocate_contiguous(self, num_blocks: int) -> list[int]:
+        """``num_blocks`` consecutive ids (the lowest such run) where the free list has one,
+        else the lowest free ids: a peer's data then lands as one run (one message)."""
+        if num_blocks > len(self._free):
+            raise OutOfBlocks(
+                f"instance {self.instance_id} has {len(self._free)} free blocks, {num_blocks} were asked for"
+            )
+        free = sorted(self._free)
+        start = 0
+        for i in range(1, len(free) + 1):
+            if i - start == num_blocks:
+                ids = free[start:i]
+                chosen = set(ids)
+                self._free = [b for b in free if b not in chosen]  # sorted: still a heap
+                self._used.update(ids)
+                return ids
+            if i < len(free) and free[i] != free[i - 1] + 1:
+                start = i
+        return self.allocate(num_blocks)
+
     def free(self, block_ids: Iterable[int]) -> None:
         for block_id in block_ids:
             if block_id not in self._used:
@@ -186,7 +206,7 @@ class BlockManager:
         allocator = self._allocator(self.home_instance_id)
         if num_blocks > allocator.num_free:
             return None
-        return allocator.allocate(num_blocks)
+        return allocator.allocate_contiguous(num_blocks)
 
     def release_home_blocks(self, block_ids: Iterable[int]) -> None:
         """Give back blocks taken with :meth:`reserve_home_blocks`."""

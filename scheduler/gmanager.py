@@ -252,6 +252,9 @@ class GManagerConfig:
     creditor_max_used_fraction: float = 0.9  # an instance with less memory in use may take KV
     max_moves_per_round: int = 16
     move_timeout_s: float = 60.0  # a MoveKV is answered once committed at a step boundary, s
+    # Connecting to an instance, s: an instance answers a connection between engine steps, and
+    # one CPU prefill step can last over a second.
+    connect_timeout_s: float = 5.0
     num_creditor_hints: int = 3  # creditors named in each heartbeat reply
     election_poll_s: float = 0.2  # how often a standby retries for leadership, s
     etcd_endpoints: tuple[str, ...] = ()  # host:port of etcd: election and membership there; empty: state_dir
@@ -260,7 +263,7 @@ class GManagerConfig:
     etcd_request_s: float = 2.0  # one request to etcd, the first connection included, s
 
     def __post_init__(self) -> None:
-        for name in ("heartbeat_interval_s", "plan_interval_s", "move_timeout_s", "election_poll_s",
+        for name in ("heartbeat_interval_s", "plan_interval_s", "move_timeout_s", "connect_timeout_s", "election_poll_s",
                      "etcd_request_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
@@ -441,6 +444,7 @@ class GManager:
         from infinite_llm.transport.ucx import UcxTransport
 
         self.transport = UcxTransport(TransportConfig(host=self.config.peer_host, port=self.config.peer_port,
+                                                      connect_timeout_s=self.config.connect_timeout_s,
                                                       request_timeout_s=self.config.move_timeout_s))
         await self.transport.start(self.handle)
 
