@@ -182,39 +182,58 @@ def cluster_throughput(model: PerfModel, batch, layer_time_s) -> float:
 
 @dataclass(frozen=True)
 class TensorParallelModel:
-    """One instance spread over ``degree`` GPUs by tensor parallelism (the vLLM-single baseline).
+    """One instance spread over ``degree`` GPUs by tensor parallelism (the vLLM baselines).
 
-    Dense layers split their matmuls ``degree`` ways and pay two all-reduces of the
+    Dense layers split their matmuls ``degree`` ways, except ``unsplit_dense_s`` per layer that
+    every GPU pays whatever the degree (kernel launches and the host's work per layer: on an
+    eager engine most of a small batch's dense time), and pay two all-reduces of the
     activations per layer (attention output, MLP output). Attention splits by KV head, so it
     stops scaling at ``num_kv_heads``; beyond it the KV heads are replicated, which also
     multiplies the KV memory per token by ``degree / num_kv_heads``.
+
+    An all-reduce costs ``steps * allreduce_latency_s`` plus the ring's bandwidth term
+    ``2 (degree - 1) / degree * bytes / link_bytes_per_s``; ``steps`` is the fewer of a
+    ring's ``2 (degree - 1)`` and a tree's ``2 ceil(log2 degree)`` (NCCL takes a tree for
+    small messages across nodes).
     """
 
     num_kv_heads: int
     hidden_size: int
     activation_bytes: int = 2  # bf16
-    allreduce_latency_s: float = 10e-6  # per all-reduce step (ring: 2 * (degree - 1) steps)
+    allreduce_latency_s: float = 10e-6  # per all-reduce step
     link_bytes_per_s: float = 100e9  # per-GPU link bandwidth of the all-reduce
+    unsplit_dense_s: float = 0.0  # per layer, paid by every GPU at any degree
+
+    def __post_init__(self) -> None:
+        if self.num_kv_heads <= 0 or self.unsplit_dense_s < 0 or self.allreduce_latency_s < 0:
+            raise ValueError("num_kv_heads must be positive; unsplit_dense_s and allreduce_latency_s >= 0")
 
     def kv_replication(self, degree: int) -> float:
         """How many copies of each KV head the ``degree`` GPUs hold."""
         return max(1.0, degree / self.num_kv_heads)
 
-    def layer_time(self, model: PerfModel, degree: int, batch, tokens):
-        """Per-layer step time (s) at ``batch`` requests reading ``tokens`` KV tokens in total."""
+    def allreduce_time(self, degree: int, batch):
+        """Seconds of one all-reduce of ``batch`` activation rows over ``degree`` GPUs."""
+        if degree <= 1:
+            return np.zeros_like(np.asarray(batch, dtype=np.float64))
+        message_bytes = np.asarray(batch, dtype=np.float64) * self.hidden_size * self.activation_bytes
+        steps = min(2 * (degree - 1), 2 * math.ceil(math.log2(degree)))
+        return steps * self.allreduce_latency_s + 2 * (degree - 1) / degree * message_bytes / self.link_bytes_per_s
+
+    def dense_time(self, model: PerfModel, degree: int, batch):
+        """Per-layer non-attention time (s) of one GPU of the ``degree``, all-reduces included."""
         if degree < 1:
             raise ValueError(f"degree must be >= 1, got {degree}")
-        batch = np.asarray(batch, dtype=np.float64)
-        dense = model.dense_time(batch) / degree
-        attention = model.attention_time(tokens) / min(degree, self.num_kv_heads)
+        dense = model.dense_time(batch)
         if degree == 1:
-            return dense + attention
-        message_bytes = batch * self.hidden_size * self.activation_bytes
-        ring_steps = 2 * (degree - 1)
-        allreduce = ring_steps * self.allreduce_latency_s + (
-            2 * (degree - 1) / degree * message_bytes / self.link_bytes_per_s
-        )
-        return dense + attention + 2 * allreduce
+            return dense
+        unsplit = np.minimum(self.unsplit_dense_s, dense)
+        return unsplit + (dense - unsplit) / degree + 2 * self.allreduce_time(degree, batch)
+
+    def layer_time(self, model: PerfModel, degree: int, batch, tokens):
+        """Per-layer step time (s) at ``batch`` requests reading ``tokens`` KV tokens in total."""
+        attention = model.attention_time(tokens) / min(degree, self.num_kv_heads)
+        return self.dense_time(model, degree, batch) + attention
 
 
 # -- fitting ---------------------------------------------------------------------------------

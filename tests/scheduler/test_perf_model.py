@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from infinite_llm.scheduler.calibrate import KernelLayerProbe, LayerShape, measure_grid
+from infinite_llm.scheduler.calibrate import KernelLayerProbe, LayerShape, holdout_spread, measure_grid, sample_grid
 from infinite_llm.scheduler.perf_model import (
     Measurement,
     PerfModel,
@@ -108,11 +108,72 @@ def test_save_and_load_round_trip(tmp_path):
 
 def test_kernel_probe_measures_a_tiny_layer_and_feeds_the_fit():
     shape = LayerShape("tiny", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128)
-    probe = KernelLayerProbe(shape, torch.device("cpu"), torch.float32, max_tokens=8 * 300, repeats=2)
-    points = measure_grid(probe.measure_step, (1, 2, 4, 8), (32, 256), rounds=1)
+    probe = KernelLayerProbe(shape, torch.device("cpu"), torch.float32, max_tokens=8 * 2100, repeats=2)
+    # Contexts far apart and three sweeps: on a busy machine a single sweep of a tiny layer can
+    # bury the attention term in noise.
+    points = measure_grid(probe.measure_step, (1, 2, 4, 8), (32, 2048), rounds=3)
     assert len(points) == 8 and all(p.step_s > 0 for p in points)
     model, report = fit(points, shape.num_layers)
     assert model.num_layers == 2 and np.isfinite(report.holdout_mape_pct)
     assert probe.measure_remote_overhead(batch=2) > 0
     with pytest.raises(ValueError, match="do not fit"):
         probe.measure_step(64, 4096)
+
+
+def test_tensor_parallel_keeps_the_unsplit_dense_time_and_takes_a_tree_all_reduce():
+    m = PerfModel(num_layers=1, dense_fixed_s=300e-6, dense_per_seq_s=0.0, attn_s_per_token=0.0)
+    tp = TensorParallelModel(num_kv_heads=8, hidden_size=1, allreduce_latency_s=1e-6, link_bytes_per_s=1e30, unsplit_dense_s=200e-6)
+    # 200 us on every GPU, the other 100 us split 4 ways; a tree of 2 * log2(4) = 4 steps per all-reduce.
+    assert float(tp.dense_time(m, 4, 1)) == pytest.approx(200e-6 + 25e-6 + 2 * 4e-6)
+    # 32 GPUs: 10 tree steps rather than a ring's 62.
+    assert float(tp.allreduce_time(32, 1)) == pytest.approx(10e-6)
+    assert float(tp.allreduce_time(2, 1)) == pytest.approx(2e-6)
+    assert float(tp.dense_time(m, 1, 1)) == pytest.approx(300e-6)
+    with pytest.raises(ValueError, match="degree"):
+        tp.dense_time(m, 0, 1)
+
+
+def test_fit_finds_the_cheaper_single_sequence_path_as_a_dense_knee():
+    # The CPU runs one sequence through a fused kernel and a batch through one padded matmul
+    # that costs more per step: the step from batch 1 to 2 is steeper than the rest.
+    base = PerfModel(30, 2e-4, 5e-5, 1e-7, dense_knee_batch=2, dense_per_seq_above_knee_s=-4e-5)
+    model, report = fit(synthetic(base), 30)
+    assert model.dense_knee_batch == 2 and report.holdout_mape_pct < 1e-6
+
+
+def fake_step(noisy_first: dict, calls: list):
+    """A step whose time is batch * context ns; the first samples of some points are slowed."""
+
+    def measure(batch, context):
+        calls.append((batch, context))
+        seen = calls.count((batch, context))
+        slow = noisy_first.get((batch, context), 0)
+        return batch * context * 1e-9 * (1.5 + 0.1 * seen if seen <= slow else 1.0)
+
+    return measure
+
+
+def test_sample_grid_resamples_only_unsettled_points_and_keeps_the_fastest():
+    calls = []
+    # (2, 64): its first three samples are slow; every other point is exact from the start.
+    grid = sample_grid(fake_step({(2, 64): 3}, calls), (1, 2), (32, 64), rounds=2, settle_pct=1.0, max_rounds=10)
+    assert calls.count((2, 64)) == 5 and calls.count((1, 32)) == 2
+    assert grid.num_rounds == 5
+    assert {(m.batch, m.context): m.step_s for m in grid.best()}[(2, 64)] == pytest.approx(128e-9)
+    assert grid.spread_pct((2, 64)) == pytest.approx(0.0)
+    # Without settling, a fixed number of sweeps whatever the spread.
+    calls.clear()
+    grid = sample_grid(fake_step({(2, 64): 3}, calls), (1, 2), (32, 64), rounds=2)
+    assert grid.num_rounds == 2 and len(calls) == 8 and grid.spread_pct((2, 64)) > 1.0
+    # A point that never settles stops at max_rounds.
+    calls.clear()
+    grid = sample_grid(fake_step({(1, 32): 100}, calls), (1, 2), (32, 64), rounds=2, settle_pct=1.0, max_rounds=4)
+    assert grid.num_rounds == 4 and calls.count((1, 32)) == 4 and grid.noise_pct() == pytest.approx(0.0)
+    with pytest.raises(ValueError, match="round"):
+        sample_grid(fake_step({}, []), (1,), (1,), rounds=1, settle_pct=1.0)
+
+
+def test_holdout_spread_over_random_splits():
+    spread = holdout_spread(synthetic(TRUE, noise=0.03, seed=2), 30, num_splits=5)
+    assert spread["num_splits"] == 5 and spread["num_failed"] == 0
+    assert 0 < spread["min"] <= spread["median"] <= spread["max"] < 10

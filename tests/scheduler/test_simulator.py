@@ -67,3 +67,47 @@ def test_simulation_is_deterministic_and_rejects_unknown_policies(long_trace):
         simulate(long_trace, MODEL, CLUSTER, "vllm")
     with pytest.raises(ValueError, match="kind"):
         make_trace("medium", 1, 1.0)
+
+
+def test_static_instances_over_several_gpus_hold_what_one_gpu_cannot():
+    # 100K-200K-token prompts: longer than one GPU (64K tokens), shorter than four.
+    trace = [Request(i, 0.01 * i, prompt_tokens=100_000 + 20_000 * i, output_tokens=8) for i in range(3)]
+    tp4 = ClusterConfig(num_instances=4, blocks_per_instance=4000, tensor_parallel=CLUSTER.tensor_parallel, static_gpus_per_instance=4)
+    sim = Simulation(trace, MODEL, tp4, "static")
+    result = sim.run()
+    assert len(sim.instances) == 1 and sim.instances[0].total == 16000 and sim.instances[0].degree == 4
+    assert result.num_finished == 3 and result.num_rejected == 0
+    assert simulate(trace, MODEL, CLUSTER, "static").num_rejected == 3
+    with pytest.raises(ValueError, match="divide"):
+        ClusterConfig(num_instances=4, blocks_per_instance=10, static_gpus_per_instance=3)
+
+
+def test_infinite_admits_a_request_its_home_cannot_fit_on_spare_memory_elsewhere():
+    # Three instances of 100 blocks: A and B take 80 blocks each on instances 0 and 1, C 30 on
+    # instance 2; D needs 90 blocks, routed to instance 2 (70 free). Static waits for
+    # instance 2 to drain; Infinite-LLM admits D at once, 70 blocks at home, 20 elsewhere.
+    cluster = ClusterConfig(num_instances=3, blocks_per_instance=100, block_size=16)
+    # A prompt of n * 16 - 1 tokens and its next token fill exactly n blocks.
+    trace = [Request(0, 0.0, 80 * 16 - 1, 50), Request(1, 0.0, 80 * 16 - 1, 50),
+             Request(2, 0.0, 30 * 16 - 1, 50), Request(3, 0.0, 90 * 16 - 1, 50)]
+    running = {}
+    for policy in ("infinite", "static"):
+        sim = Simulation(trace, MODEL, cluster, policy, until_s=0.0)
+        result = sim.run()
+        running[policy] = {r.spec.req_id: dict(r.blocks) for i in sim.instances for r in i.running}
+        assert result.num_unfinished == 4 and result.num_finished == 0
+    assert running["infinite"][3] == {2: 70, 0: 20}
+    assert 3 not in running["static"]
+    assert all(i.free >= 0 for i in sim.instances)
+
+
+def test_window_throughput_counts_tokens_generated_until_the_last_arrival():
+    trace = make_trace("short", 120, rate_per_s=40, seed=5)
+    full = simulate(trace, MODEL, CLUSTER, "static")
+    cut = simulate(trace, MODEL, CLUSTER, "static", until_s=trace[-1].arrival_s)
+    assert full.window_s == cut.window_s == pytest.approx(trace[-1].arrival_s - trace[0].arrival_s)
+    # Both runs are the same until the window ends; the cut one stops there.
+    assert full.window_throughput_tokens_per_s == pytest.approx(cut.window_throughput_tokens_per_s)
+    assert cut.window_throughput_tokens_per_s * cut.window_s <= cut.generated_tokens < full.generated_tokens
+    assert cut.num_finished + cut.num_rejected + cut.num_unfinished == len(trace) and cut.num_unfinished > 0
+    assert full.num_unfinished == 0
