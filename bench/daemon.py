@@ -46,29 +46,40 @@ def decode_rate(events: list[tuple[float, dict]]) -> tuple[float, int]:
     return tokens / (times[-1] - times[0]), tokens
 
 
-def histogram_means(cluster: LocalCluster) -> dict[int, dict[str, float]]:
-    """Per instance: mean remote-attention wait (home) and attend serving time (creditor), s."""
-    means: dict[int, dict[str, float]] = {}
+def histogram_totals(cluster: LocalCluster) -> dict[int, dict[str, float]]:
+    """Per instance, from /metrics: the sums (s), counts and cumulative buckets of the home's
+    remote-attention wait and of the creditor's attend serving time."""
+    totals: dict[int, dict[str, float]] = {}
     for inst in cluster:
         with urllib.request.urlopen(f"http://127.0.0.1:{inst.http_port}/metrics", timeout=10) as response:
             text = response.read().decode()
-        values = {}
+        values: dict[str, float] = {}
         for line in text.splitlines():
             name, _, value = line.partition(" ")
-            if name in ("infllm_remote_attention_seconds_sum", "infllm_remote_attention_seconds_count",
-                        "infllm_attend_serve_seconds_sum", "infllm_attend_serve_seconds_count"):
+            if name.startswith(("infllm_remote_attention_seconds_", "infllm_attend_serve_seconds_")):
                 values[name] = float(value)
-            elif name.startswith("infllm_remote_attention_seconds_bucket"):
-                values.setdefault("remote_attention_buckets", {})[name.split('le="')[1].rstrip('"}')] = int(float(value))
-        row = {}
+        totals[inst.inst_id] = values
+    return totals
+
+
+def latency_means(before: dict, after: dict) -> dict[int, dict]:
+    """Means over what happened between two ``histogram_totals`` (the timed request alone:
+    warm-up, kernel compilation included, is left out), s; and the wait's bucket counts."""
+    means: dict[int, dict] = {}
+    for inst_id, values in after.items():
+        old = before.get(inst_id, {})
+        row: dict = {}
         for key in ("remote_attention", "attend_serve"):
-            count = values.get(f"infllm_{key}_seconds_count", 0.0)
+            count = values.get(f"infllm_{key}_seconds_count", 0.0) - old.get(f"infllm_{key}_seconds_count", 0.0)
             if count:
-                row[f"{key}_mean_s"] = values[f"infllm_{key}_seconds_sum"] / count
+                total = values[f"infllm_{key}_seconds_sum"] - old.get(f"infllm_{key}_seconds_sum", 0.0)
+                row[f"{key}_mean_s"] = total / count
                 row[f"{key}_count"] = int(count)
-        if "remote_attention_buckets" in values:
-            row["remote_attention_cumulative_buckets"] = values["remote_attention_buckets"]
-        means[inst.inst_id] = row
+        buckets = {name.split('le="')[1].rstrip('"}'): int(v - old.get(name, 0.0))
+                   for name, v in values.items() if name.startswith("infllm_remote_attention_seconds_bucket")}
+        if any(buckets.values()):
+            row["remote_attention_cumulative_buckets"] = buckets
+        means[inst_id] = row
     return means
 
 
@@ -99,8 +110,9 @@ def split_case(num_instances: int, context_blocks: int, prompt: str, new_tokens:
             run_request(cluster, prompt, 4, [])  # warm-up
             time.sleep(2.5)  # peers republish their freed blocks
             placement: list[int] = []
+            before = histogram_totals(cluster)
             rate, tokens = decode_rate(run_request(cluster, prompt, new_tokens, placement))
-            latencies = histogram_means(cluster)
+            latencies = latency_means(before, histogram_totals(cluster))
         finally:
             cluster.stop()
     return {"instances": num_instances, "pools": pools, "placement": placement, "decode_tokens_per_s": rate,

@@ -55,6 +55,7 @@ from infinite_llm.transport.messages import (
 
 from .config import InstanceConfig
 from .creditor import CreditorAttention
+from .handover import HandOver, blocks_held_by_home, describe_held, find_leader_admin
 from .heartbeat import HeartbeatState
 from .http_api import GenerationEvent, LocalApp, OpenAIApp, RequestRefused, start_local_site
 from .ledger import CreditorLedger, EpochFence
@@ -129,6 +130,11 @@ class InstanceDaemon:
             for task in (stop, *tasks):
                 task.cancel()
             await asyncio.gather(stop, *tasks, return_exceptions=True)
+            if self.engine is not None and self.engine.has_unfinished:
+                # With the engine stopped: ending them frees their segments on creditors (the
+                # lender's FreeSegment sends, awaited by lender.close below) rather than leaving
+                # them until the creditors' debtor_lost_s, and tells their clients.
+                self._fail_running("the instance stopped before they finished")
             await self.membership.close()  # etcd: revoking the lease deletes the record at once
             for runner in runners:
                 await runner.cleanup()
@@ -142,17 +148,51 @@ class InstanceDaemon:
         if self._stopping.is_set():
             log.warning("second stop signal: exiting now")
             os._exit(1)
-        log.info("stop signal: finishing running requests, admitting none")
+        log.info("stop signal: admitting no new requests; handing over KV held for others and finishing "
+                 "running requests (at most %.0f s)", self.config.timeouts.drain_s)
         self.draining = True
         self._stopping.set()
 
     async def _drain_for_stop(self) -> None:
+        """Stop admitting, then wait, at most ``timeouts.drain_s`` seconds, until this instance
+        holds nothing for other homes (a gManager drain moves it elsewhere) and its own requests
+        have finished (they run on: their clients are connected here). What is left at the
+        deadline is logged; the segments still held are lost to their homes."""
         self.draining = True
-        self.notifier.stopping("finishing running requests")
-        deadline = time.monotonic() + self.config.timeouts.drain_s
-        while self.engine.has_unfinished and time.monotonic() < deadline:
+        self._publish()  # at once, so that peers stop spilling here before the next tick
+        self.notifier.stopping("handing over KV held for others, finishing running requests")
+        timeouts = self.config.timeouts
+        started = time.monotonic()
+        deadline = started + timeouts.drain_s
+        handover = HandOver(self.config.instance_id, lambda: find_leader_admin(self.config, self.membership),
+                            request_timeout_s=timeouts.peer_request_s,
+                            retry_s=max(1.0, 2 * timeouts.heartbeat_interval_s))  # a 404 clears after a heartbeat
+        held_at_start = blocks_held_by_home(self.ledger)
+        if held_at_start:
+            log.info("hand-over: holding %s", describe_held(held_at_start))
+        while True:
+            held = blocks_held_by_home(self.ledger)
+            if not held and not self.engine.has_unfinished:
+                break
+            now = time.monotonic()
+            if now >= deadline:
+                break
+            if held:
+                await handover.ask_if_due(now, deadline, describe_held(held))
             self._work.set()
             await asyncio.sleep(0.05)
+        elapsed = time.monotonic() - started
+        if held:
+            log.warning("stop deadline (drain_s %.0f s) passed holding %s: lost to their homes, whose requests "
+                        "fail (hand-over: %s)", timeouts.drain_s, describe_held(held), handover.summary())
+        elif held_at_start or handover.last_answer is not None:
+            log.info("hand-over done after %.1f s: nothing held for other instances", elapsed)
+        num_unfinished = len(self.engine.scheduler.requests)
+        if num_unfinished:
+            log.warning("stop deadline (drain_s %.0f s) passed with %d requests of this instance unfinished: "
+                        "they end with an error", timeouts.drain_s, num_unfinished)
+        elif not held:
+            log.info("ready to stop after %.1f s: no running request, nothing held for others", elapsed)
 
     # ---- start-up ------------------------------------------------------------------------
     async def _start_engine_and_transport(self) -> None:

@@ -20,6 +20,7 @@ import asyncio
 import itertools
 import logging
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +40,7 @@ from infinite_llm.transport.messages import (
     FreeSegment,
     KVBlocks,
     KVBlocksStored,
+    Message,
     MoveCommit,
     MoveRejected,
     MoveReserved,
@@ -124,16 +126,26 @@ class TransportRemoteAttention(RemoteAttention):
         return self._slices[key]
 
     async def attend(self, batch: AttendBatch, layer: int, q: torch.Tensor, sm_scale: float) -> AttentionState:
+        return await self.start(batch, layer, q, sm_scale)
+
+    def start(self, batch: AttendBatch, layer: int, q: torch.Tensor, sm_scale: float) -> Awaitable[AttentionState]:
+        """The request leaves now (on an open connection): the creditor computes while this
+        instance computes its own part, before the step's next await."""
         peer = self.peers.by_engine(batch.instance_id)
         request = AttendRequest(self.peers.own_inst_id, peer.inst_id, batch.step_id, layer, self._slices_of(batch),
                                 q.contiguous())
         started = time.perf_counter()
-        reply = await self.transport.request(peer.address, request, timeout_s=self.timeout_s)
+        reply = self.transport.request_soon(peer.address, request, timeout_s=self.timeout_s)
+        return self._finish(peer.inst_id, reply, started, q.device)
+
+    async def _finish(self, inst_id: int, reply: Awaitable[Message], started: float,
+                      device: torch.device) -> AttentionState:
+        result = await reply
         self.metrics.remote_attention_seconds.observe(time.perf_counter() - started)
-        if not isinstance(reply, AttendResult):
-            raise RuntimeError(f"instance {peer.inst_id} answered an attend request with {type(reply).__name__}")
-        out = torch.as_tensor(reply.out).to(device=q.device, dtype=torch.float32)
-        lse = torch.as_tensor(reply.lse).to(device=q.device, dtype=torch.float32)
+        if not isinstance(result, AttendResult):
+            raise RuntimeError(f"instance {inst_id} answered an attend request with {type(result).__name__}")
+        out = torch.as_tensor(result.out).to(device=device, dtype=torch.float32)
+        lse = torch.as_tensor(result.lse).to(device=device, dtype=torch.float32)
         return AttentionState(out, lse)
 
     def end_step(self, step_id: int) -> None:

@@ -69,6 +69,13 @@ class Transport(Protocol):
         RemoteError (the peer answered ErrorReply)."""
         ...
 
+    def request_soon(
+        self, peer: PeerAddress, message: Message, *, timeout_s: float | None = None
+    ) -> Awaitable[Message]:
+        """``request``, started now: where it can, the message leaves before this returns (the
+        peer works on it while the caller computes). Await the result for the reply."""
+        ...
+
     async def send(
         self, peer: PeerAddress, message: Message, *, timeout_s: float | None = None
     ) -> None:

@@ -17,7 +17,7 @@ import asyncio
 import heapq
 import inspect
 import itertools
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from infinite_llm.transport import codec
@@ -210,6 +210,12 @@ class InMemoryTransport:
         if not self._network._post(self._address, peer, frame, message, msg_id, None):
             self._finish(msg_id, PeerUnreachable(peer, "no listener"))
         return await future
+
+    def request_soon(
+        self, peer: PeerAddress, message: Message, *, timeout_s: float | None = None
+    ) -> Awaitable[Message]:
+        """``request`` as a task: in memory a message travels only when the loop runs anyway."""
+        return asyncio.ensure_future(self.request(peer, message, timeout_s=timeout_s))
 
     async def send(
         self, peer: PeerAddress, message: Message, *, timeout_s: float | None = None

@@ -225,36 +225,75 @@ class UcxTransport:
     ) -> Message:
         timeout_s = self._config.request_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
-        msg_id = next(self._next_msg_id)
-        frame = codec.encode(message, msg_id,
-                             inline_limit_bytes=self._config.limits.inline_limit_bytes,
-                             inline_cuda_limit_bytes=self._config.limits.inline_cuda_limit_bytes)
-        loop = asyncio.get_running_loop()
+        frame = self._encode_request(message)
         connection: _Connection | None = None
-        reply: asyncio.Future | None = None
-        timer: asyncio.TimerHandle | None = None
         try:
             connection = await self._connection_by(peer, deadline)
+        except ConnectionBroken as e:
+            raise PeerUnreachable(peer, str(e)) from None
+        except TimeoutError:
+            raise RequestTimeout(peer, message.TYPE, timeout_s) from None
+        return await self._exchange(peer, connection, frame, message.TYPE, deadline, timeout_s, posted=None)
+
+    def request_soon(
+        self, peer: PeerAddress, message: Message, *, timeout_s: float | None = None
+    ) -> Awaitable[Message]:
+        """``request``, with the frame posted before this returns where the connection to
+        ``peer`` is open: the peer starts on it while the caller computes, before the caller's
+        next await. Returns an awaitable of the reply (raising as ``request`` does)."""
+        connection = self._outbound.get(peer)
+        if connection is None or connection.broken or self._closed:
+            return asyncio.ensure_future(self.request(peer, message, timeout_s=timeout_s))
+        timeout_s = self._config.request_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        frame = self._encode_request(message)
+        reply = asyncio.get_running_loop().create_future()
+        connection.pending[frame.msg_id] = reply
+        try:
+            posted = connection.post_frame(frame.frame)
+        except ConnectionBroken as e:
+            connection.pending.pop(frame.msg_id, None)
+            self._drop(peer, connection, PeerUnreachable(peer, str(e)))
+            return _failed(PeerUnreachable(peer, str(e)))
+        return self._exchange(peer, connection, frame, message.TYPE, deadline, timeout_s, posted, reply)
+
+    def _encode_request(self, message: Message) -> _RequestFrame:
+        msg_id = next(self._next_msg_id)
+        return _RequestFrame(msg_id, codec.encode(
+            message, msg_id, inline_limit_bytes=self._config.limits.inline_limit_bytes,
+            inline_cuda_limit_bytes=self._config.limits.inline_cuda_limit_bytes))
+
+    async def _exchange(self, peer: PeerAddress, connection: _Connection, frame: _RequestFrame, type_: str,
+                        deadline: float, timeout_s: float, posted: list | None,
+                        reply: asyncio.Future | None = None) -> Message:
+        """Send ``frame`` (or wait for its ``posted`` requests) and wait for its reply by
+        ``deadline`` (time.monotonic())."""
+        loop = asyncio.get_running_loop()
+        timer: asyncio.TimerHandle | None = None
+        if reply is None:
             reply = loop.create_future()
-            connection.pending[msg_id] = reply
-            await connection.send_frame(frame, deadline)
+            connection.pending[frame.msg_id] = reply
+        try:
+            if posted is None:
+                await connection.send_frame(frame.frame, deadline)
+            else:
+                await connection.wait_sent(posted, deadline)
             # One timer on the reply rather than asyncio.timeout around the whole request:
             # on a round trip of tens of microseconds the latter's cost shows.
             timer = loop.call_at(loop.time() + max(0.0, deadline - time.monotonic()), _expire, reply)
             return await reply
         except TimeoutError:
-            raise RequestTimeout(peer, message.TYPE, timeout_s) from None
+            raise RequestTimeout(peer, type_, timeout_s) from None
         except ConnectionBroken as e:
             self._drop(peer, connection, PeerUnreachable(peer, str(e)))
             if time.monotonic() >= deadline:
-                raise RequestTimeout(peer, message.TYPE, timeout_s) from None
+                raise RequestTimeout(peer, type_, timeout_s) from None
             raise PeerUnreachable(peer, str(e)) from None
         finally:
             if timer is not None:
                 timer.cancel()
-            if connection is not None:
-                connection.pending.pop(msg_id, None)
-            if reply is not None and reply.done() and not reply.cancelled():
+            connection.pending.pop(frame.msg_id, None)
+            if reply.done() and not reply.cancelled():
                 reply.exception()  # failed with its connection while this request raised
 
     async def send(
@@ -447,18 +486,22 @@ class UcxTransport:
 
     def _post_reply(self, connection: _Connection, msg_id: int, reply: Message) -> None:
         """Post a reply; a task waits for its sending only where UCX has not sent it yet."""
+        # The frame owns the reply's buffers (e.g. an attend result's out and lse): it must live
+        # until UCX has sent them, or a rendezvous send reads freed memory.
+        frame = self._encode_reply(msg_id, reply)
         try:
-            requests = connection.post_frame(self._encode_reply(msg_id, reply))
+            requests = connection.post_frame(frame)
         except ConnectionBroken:
             return  # the requester is gone; its side reports that
         if not all(r.completed for r in requests):
-            self._spawn(self._wait_reply_sent(connection, requests))
+            self._spawn(self._wait_reply_sent(connection, requests, frame))
 
-    async def _wait_reply_sent(self, connection: _Connection, requests: list) -> None:
+    async def _wait_reply_sent(self, connection: _Connection, requests: list, frame: codec.EncodedFrame) -> None:
         try:
-            await connection.wait_sent(requests)
+            await connection.wait_sent(requests)  # ``frame`` stays referenced until then
         except ConnectionBroken:
             pass
+        del frame
 
     async def _reply(self, connection: _Connection, msg_id: int, reply: Message) -> None:
         try:
@@ -481,6 +524,16 @@ class UcxTransport:
         task = asyncio.get_running_loop().create_task(coroutine)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+
+@dataclass(frozen=True)
+class _RequestFrame:
+    msg_id: int
+    frame: codec.EncodedFrame
+
+
+async def _failed(error: Exception) -> Message:
+    raise error
 
 
 def _handler_failed(message: Message, error: Exception) -> ErrorReply:

@@ -291,3 +291,34 @@ def test_live_listener_fuzz(ucx_loop, start_peer, client):
 @pytest.mark.slow
 def test_live_listener_fuzz_long(ucx_loop, start_peer, client):
     live_fuzz(ucx_loop, start_peer("serve"), client, examples=5_000)
+
+
+def test_request_soon_leaves_before_the_caller_computes(ucx_loop, start_peer, client):
+    """The frame of ``request_soon`` is posted before it returns (on an open connection): the
+    peer's work overlaps the caller's blocking computation instead of following it."""
+    peer = start_peer("serve")
+    handler_s = compute_s = 0.3  # the peer's Drain handler sleeps drain_id ms
+
+    async def scenario():
+        first = client.request_soon(peer.address, m.Echo(torch.arange(3)))  # connects: a task
+        assert torch.equal((await first).payload, torch.arange(3))
+        started = time.monotonic()
+        pending = client.request_soon(peer.address, m.Drain(1, int(handler_s * 1000), 1))
+        time.sleep(compute_s)  # the caller computes without yielding to the loop
+        assert await pending == m.Ack()
+        elapsed = time.monotonic() - started
+        assert elapsed < handler_s + compute_s - 0.1, f"no overlap: {elapsed:.3f} s"
+    run_bounded(ucx_loop, scenario(), 30)
+
+
+def test_request_soon_to_a_killed_peer_fails_cleanly(ucx_loop, start_peer, client):
+    peer = start_peer("serve")
+
+    async def scenario():
+        await client.request(peer.address, m.Echo(torch.arange(3)))
+        peer.kill()
+        with pytest.raises(TransportError):
+            await client.request_soon(peer.address, m.Echo(torch.arange(3)), timeout_s=5)
+        with pytest.raises(TransportError):  # and again, now without a connection
+            await client.request_soon(peer.address, m.Echo(torch.arange(3)), timeout_s=5)
+    run_bounded(ucx_loop, scenario(), 30)
