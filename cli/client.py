@@ -189,6 +189,8 @@ class ClusterClient:
             return report
         deadline = time.monotonic() + timeout_s
         while not report["safe_to_stop"]:
+            if report.get("state") == "stopped":  # it left, holding nothing for others
+                return report
             if report.get("state") == "lost":
                 raise ClusterError(f"instance {inst_id} went silent before it was drained")
             if time.monotonic() >= deadline:

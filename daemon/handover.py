@@ -71,9 +71,10 @@ def leader_admin_local(state_dir: Path) -> LeaderAdmin | None:
 
 
 async def request_drain(leader: LeaderAdmin, inst_id: int, timeout_s: float) -> DrainAnswer:
-    """``POST /v1/drain {"instance_id": inst_id}`` to the leader: on its Unix socket when that is
+    """``POST /v1/drain {"instance_id": inst_id, "own_blocks": false}`` to the leader: on its Unix socket when that is
     on this host, else on TCP. Each attempt is bounded by ``timeout_s`` (seconds); never raises."""
-    body = {"instance_id": inst_id}
+    # Only what it holds for others: its own requests finish here and free their blocks.
+    body = {"instance_id": inst_id, "own_blocks": False}
     errors = []
     if leader.socket_path and os.path.exists(leader.socket_path):
         try:

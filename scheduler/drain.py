@@ -95,8 +95,10 @@ class DrainFigures:
                 and self.num_blocks_on_it == 0)
 
 
-def plan_drain(snapshot: DrainSnapshot, inst_id: int) -> DrainPlan:
-    """The moves that empty ``inst_id``.
+def plan_drain(snapshot: DrainSnapshot, inst_id: int, own_blocks: bool = True) -> DrainPlan:
+    """The moves that empty ``inst_id``; with ``own_blocks`` False only the segments it holds
+    for other homes (an instance that stops hands over those and finishes its own requests,
+    whose blocks free as they end).
 
     Each request's blocks on the drained instance go to one destination: the live,
     non-draining instance with the most free blocks left (ties: the lower id), never the
@@ -120,7 +122,7 @@ def plan_drain(snapshot: DrainSnapshot, inst_id: int) -> DrainPlan:
         elif e.home_inst_id in by_id:  # a silent home's segments are freed by the holder's timeout
             held[(e.home_inst_id, e.req_id)] = held.get((e.home_inst_id, e.req_id), 0) + e.num_blocks
     # The newest block of a running request is being written: it stays.
-    own_movable = {req: n - 1 for req, n in own.items() if n > 1}
+    own_movable = {req: n - 1 for req, n in own.items() if n > 1} if own_blocks else {}
     num_held, num_own = sum(held.values()), sum(own_movable.values())
     if num_held + num_own > free_elsewhere:
         raise DrainRefused(

@@ -315,7 +315,10 @@ class DrainState:
     inst_id: int  # the drained instance
     drain_id: int  # unique per epoch, carried by Drain and Uncordon
     started_s: float  # the gManager's monotonic clock when the instance took the Drain, s
-    state: str = "draining"  # "draining", then "safe_to_stop", or "lost" (the instance went silent)
+    # "draining", then "safe_to_stop"; "stopped" (it left holding nothing for others) or "lost"
+    # (it went silent holding some)
+    state: str = "draining"
+    own_blocks: bool = True  # its own requests' blocks move too (False: only what it holds for others)
     num_rounds: int = 0  # plans made from heartbeats newer than the previous moves
     moves: list[dict[str, Any]] = field(default_factory=list)  # every move sent, with its result
     figures: DrainFigures | None = None  # at the last round
@@ -611,8 +614,10 @@ class GManager:
                         for r in live for e in r.placement.entries.values())
         return DrainSnapshot(instances, entries)
 
-    async def drain(self, inst_id: int, dry_run: bool) -> dict[str, Any]:
-        """Cordon ``inst_id`` and move everything off it; returns the drain's report.
+    async def drain(self, inst_id: int, dry_run: bool, own_blocks: bool = True) -> dict[str, Any]:
+        """Cordon ``inst_id`` and move everything off it (with ``own_blocks`` False, only the
+        segments it holds for other homes: an instance that stops asks for this); returns the
+        drain's report.
 
         Raises UnknownInstance (no recent heartbeat), DrainRefused (the other instances lack
         room: nothing is sent and the instance stays as it was) and CommandFailed (the instance
@@ -624,7 +629,7 @@ class GManager:
             raise NotLeader(f"pid {os.getpid()} is a standby; only the leader drains")
         if inst_id in self._drains and not dry_run:
             return self.drain_status(inst_id)
-        drain_plan = plan_drain(self._drain_snapshot(self.clock()), inst_id)
+        drain_plan = plan_drain(self._drain_snapshot(self.clock()), inst_id, own_blocks)
         planned = [_drain_move_json(m, "not_sent") for m in drain_plan.moves]
         if dry_run:
             return {"instance_id": inst_id, "epoch": self.epoch, "dry_run": True, "moves": planned,
@@ -633,7 +638,7 @@ class GManager:
                     "num_blocks_free_elsewhere": drain_plan.num_blocks_free_elsewhere}
         drain_id = next(self._drain_ids)
         await self._command(inst_id, Drain(epoch=self.epoch, drain_id=drain_id, inst_id=inst_id))
-        state = DrainState(inst_id, drain_id, self.clock())
+        state = DrainState(inst_id, drain_id, self.clock(), own_blocks=own_blocks)
         self._drains[inst_id] = state
         log.info("draining instance %d: %d moves planned", inst_id, len(drain_plan.moves))
         state.task = asyncio.create_task(self._drain_loop(state, drain_plan), name=f"drain-{inst_id}")
@@ -705,8 +710,13 @@ class GManager:
                     await asyncio.sleep(period / 4)
                     live = {r.inst_id: r for r in self.view.live(self.clock())}
                     if state.inst_id not in live:
-                        state.state = "lost"
-                        log.warning("drain of instance %d: the instance went silent", state.inst_id)
+                        left = state.figures
+                        if left is not None and left.num_blocks_held == 0 and left.num_blocks_on_it == 0:
+                            state.state = "stopped"
+                            log.info("drain of instance %d: it stopped holding nothing for others", state.inst_id)
+                        else:
+                            state.state = "lost"
+                            log.warning("drain of instance %d: the instance went silent", state.inst_id)
                         return
                     if all(i not in live or live[i].heard_at_s > sent_s for i in involved):
                         break
@@ -718,7 +728,7 @@ class GManager:
                     log.info("instance %d is drained: safe to stop", state.inst_id)
                     return
                 try:
-                    drain_plan = plan_drain(snapshot, state.inst_id)
+                    drain_plan = plan_drain(snapshot, state.inst_id, state.own_blocks)
                     state.last_error = ""
                 except DrainRefused as err:  # room may come back: keep trying
                     drain_plan, state.last_error = None, str(err)
@@ -811,13 +821,14 @@ class AdminApp:
         return app
 
     async def post_drain(self, request: web.Request) -> web.Response:
-        body = await _json_object(request, required={"instance_id"}, optional={"dry_run"})
+        body = await _json_object(request, required={"instance_id"}, optional={"dry_run", "own_blocks"})
         if isinstance(body, web.Response):
             return body
-        dry_run = body.get("dry_run", False)
-        if not isinstance(dry_run, bool):
-            return _error(400, f"dry_run must be true or false, got {dry_run!r}")
-        return await _drain_call(lambda: self.gmanager.drain(body["instance_id"], dry_run))
+        dry_run, own_blocks = body.get("dry_run", False), body.get("own_blocks", True)
+        for name, value in (("dry_run", dry_run), ("own_blocks", own_blocks)):
+            if not isinstance(value, bool):
+                return _error(400, f"{name} must be true or false, got {value!r}")
+        return await _drain_call(lambda: self.gmanager.drain(body["instance_id"], dry_run, own_blocks))
 
     async def get_drain(self, request: web.Request) -> web.Response:
         try:

@@ -96,7 +96,7 @@ def test_drain_request_over_the_socket_then_tcp(tmp_path: Path) -> None:
         return by_socket, by_tcp, past_standby, leader.requests
     by_socket, by_tcp, past_standby, requests = run(scenario())
     assert by_socket == by_tcp == past_standby == DrainAnswer("accepted", "draining", 2)
-    assert requests == [{"instance_id": 2}] * 3
+    assert requests == [{"instance_id": 2, "own_blocks": False}] * 3
 
 
 def test_refusal_and_unreachable_leader_are_answers_not_errors(tmp_path: Path) -> None:

@@ -99,3 +99,15 @@ def test_figures_say_safe_to_stop_only_when_nothing_is_left():
     # A reservation for another home still counts, as does a request that waits.
     assert not drain_figures(snapshot([instance(2, 38, lent=2)], []), 2).safe_to_stop
     assert not drain_figures(snapshot([instance(2, 38)], [(2, 4, 2, 2)]), 2).safe_to_stop
+
+
+def test_a_stopping_instance_hands_over_only_what_it_holds_for_others():
+    plan = plan_drain(CLUSTER, 2, own_blocks=False)
+    assert plan.moves == (DrainMove(1, 7, 2, 3, 12),)
+    assert (plan.num_blocks_held, plan.num_blocks_own_movable) == (12, 0)
+    # Room for the held segment alone is enough: its own blocks need none.
+    tight = snapshot([instance(1, 0, running=1), instance(2, 0, lent=12, running=1), instance(3, 12, lent=9)],
+                     [(1, 7, 1, 40), (1, 7, 2, 12), (1, 7, 3, 9), (2, 5, 2, 10)])
+    with pytest.raises(DrainRefused):
+        plan_drain(tight, 2)
+    assert plan_drain(tight, 2, own_blocks=False).moves == (DrainMove(1, 7, 2, 3, 12),)
