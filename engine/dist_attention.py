@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -26,6 +27,14 @@ from infinite_llm.kernels import (
     plan_micro_attention,
     run_micro_attention,
     write_kv,
+)
+from infinite_llm.kernels.reference import (
+    DecodeGather,
+    decode_attention_torch,
+    is_decode_batch,
+    plan_decode_gather,
+    split_slots,
+    write_kv_at_torch,
 )
 
 from .block_manager import Segment
@@ -77,6 +86,12 @@ class RemoteAttention(abc.ABC):
         Returns: ``AttentionState(out [num_rows, num_heads, head_dim] float32, lse [num_rows,
         num_heads] float32 natural log)``, one row per query row of the batch.
         """
+
+    def start(self, batch: AttendBatch, layer: int, q: torch.Tensor, sm_scale: float) -> Awaitable[AttentionState]:
+        """``attend``, begun now: an implementation that can send the request before returning
+        lets the other instance compute while this one computes its own part. By default a
+        task, which starts at the step's next await."""
+        return asyncio.ensure_future(self.attend(batch, layer, q, sm_scale))
 
     def end_step(self, step_id: int) -> None:
         """The step is over: drop whatever was kept for it."""
@@ -220,27 +235,50 @@ class DistAttention:
         self.home_instance_id = home_instance_id
         self.remote = remote
         self.sm_scale = sm_scale
-        self.local_plan = _plan(step.batches[home_instance_id], home_pool, num_heads)
+        home_batch = step.batches[home_instance_id]
+        self.local_plan = _plan(home_batch, home_pool, num_heads)
         self.remote_ids = [i for i in step.batches if i != home_instance_id]
         if self.remote_ids and remote is None:
             raise ValueError(f"the step attends over instances {self.remote_ids} but no RemoteAttention was given")
+        # On the CPU the per-layer work of the torch path is a few dozen small ops: what every
+        # layer would rebuild (the write slots' blocks and offsets; for a decode step with all its
+        # keys here, the gather of the keys and its mask) is built once per step instead.
+        self._write_at: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._local_decode: DecodeGather | None = None
+        if home_pool.device.type == "cpu":
+            self._write_at = split_slots(step.slot_mapping, home_pool.shape[3])
+            if (not self.remote_ids and step.placements[home_instance_id].identity and is_decode_batch(
+                    home_batch.query_start_loc.tolist(), home_batch.kv_lens.tolist(), home_batch.q_pos)):
+                self._local_decode = plan_decode_gather(home_batch.block_tables, home_batch.kv_lens,
+                                                        home_pool.shape[3], home_batch.max_kv_len)
 
     def _rows(self, q: torch.Tensor, instance_id: int) -> torch.Tensor:
         placement = self.step.placements[instance_id]
         return q if placement.identity else q.index_select(0, placement.rows)
 
     async def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        write_kv(k, v, self.home_pool, layer, self.step.slot_mapping, check_bounds=False)
+        if self._write_at is not None:
+            write_kv_at_torch(k, v, self.home_pool, layer, *self._write_at)
+        else:
+            write_kv(k, v, self.home_pool, layer, self.step.slot_mapping, check_bounds=False)
+        if self._local_decode is not None:
+            out, _ = decode_attention_torch(q, self.home_pool, layer, self._local_decode, self.sm_scale, q.dtype)
+            return out
         pending = [
-            asyncio.ensure_future(self.remote.attend(self.step.batches[i], layer, self._rows(q, i), self.sm_scale))
+            self.remote.start(self.step.batches[i], layer, self._rows(q, i), self.sm_scale)
             for i in self.remote_ids
         ]
         home = self.home_instance_id
         simple = not pending and self.step.placements[home].identity
-        local = run_micro_attention(
-            self.local_plan, self._rows(q, home), self.home_pool, layer,
-            sm_scale=self.sm_scale, out_dtype=q.dtype if simple else torch.float32,
-        )
+        try:
+            local = run_micro_attention(
+                self.local_plan, self._rows(q, home), self.home_pool, layer,
+                sm_scale=self.sm_scale, out_dtype=q.dtype if simple else torch.float32,
+            )
+        except BaseException:
+            for part in pending:  # started but never to be awaited
+                part.close() if asyncio.iscoroutine(part) else part.cancel()
+            raise
         if simple:
             return local.out
         states = dict(zip(self.remote_ids, await asyncio.gather(*pending)))

@@ -8,6 +8,7 @@ Log-sum-exp values are natural logarithms.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -55,13 +56,14 @@ def micro_attention_torch(
     num_q_tokens, num_heads, head_dim = q.shape
     _, _, _, block_size, num_kv_heads, _ = kv_pool.shape
     group = num_heads // num_kv_heads
-    out = torch.zeros(num_q_tokens, num_heads, head_dim, dtype=torch.float32, device=q.device)
-    lse = torch.full((num_q_tokens, num_heads), -math.inf, dtype=torch.float32, device=q.device)
     starts = query_start_loc.tolist()
     lens = kv_lens.tolist()
+    if is_decode_batch(starts, lens, q_pos):
+        gather = plan_decode_gather(block_tables, kv_lens, block_size, max(lens))
+        return decode_attention_torch(q, kv_pool, layer, gather, sm_scale, out_dtype)
+    out = torch.zeros(num_q_tokens, num_heads, head_dim, dtype=torch.float32, device=q.device)
+    lse = torch.full((num_q_tokens, num_heads), -math.inf, dtype=torch.float32, device=q.device)
     kv_starts = kv_start_pos.tolist() if kv_start_pos is not None else [0] * len(lens)
-    if q_pos is None and len(lens) > 1 and starts[-1] == len(lens) and all(b - a == 1 for a, b in zip(starts, starts[1:])):
-        return _decode_batch(q, kv_pool, layer, block_tables, kv_lens, lens, sm_scale, out_dtype)
     for seq, num_keys in enumerate(lens):
         row_lo, row_hi = starts[seq], starts[seq + 1]
         if row_hi == row_lo or num_keys == 0:
@@ -83,52 +85,93 @@ def micro_attention_torch(
     return out.to(out_dtype), lse
 
 
-def _decode_batch(
-    q: torch.Tensor,
-    kv_pool: torch.Tensor,
-    layer: int,
-    block_tables: torch.Tensor,
-    kv_lens: torch.Tensor,
-    lens: list[int],
-    sm_scale: float,
-    out_dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One query row per sequence, no causal mask: every sequence in one padded attention call.
+@dataclass(frozen=True)
+class DecodeGather:
+    """Where a decode batch's keys are in the pool: the same for every layer of a step.
 
-    ``q [num_seqs, num_heads, head_dim]``; keys past each sequence's length are masked.
+    Built once per step by :func:`plan_decode_gather`, used per layer by
+    :func:`decode_attention_torch`. Each sequence's keys are gathered into ``num_keys`` slots
+    (whole blocks); the slots past its length are masked.
     """
-    num_seqs, num_heads, head_dim = q.shape
-    _, _, _, block_size, num_kv_heads, _ = kv_pool.shape
-    group = num_heads // num_kv_heads
-    num_cols = max(1, -(-max(lens) // block_size))
+
+    block_ids: torch.Tensor  # [num_seqs * num_cols] int64, block 0 in columns past a sequence's last block
+    hidden_slots: torch.Tensor  # [num_hidden] int64, slots of the flattened [num_seqs * num_keys] past each end
+    mask: torch.Tensor  # [num_seqs, 1, 1, num_keys] float32, 0 for a key, -inf past the end
+    empty: torch.Tensor | None  # [num_seqs] bool, sequences with no key here; None: every one has keys
+    num_seqs: int
+    num_keys: int  # slots per sequence: num_cols * block_size
+
+
+def is_decode_batch(query_start_loc: list[int], kv_lens: list[int], q_pos: torch.Tensor | None) -> bool:
+    """One query row per sequence, no causal mask and at least one key: the batched decode path."""
+    return (q_pos is None and bool(kv_lens) and max(kv_lens) > 0 and query_start_loc[-1] == len(kv_lens)
+            and all(b - a == 1 for a, b in zip(query_start_loc, query_start_loc[1:])))
+
+
+def plan_decode_gather(block_tables: torch.Tensor, kv_lens: torch.Tensor, block_size: int,
+                       max_kv_len: int) -> DecodeGather:
+    """Args: block_tables ``[num_seqs, max_blocks_per_seq]`` int32, kv_lens ``[num_seqs]`` int32,
+    ``max_kv_len == max(kv_lens) > 0``."""
+    device = block_tables.device
+    num_seqs = block_tables.shape[0]
+    num_cols = -(-max_kv_len // block_size)
+    num_keys = num_cols * block_size
+    lens = kv_lens.long()
     table = block_tables[:, :num_cols].long()
     # Columns past a sequence's last block may hold anything: read block 0 there, masked below.
-    blocks_needed = (kv_lens.long() + block_size - 1) // block_size
-    used = torch.arange(num_cols, device=q.device)[None, :] < blocks_needed[:, None]
-    table = torch.where(used, table, torch.zeros_like(table))
-    kv = kv_pool[table, layer].float()  # [num_seqs, num_cols, 2, block_size, num_kv_heads, head_dim]
-    num_keys = num_cols * block_size
-    k = kv[:, :, 0].reshape(num_seqs, num_keys, num_kv_heads, head_dim).permute(0, 2, 3, 1)  # [S, Hkv, D, N]
-    v = kv[:, :, 1].reshape(num_seqs, num_keys, num_kv_heads, head_dim).transpose(1, 2)  # [S, Hkv, N, D]
-    visible = torch.arange(num_keys, device=q.device)[None, :] < kv_lens.long()[:, None]  # [num_seqs, num_keys]
-    # The group's query heads share their KV head: [S, Hkv, group, D] against [S, Hkv, D, N].
+    used = torch.arange(num_cols, device=device)[None, :] < ((lens + block_size - 1) // block_size)[:, None]
+    block_ids = torch.where(used, table, torch.zeros_like(table)).flatten()
+    hidden = torch.arange(num_keys, device=device)[None, :] >= lens[:, None]  # [num_seqs, num_keys]
+    mask = torch.zeros(num_seqs, 1, 1, num_keys, device=device).masked_fill_(hidden[:, None, None, :], -math.inf)
+    empty = lens == 0
+    return DecodeGather(block_ids, hidden.flatten().nonzero().squeeze(1), mask,
+                        empty if bool(empty.any()) else None, num_seqs, num_keys)
+
+
+def decode_attention_torch(
+    q: torch.Tensor, kv_pool: torch.Tensor, layer: int, gather: DecodeGather, sm_scale: float, out_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of one query row per sequence over its keys: every sequence in one call.
+
+    Args:
+        q: ``[num_seqs, num_heads, head_dim]``.
+        kv_pool: ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``.
+        gather: the step's :class:`DecodeGather`.
+
+    Returns:
+        out ``[num_seqs, num_heads, head_dim]`` in ``out_dtype`` and lse ``[num_seqs, num_heads]``
+        float32, natural log, ``-inf`` (with a zero output) for a sequence without keys.
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = kv_pool.shape[4]
+    group = num_heads // num_kv_heads
+    num_keys = gather.num_keys
+    # One gather per K and V straight into [num_seqs, num_keys, num_kv_heads, head_dim]: each
+    # block's slab of this layer is contiguous, so index_select copies whole slabs.
+    k = kv_pool[:, layer, 0].index_select(0, gather.block_ids).view(num_seqs, num_keys, num_kv_heads, head_dim).float()
+    v = kv_pool[:, layer, 1].index_select(0, gather.block_ids).view(num_seqs, num_keys, num_kv_heads, head_dim).float()
+    # Slots past a sequence's end hold stale data (anything, NaN included), and a masked score
+    # or a zero probability times NaN is still NaN: zero those slots in the gathered copies
+    # (usually a few per sequence) so that the additive -inf mask removes them exactly.
+    k.view(num_seqs * num_keys, -1).index_fill_(0, gather.hidden_slots, 0.0)
+    v.view(num_seqs * num_keys, -1).index_fill_(0, gather.hidden_slots, 0.0)
+    # The group's query heads share their KV head, and with one row per sequence they are the
+    # rows of one attention over that head: q [S, Hkv, group, D] against k, v [S, Hkv, N, D].
     qg = q.float().view(num_seqs, num_kv_heads, group, head_dim)
-    scores = torch.matmul(qg, k) * sm_scale  # [S, Hkv, group, N]
-    # Slots past a sequence's end hold stale data (anything, NaN included): a where, not an add,
-    # so that a masked key contributes exactly nothing.
-    scores = torch.where(visible[:, None, None, :], scores, -math.inf)
-    lse = torch.logsumexp(scores, dim=-1)  # [S, Hkv, group]
-    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    probs = torch.exp(scores - safe[..., None])
-    v = torch.where(visible[:, None, :, None], v, 0.0)
-    out = torch.matmul(probs, v)  # [S, Hkv, group, D]
-    out = out.reshape(num_seqs, num_heads, 1, head_dim)
-    lse = lse.reshape(num_seqs, num_heads, 1)
-    out, lse = out[:, :, 0], lse[:, :, 0]  # [num_seqs, num_heads, head_dim], [num_seqs, num_heads]
-    empty = kv_lens == 0
-    if bool(empty.any()):
-        out = out.masked_fill(empty[:, None, None], 0.0)
-        lse = lse.masked_fill(empty[:, None], -math.inf)
+    k, v = k.transpose(1, 2), v.transpose(1, 2)
+    if _FLASH_CPU is not None and q.device.type == "cpu":
+        out, lse = _FLASH_CPU(qg, k, v, 0.0, False, attn_mask=gather.mask, scale=sm_scale)
+    else:
+        scores = torch.matmul(qg, k.transpose(-1, -2)) * sm_scale + gather.mask  # [S, Hkv, group, N]
+        lse = torch.logsumexp(scores, dim=-1)
+        safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+        out = torch.matmul(torch.exp(scores - safe[..., None]), v)
+    out = out.reshape(num_seqs, num_heads, head_dim)  # from [S, Hkv, group, D]
+    lse = lse.reshape(num_seqs, num_heads)
+    if gather.empty is not None:
+        # No key here: zero output, -inf lse (the fused kernel leaves NaN there).
+        out = out.masked_fill(gather.empty[:, None, None], 0.0)
+        lse = lse.masked_fill(gather.empty[:, None], -math.inf)
     return out.to(out_dtype), lse
 
 
@@ -219,9 +262,18 @@ def write_kv_torch(
         kv_pool: ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``, written in place.
         slot_mapping: ``[num_tokens]`` integer slots.
     """
-    block_size = kv_pool.shape[3]
+    block_ids, offsets = split_slots(slot_mapping, kv_pool.shape[3])
+    write_kv_at_torch(k, v, kv_pool, layer, block_ids, offsets)
+
+
+def split_slots(slot_mapping: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """slot_mapping ``[num_tokens]`` -> (block ids, offsets in the block), both ``[num_tokens]`` int64."""
     slots = slot_mapping.long()
-    block_ids = slots // block_size
-    offsets = slots % block_size
+    return slots // block_size, slots % block_size
+
+
+def write_kv_at_torch(k: torch.Tensor, v: torch.Tensor, kv_pool: torch.Tensor, layer: int,
+                      block_ids: torch.Tensor, offsets: torch.Tensor) -> None:
+    """:func:`write_kv_torch` with the slots already split by :func:`split_slots` (once per step)."""
     kv_pool[block_ids, layer, 0, offsets] = k.to(kv_pool.dtype)
     kv_pool[block_ids, layer, 1, offsets] = v.to(kv_pool.dtype)

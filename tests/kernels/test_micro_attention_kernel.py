@@ -89,6 +89,7 @@ CASES = [
     pytest.param(Case((30, 45), (3, 5), 2, 2, 64, 16), id="multirow-noncausal"),
     pytest.param(Case((29, 18), (5, 2), 2, 1, 80, 16, causal=True, kv_start_pos=(16, 3)), id="causal-d80-shard"),
     pytest.param(Case((130, 10, 0), (20, 3, 0), 1, 3, 64, 16, causal=True, config=None), id="causal-default-config"),
+    pytest.param(Case((37,), (1,), 3, 3, 64, 16), id="decode-single-seq-partial-block"),
 ]
 
 # Forced split counts on fp32; the automatic choice (None) on every dtype.
