@@ -24,6 +24,7 @@ import json
 import math
 import os
 import platform
+import queue
 import tempfile
 import threading
 import time
@@ -34,7 +35,7 @@ import torch
 
 from infinite_llm.daemon.local_cluster import LocalCluster, passkey_prompt
 from infinite_llm.transport.interface import PeerAddress, TransportConfig
-from infinite_llm.transport.messages import MoveKV
+from infinite_llm.transport.messages import Echo, MoveKV
 
 BLOCK_SIZE = 16
 
@@ -119,8 +120,11 @@ def split_case(num_instances: int, context_blocks: int, prompt: str, new_tokens:
             "decode_tokens": tokens, "latencies": latencies}
 
 
-async def leader_moves(address: PeerAddress, req_id: int, num_blocks: int, stop: threading.Event,
-                       dst: int) -> tuple[int, int]:
+async def leader_moves(address: PeerAddress, req_id_of: "queue.Queue[int]", num_blocks: int,
+                       ready: threading.Event, stop: threading.Event, dst: int) -> tuple[int, int]:
+    """A leader's MoveKV commands, back to back, for the request whose id arrives on
+    ``req_id_of``; its transport is up (``ready``) before the request starts, so that the moves
+    cover the whole decode, however short."""
     from infinite_llm.transport.ucx import UcxTransport
 
     transport = UcxTransport(TransportConfig(request_timeout_s=60.0))
@@ -129,6 +133,9 @@ async def leader_moves(address: PeerAddress, req_id: int, num_blocks: int, stop:
         raise ValueError("the leader serves nothing here")
 
     await transport.start(nothing)
+    await transport.request(address, Echo(torch.zeros(1, dtype=torch.uint8)))  # connected before timing
+    ready.set()
+    req_id = await asyncio.to_thread(req_id_of.get, True, 600)
     done = failed = 0
     try:
         move_id = 0
@@ -160,21 +167,23 @@ def move_case(context_blocks: int, prompt: str, new_tokens: int, blocks_per_move
             member = json.loads((cluster.state_dir / "members" / "1.json").read_text())
             address = PeerAddress(member["peer_host"], member["peer_port"])
             events: list[tuple[float, dict]] = []
-            stop = threading.Event()
+            ready, stop = threading.Event(), threading.Event()
+            req_id_of: queue.Queue[int] = queue.Queue()
             result: dict = {}
 
-            def requester() -> None:
-                for event in cluster[1].stream(prompt, max_tokens=new_tokens, ignore_eos=True):
-                    events.append((time.perf_counter(), event))
-                stop.set()
+            def leader() -> None:
+                result["moves"] = asyncio.run(leader_moves(address, req_id_of, blocks_per_move, ready, stop, dst=2))
 
-            thread = threading.Thread(target=requester)
-            thread.start()
-            while len(events) < 2 and thread.is_alive():
-                time.sleep(0.005)
-            req_id = int(events[0][1]["request_id"])
-            result["moves"] = asyncio.run(leader_moves(address, req_id, blocks_per_move, stop, dst=2))
-            thread.join()
+            leader_thread = threading.Thread(target=leader)
+            leader_thread.start()
+            if not ready.wait(120):
+                raise RuntimeError("the benchmark's leader transport did not start")
+            for event in cluster[1].stream(prompt, max_tokens=new_tokens, ignore_eos=True):
+                events.append((time.perf_counter(), event))
+                if len(events) == 1:
+                    req_id_of.put(int(event["request_id"]))
+            stop.set()
+            leader_thread.join(timeout=120)
             with_moves, tokens = decode_rate(events)
         finally:
             cluster.stop()

@@ -60,10 +60,12 @@ class FrameLimits:
 
     max_header_bytes: int = 1 << 20  # whole header: preamble + json + inline, bytes
     inline_limit_bytes: int = 8192  # host buffers inlined into the header, bytes (sender side)
-    # Device buffers staged through host memory and inlined, bytes (sender side). UCX moves a
-    # small CUDA buffer with a fixed cost of ~0.2 ms (IPC handles, rendezvous; measured on the
-    # H200) that a device-to-host copy plus a host send undercuts; large ones go GPU-to-GPU.
-    inline_cuda_limit_bytes: int = 256 << 10
+    # Device buffers staged through host memory and inlined, bytes (sender side). On the H200
+    # machine a 1 KiB device round trip took 0.76-0.91 ms staged against 0.86-1.15 ms sent
+    # GPU-to-GPU, while from 16 KiB up the copies through pageable host memory cost more than
+    # they save (64 KiB: 1.19-1.50 ms staged, 0.82-1.34 ms not): a decode step's query rows
+    # (8 KiB for 32 heads of 128 in bf16) are staged, attend results and KV blocks are not.
+    inline_cuda_limit_bytes: int = 8 << 10
     max_buffers: int = 4096  # buffers per frame
     max_buffer_bytes: int = 1 << 32  # one buffer, bytes
     max_total_buffer_bytes: int = 1 << 34  # all buffers of a frame, bytes
