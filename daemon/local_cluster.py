@@ -13,12 +13,13 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import http.client
 import socket
@@ -180,3 +181,41 @@ def passkey_prompt(num_items: int, key_item: int = 42) -> str:
     colours = ["red", "blue", "green", "amber"]
     doc = " ".join(f"Item {i}: the colour of box {i} is {colours[i % 4]}." for i in range(num_items))
     return doc + f" Question: what is the colour of box {key_item}? Answer: The colour of box {key_item} is"
+
+
+class Generation:
+    """One greedy request (``ignore_eos``) streamed from an instance in a thread; keeps its
+    tokens, finish reason and error. Every wait is bounded by ``timeout_s``."""
+
+    def __init__(self, instance: Instance, prompt: str, max_tokens: int, timeout_s: float = 120.0) -> None:
+        self.tokens: list[int] = []
+        self.finish_reason: str | None = None
+        self.error: BaseException | None = None
+        self.timeout_s = timeout_s
+        self.thread = threading.Thread(target=self._run, args=(instance, prompt, max_tokens), daemon=True)
+        self.thread.start()
+
+    def _run(self, instance: Instance, prompt: str, max_tokens: int) -> None:
+        try:
+            for step in instance.stream(prompt, timeout=self.timeout_s, max_tokens=max_tokens, ignore_eos=True):
+                self.tokens.extend(step["token_ids"])
+                self.finish_reason = step.get("finish_reason") or self.finish_reason
+        except BaseException as exc:  # reported by join
+            self.error = exc
+
+    def join(self) -> list[int]:
+        self.thread.join(timeout=self.timeout_s)
+        assert not self.thread.is_alive() and self.error is None, self.error
+        return self.tokens
+
+
+def wait_for(what: str, condition: Callable[[], Any], timeout_s: float = 120.0, interval_s: float = 0.1) -> Any:
+    """Poll ``condition`` until it returns something true (returned); TimeoutError naming
+    ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise TimeoutError(f"{what} within {timeout_s} s")

@@ -17,6 +17,8 @@ import heapq
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
+import numpy as np
+
 
 class OutOfBlocks(RuntimeError):
     """An allocation or move asked for more free blocks than the instance has."""
@@ -88,17 +90,18 @@ class BlockAllocator:
             raise OutOfBlocks(
                 f"instance {self.instance_id} has {len(self._free)} free blocks, {num_blocks} were asked for"
             )
-        free = sorted(self._free)
-        start = 0
-        for i in range(1, len(free) + 1):
-            if i - start == num_blocks:
-                ids = free[start:i]
-                chosen = set(ids)
-                self._free = [b for b in free if b not in chosen]  # sorted: still a heap
-                self._used.update(ids)
-                return ids
-            if i < len(free) and free[i] != free[i - 1] + 1:
-                start = i
+        # Sorted runs found in numpy: a creditor's pool may have 10^5 free blocks, and this
+        # runs on its event loop.
+        free = np.sort(np.fromiter(self._free, dtype=np.int64, count=len(self._free)))
+        breaks = np.flatnonzero(np.diff(free) != 1) + 1
+        starts = np.concatenate(([0], breaks))
+        long_enough = np.flatnonzero(np.diff(np.append(starts, len(free))) >= num_blocks)
+        if long_enough.size:
+            start = int(starts[long_enough[0]])
+            ids = free[start:start + num_blocks].tolist()
+            self._free = np.concatenate((free[:start], free[start + num_blocks:])).tolist()  # sorted: a heap
+            self._used.update(ids)
+            return ids
         return self.allocate(num_blocks)
 
     def free(self, block_ids: Iterable[int]) -> None:

@@ -861,15 +861,9 @@ class AdminApp:
         return web.json_response(self.gmanager.instance_status(record, now_s))
 
     async def post_rebalance(self, request: web.Request) -> web.Response:
-        try:
-            body = json.loads(await request.read() or b"{}")
-        except ValueError as err:
-            return _error(400, f"body is not JSON: {err}")
-        if not isinstance(body, dict):
-            return _error(400, "body must be a JSON object")
-        unknown = sorted(set(body) - {"dry_run"})
-        if unknown:
-            return _error(400, f"unknown fields: {', '.join(unknown)}")
+        body = await _json_object(request, required=set(), optional={"dry_run"})
+        if isinstance(body, web.Response):
+            return body
         dry_run = body.get("dry_run", False)
         if not isinstance(dry_run, bool):
             return _error(400, f"dry_run must be true or false, got {dry_run!r}")
@@ -886,7 +880,8 @@ def _error(status: int, detail: str) -> web.Response:
 
 
 async def _json_object(request: web.Request, required: set[str], optional: set[str]) -> dict[str, Any] | web.Response:
-    """The body as a JSON object with an integer ``instance_id``, or the 400 answer."""
+    """The body as a JSON object with only the given fields (``instance_id``, where present,
+    an integer), or the 400 answer."""
     try:
         body = json.loads(await request.read() or b"{}")
     except ValueError as err:

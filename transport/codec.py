@@ -413,18 +413,8 @@ def check_destinations(header: FrameHeader, destinations: typing.Sequence[WireAr
 
 
 def fill_inline(header: FrameHeader, destinations: typing.Sequence[WireArray]) -> None:
-    """Copy the inline buffers out of the header into their destinations."""
-    offset = 0
-    for dest, spec, inline in zip(destinations, header.specs, header.inline):
-        if not inline or spec.nbytes == 0:
-            continue
-        view = wire_view(dest)
-        chunk = header.inline_bytes[offset:offset + spec.nbytes]
-        if hasattr(view, "__cuda_array_interface__"):
-            _copy_host_to_device(view, chunk)
-        else:
-            view[:] = memoryview(chunk)
-        offset += spec.nbytes
+    """Copy the inline buffers out of the header into their destinations (checked first)."""
+    land_inline(header, destinations)
 
 
 def _copy_host_to_device(view: object, chunk: bytes) -> None:

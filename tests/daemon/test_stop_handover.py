@@ -15,14 +15,13 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from infinite_llm.daemon.local_cluster import Instance, LocalCluster, passkey_prompt
+from infinite_llm.daemon.local_cluster import Generation, Instance, LocalCluster, passkey_prompt, wait_for
 from infinite_llm.engine.config import EngineConfig
 from infinite_llm.engine.engine import LLMEngine
 from infinite_llm.engine.loader import load_checkpoint
@@ -45,40 +44,6 @@ STRANDED_TOKENS = 250
 DRAIN_S = 60.0  # instances 1 and 2
 SHORT_DRAIN_S = 4.0  # instance 3
 WAIT_S = 120.0
-
-
-class Generation:
-    """One greedy request streamed from an instance in a thread; keeps its tokens."""
-
-    def __init__(self, instance: Instance, prompt: str, max_tokens: int) -> None:
-        self.tokens: list[int] = []
-        self.finish_reason: str | None = None
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, args=(instance, prompt, max_tokens), daemon=True)
-        self.thread.start()
-
-    def _run(self, instance: Instance, prompt: str, max_tokens: int) -> None:
-        try:
-            for step in instance.stream(prompt, timeout=WAIT_S, max_tokens=max_tokens, ignore_eos=True):
-                self.tokens.extend(step["token_ids"])
-                self.finish_reason = step.get("finish_reason") or self.finish_reason
-        except BaseException as exc:  # reported by the test
-            self.error = exc
-
-    def join(self) -> list[int]:
-        self.thread.join(timeout=WAIT_S)
-        assert not self.thread.is_alive() and self.error is None, self.error
-        return self.tokens
-
-
-def wait_for(what: str, condition, timeout_s: float = WAIT_S, interval_s: float = 0.1):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(interval_s)
-    raise TimeoutError(f"{what} within {timeout_s} s")
 
 
 def decoding_with_kv_on(instance: Instance, run: Generation, creditor: int) -> bool:

@@ -10,13 +10,11 @@ instance 2 ends with no block in use and safe to stop.
 
 from __future__ import annotations
 
-import threading
-import time
 
 import pytest
 import torch
 
-from infinite_llm.daemon.local_cluster import LocalCluster, passkey_prompt
+from infinite_llm.daemon.local_cluster import Generation, LocalCluster, passkey_prompt, wait_for
 from infinite_llm.engine.config import EngineConfig
 from infinite_llm.engine.engine import LLMEngine
 from infinite_llm.engine.loader import load_checkpoint
@@ -30,39 +28,6 @@ LONG_PROMPT = passkey_prompt(75)
 LONG_TOKENS = 120
 SHORT_PROMPT = passkey_prompt(10, key_item=3)  # about 10 blocks, on instance 2
 SHORT_TOKENS = 64
-WAIT_S = 120.0
-
-
-class Generation:
-    """One greedy request streamed from an instance in a thread; keeps its tokens."""
-
-    def __init__(self, instance, prompt: str, max_tokens: int) -> None:
-        self.tokens: list[int] = []
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, args=(instance, prompt, max_tokens), daemon=True)
-        self.thread.start()
-
-    def _run(self, instance, prompt: str, max_tokens: int) -> None:
-        try:
-            for step in instance.stream(prompt, timeout=WAIT_S, max_tokens=max_tokens, ignore_eos=True):
-                self.tokens.extend(step["token_ids"])
-        except BaseException as exc:  # reported by the test
-            self.error = exc
-
-    def join(self) -> list[int]:
-        self.thread.join(timeout=WAIT_S)
-        assert not self.thread.is_alive() and self.error is None, self.error
-        return self.tokens
-
-
-def wait_for(what: str, condition, timeout_s: float = WAIT_S, interval_s: float = 0.1):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(interval_s)
-    raise TimeoutError(f"{what} within {timeout_s} s")
 
 
 def decoding_request(instance, min_tokens: int) -> dict | None:
