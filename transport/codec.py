@@ -44,6 +44,7 @@ from infinite_llm.transport.tensors import (
     is_cuda,
     nbytes_of,
     spec_of,
+    wait_for_producers,
     wire_view,
 )
 
@@ -175,7 +176,9 @@ def encode(
     """The frame of ``message``. Tensors must be C-contiguous; nothing is copied except the
     small buffers that go inline: host buffers up to ``inline_limit_bytes`` in all, device
     buffers up to ``inline_cuda_limit_bytes`` in all (copied to the host first, which waits for
-    the current CUDA stream)."""
+    the current CUDA stream). A frame with device buffers that UCX reads in place waits for
+    the current stream of their devices: UCX's copies run on streams of its own, which would
+    not otherwise wait for the kernels that wrote those buffers."""
     cls = type(message)
     fields: dict[str, object] = {}
     tensor_specs: dict[str, object] = {}
@@ -197,6 +200,7 @@ def encode(
     inline_parts: list[bytes] = []
     wire_buffers: list[object] = []
     inline_total = inline_host = inline_cuda = 0
+    posted_device_arrays: list[WireArray] = []
     for array in arrays:
         nbytes = nbytes_of(array)
         on_device = is_cuda(array)
@@ -214,6 +218,10 @@ def encode(
                 inline_host += nbytes
         elif nbytes > 0:  # an empty buffer is never sent
             wire_buffers.append(wire_view(array))
+            if on_device:
+                posted_device_arrays.append(array)
+    if posted_device_arrays:
+        wait_for_producers(posted_device_arrays)
 
     body = orjson.dumps({
         "t": cls.TYPE, "v": cls.VERSION, "id": msg_id, "re": reply_to,

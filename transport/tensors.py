@@ -86,6 +86,16 @@ def wire_view(array: WireArray) -> object:
     raise TypeError(f"cannot send a {type(array).__name__}")
 
 
+def wait_for_producers(device_arrays: list[WireArray]) -> None:
+    """Wait until the kernels queued to write these device arrays are done: the current torch
+    stream of each array's device. (A cupy array made on a stream of its own is its producer's
+    to synchronise.)"""
+    devices = {array.device.index if isinstance(array, torch.Tensor) else torch.cuda.current_device()
+               for array in device_arrays}
+    for index in devices:
+        torch.cuda.current_stream(index).synchronize()
+
+
 def nbytes_of(array: WireArray) -> int:
     if isinstance(array, torch.Tensor):
         return array.numel() * array.element_size()
