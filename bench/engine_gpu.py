@@ -39,13 +39,13 @@ TINY = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2
             head_dim=32)
 
 
-def _config(shape: dict, max_position: int) -> ModelConfig:
+def llama_config(shape: dict, max_position: int) -> ModelConfig:
     return ModelConfig(architecture="llama", rms_norm_eps=1e-5, rope_theta=500000.0, max_position=max_position,
                        tie_word_embeddings=False, rope_scaling=RopeScaling(
                            kind="llama3", factor=8.0, original_max_position=8192), **shape)
 
 
-def _random_weights(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def random_weights(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, device=device, dtype=dtype) * 0.02
 
@@ -163,8 +163,8 @@ def main() -> None:
     contexts = args.contexts or ([64, 256] if args.tiny else [4096, 32768, 131072])
     lengths = args.prefill_lengths or ([128, 256] if args.tiny else [8192, 32768])
     max_position = max(contexts + lengths) + 1
-    config = _config(shape, max_position)
-    model = LlamaModel(config, _random_weights(config, device, dtype), device=device, dtype=dtype,
+    config = llama_config(shape, max_position)
+    model = LlamaModel(config, random_weights(config, device, dtype), device=device, dtype=dtype,
                        max_position=max_position)
     measure = _timer(device)
     itemsize = torch.empty((), dtype=dtype).element_size()
