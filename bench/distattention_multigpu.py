@@ -82,6 +82,7 @@ class Args:
     port: int
     out: str
     with_one_gpu: bool  # time the home alone over all N tokens (it then holds them all)
+    inline_cuda_limits: list[int]  # UCX method once per limit; the first is the reported one
 
 
 # --- KV of the request -----------------------------------------------------------------------
@@ -325,6 +326,26 @@ class ServedShard:
         self.attention = CreditorAttention(ledger, pool, NUM_HEADS)
 
 
+def nccl_latency(device: torch.device, group, parts: int, repeats: int = 200) -> dict:
+    """Anchors of the NCCL methods' communication in the same run: a broadcast of one query
+    (8 KiB in bf16) and an all-gather of one partial result, microseconds each."""
+    q = torch.zeros(1, NUM_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=device)
+    part = torch.zeros(1, NUM_HEADS, HEAD_DIM + 1, dtype=torch.float32, device=device)
+    gathered = [torch.empty_like(part) for _ in range(parts)]
+    result = {}
+    for name, op in (("nccl_broadcast_8k_us", lambda: dist.broadcast(q, HOME, group=group)),
+                     ("nccl_all_gather_16k_us", lambda: dist.all_gather(gathered, part, group=group))):
+        op()
+        dist.barrier(group=group)
+        sync(device)
+        started = time.perf_counter()
+        for _ in range(repeats):
+            op()
+        sync(device)
+        result[name] = (time.perf_counter() - started) / repeats * 1e6
+    return result
+
+
 # --- one rank ----------------------------------------------------------------------------------
 
 
@@ -364,6 +385,7 @@ def worker(args: Args) -> None:
 
 async def worker_main(args: Args, device: torch.device, groups: dict) -> None:
     from infinite_llm.transport import messages as m
+    from infinite_llm.transport.codec import FrameLimits
     from infinite_llm.transport.interface import PeerAddress, TransportConfig
     from infinite_llm.transport.ucx import UcxTransport
 
@@ -377,12 +399,16 @@ async def worker_main(args: Args, device: torch.device, groups: dict) -> None:
             return m.EchoReply(message.payload)
         return None
 
-    transport = UcxTransport(TransportConfig(host="127.0.0.1", request_timeout_s=60.0, frame_timeout_s=60.0,
-                                             receive_device=str(device)))
-    await transport.start(handle)
-    gathered: list = [None] * args.world
-    dist.all_gather_object(gathered, (transport.address.host, transport.address.port))
-    addresses = [PeerAddress(h, p) for h, p in gathered]
+    # One transport per staging limit (device buffers up to it travel inline through the host).
+    transports = {}
+    for limit in args.inline_cuda_limits:
+        transport = UcxTransport(TransportConfig(
+            host="127.0.0.1", request_timeout_s=60.0, frame_timeout_s=60.0, receive_device=str(device),
+            limits=FrameLimits(inline_cuda_limit_bytes=limit)))
+        await transport.start(handle)
+        gathered: list = [None] * args.world
+        dist.all_gather_object(gathered, (transport.address.host, transport.address.port))
+        transports[limit] = (transport, [PeerAddress(h, p) for h, p in gathered])
 
     rows = []
     for parts in args.parts:
@@ -393,7 +419,7 @@ async def worker_main(args: Args, device: torch.device, groups: dict) -> None:
                 continue
             shards = Shards(args, device, context, parts)
             sync(device)
-            case: dict = {"parts": parts, "context": context}
+            case: dict = {"parts": parts, "context": context, **nccl_latency(device, group, parts)}
             outputs = {}
             if args.rank == HOME and args.with_one_gpu:
                 seconds, out = run_one_gpu(args, shards, context)
@@ -408,10 +434,12 @@ async def worker_main(args: Args, device: torch.device, groups: dict) -> None:
             seconds, out = run_distattention_nccl(args, shards, group, parts)
             case["distattention_nccl_us"], outputs["distattention_nccl"] = seconds * 1e6, out
             dist.barrier(group=group)
-            result = await ucx_case(args, shards, parts, transport, addresses, holder)
-            if result is not None:
-                case["distattention_ucx_us"], outputs["distattention_ucx"] = result[0] * 1e6, result[1]
-            dist.barrier(group=group)
+            for limit, (transport, addresses) in transports.items():
+                result = await ucx_case(args, shards, parts, transport, addresses, holder)
+                if result is not None:
+                    suffix = "" if limit == args.inline_cuda_limits[0] else f"_inline{limit // 1024}k"
+                    case[f"distattention_ucx{suffix}_us"], outputs[f"distattention_ucx{suffix}"] = result[0] * 1e6, result[1]
+                dist.barrier(group=group)
             if args.rank == HOME:
                 reference = outputs["head_parallel"]
                 case["max_abs_diff"] = {name: float((o - reference).abs().max()) for name, o in outputs.items()}
@@ -421,7 +449,8 @@ async def worker_main(args: Args, device: torch.device, groups: dict) -> None:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             dist.barrier()
-    await transport.close()
+    for transport, _ in transports.values():
+        await transport.close()
     if args.rank == HOME:
         Path(args.out).write_text(json.dumps(rows))
 
@@ -462,6 +491,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help="timed steps of 32 layers per method")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--no-one-gpu", action="store_true", help="skip the one-GPU anchor (it holds all KV)")
+    parser.add_argument("--inline-cuda-limits", default="8192",
+                        help="device bytes a frame stages through the host; the UCX method runs once per value, "
+                             "the first is the transport's default")
     parser.add_argument("--out", default="")
     parser.add_argument("--worker-rank", type=int, default=-1, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
@@ -477,17 +509,19 @@ def main() -> None:
             if c % (p * ns.block_size):
                 sys.exit(f"context {c} is not a multiple of P * block size ({p} * {ns.block_size})")
     dtype = torch.bfloat16 if ns.device == "cuda" else torch.float32
+    limits = [int(v) for v in ns.inline_cuda_limits.split(",")]
 
     if ns.worker_rank >= 0:
         worker(Args(ns.device, world, ns.worker_rank, contexts, parts, ns.layers, ns.steps, ns.block_size, dtype,
-                    ns.port, ns.rows_out, with_one_gpu=not ns.no_one_gpu))
+                    ns.port, ns.rows_out, with_one_gpu=not ns.no_one_gpu, inline_cuda_limits=limits))
         return
 
     port = free_port()
     rows_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"distattention-{os.getpid()}.json"
     command = [sys.executable, __file__, "--device", ns.device, "--world", str(world), "--contexts", ns.contexts,
                "--parts", ",".join(map(str, parts)), "--layers", str(ns.layers), "--steps", str(ns.steps),
-               "--block-size", str(ns.block_size), "--port", str(port), "--rows-out", str(rows_path)]
+               "--block-size", str(ns.block_size), "--port", str(port), "--rows-out", str(rows_path),
+               "--inline-cuda-limits", ns.inline_cuda_limits]
     if ns.no_one_gpu:
         command.append("--no-one-gpu")
     procs = [subprocess.Popen(command + ["--worker-rank", str(r)]) for r in range(world)]

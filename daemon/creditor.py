@@ -70,7 +70,7 @@ class CreditorAttention:
         """Partial attention of the request's rows over the held segments.
 
         ``request.q``: ``[num_rows, num_heads, head_dim]``; the result's ``out`` has that shape
-        (float32) and ``lse`` is ``[num_rows, num_heads]`` float32, natural log.
+        (the pool's dtype) and ``lse`` is ``[num_rows, num_heads]`` float32, natural log.
         """
         if not 0 <= request.layer < self.kv_pool.shape[1]:
             raise AttendError(f"layer {request.layer} outside [0, {self.kv_pool.shape[1]})")
@@ -80,7 +80,11 @@ class CreditorAttention:
         if tuple(q.shape[1:]) != (self.num_heads, self.kv_pool.shape[5]):
             raise AttendError(f"q has shape {list(q.shape)}; this model has {self.num_heads} heads of dim {self.kv_pool.shape[5]}")
         plan = self._plan(request)
-        state = run_micro_attention(plan, q, self.kv_pool, request.layer, sm_scale=self.sm_scale, out_dtype=torch.float32)
+        # The partial output in the model's dtype, as the message says: half the bytes of float32
+        # (a decode row of Llama-3-8B then fits the 8 KiB that travel inline, 3x faster between
+        # two H200s than through CUDA IPC); the home merges in float32.
+        state = run_micro_attention(plan, q, self.kv_pool, request.layer, sm_scale=self.sm_scale,
+                                    out_dtype=self.kv_pool.dtype)
         return AttendResult(request.home_inst_id, request.creditor_inst_id, request.step_id, request.layer,
                             state.out, state.lse)
 

@@ -203,7 +203,8 @@ class APBConfig:
 class HostPrefill:
     """What one host keeps after prefilling its rows.
 
-    kv: per layer, ``(k, v)`` each ``[num_rows, num_kv_heads, head_dim]``, the host's own rows
+    kv: per layer, ``(k, v)`` each ``[num_rows, num_kv_heads, head_dim]`` and contiguous (not
+        views of the projection's output, which would keep it alive), the host's own rows
         (positions in ``positions``): the request's segment(s) on this host.
     positions: ``[num_rows]`` int64, the absolute positions of those rows.
     hidden: ``[num_rows, hidden]``, the residual stream after the last layer.
@@ -304,7 +305,7 @@ async def apb_prefill(model: LlamaModel, group: HostGroup, chunk_ids: torch.Tens
             parts.append(attention_with_lse(q[block_len:], prefix_k, prefix_v, causal=False, sm_scale=model.sm_scale))
         attn_out = torch.cat([block_out, _merge(parts, q.dtype)])
         hidden = model.post_attention(layer, hidden, attn_out)
-        kept.append((k_local, v_local))
+        kept.append((k_local.contiguous(), v_local.contiguous()))
     return HostPrefill(kept, local_pos, hidden[block_len:])
 
 
@@ -348,7 +349,7 @@ async def ring_prefill(model: LlamaModel, group: HostGroup, prompt_ids: torch.Te
                 held = await passing
         attn_out = torch.cat([_merge(p, q.dtype) for p in parts])
         hidden = model.post_attention(layer, hidden, attn_out)
-        kept.append((k, v))
+        kept.append((k, v.contiguous()))
     return HostPrefill(kept, positions, hidden)
 
 
@@ -362,5 +363,5 @@ async def exact_prefill(model: LlamaModel, prompt_ids: torch.Tensor) -> HostPref
         q, k, v = model.pre_attention(layer, hidden, positions)
         out = attention_with_lse(q, k, v, causal=True, sm_scale=model.sm_scale).out
         hidden = model.post_attention(layer, hidden, out)
-        kept.append((k, v))
+        kept.append((k, v.contiguous()))
     return HostPrefill(kept, positions, hidden)
