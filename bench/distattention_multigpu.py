@@ -82,7 +82,7 @@ class Args:
     port: int
     out: str
     with_one_gpu: bool  # time the home alone over all N tokens (it then holds them all)
-    inline_cuda_limits: list[int]  # UCX method once per limit; the first is the reported one
+    ucx_variants: list[tuple[int, float]]  # (staging limit, spin s) per UCX run; the first is reported
 
 
 # --- KV of the request -----------------------------------------------------------------------
@@ -399,16 +399,17 @@ async def worker_main(args: Args, device: torch.device, groups: dict) -> None:
             return m.EchoReply(message.payload)
         return None
 
-    # One transport per staging limit (device buffers up to it travel inline through the host).
+    # One transport per variant: staging limit (device buffers up to it travel inline through
+    # the host) and spin (how long a wait polls UCX before it sleeps).
     transports = {}
-    for limit in args.inline_cuda_limits:
+    for limit, spin_s in args.ucx_variants:
         transport = UcxTransport(TransportConfig(
             host="127.0.0.1", request_timeout_s=60.0, frame_timeout_s=60.0, receive_device=str(device),
-            limits=FrameLimits(inline_cuda_limit_bytes=limit)))
+            spin_s=spin_s, limits=FrameLimits(inline_cuda_limit_bytes=limit)))
         await transport.start(handle)
         gathered: list = [None] * args.world
         dist.all_gather_object(gathered, (transport.address.host, transport.address.port))
-        transports[limit] = (transport, [PeerAddress(h, p) for h, p in gathered])
+        transports[(limit, spin_s)] = (transport, [PeerAddress(h, p) for h, p in gathered])
 
     rows = []
     for parts in args.parts:
@@ -434,10 +435,11 @@ async def worker_main(args: Args, device: torch.device, groups: dict) -> None:
             seconds, out = run_distattention_nccl(args, shards, group, parts)
             case["distattention_nccl_us"], outputs["distattention_nccl"] = seconds * 1e6, out
             dist.barrier(group=group)
-            for limit, (transport, addresses) in transports.items():
+            for (limit, spin_s), (transport, addresses) in transports.items():
+                transport.set_spin(spin_s)  # loop-wide: the creditors' waits spin as long
                 result = await ucx_case(args, shards, parts, transport, addresses, holder)
                 if result is not None:
-                    suffix = "" if limit == args.inline_cuda_limits[0] else f"_inline{limit // 1024}k"
+                    suffix = "" if (limit, spin_s) == args.ucx_variants[0] else f"_inline{limit // 1024}k_spin{spin_s * 1e6:.0f}us"
                     case[f"distattention_ucx{suffix}_us"], outputs[f"distattention_ucx{suffix}"] = result[0] * 1e6, result[1]
                 dist.barrier(group=group)
             if args.rank == HOME:
@@ -494,6 +496,8 @@ def main() -> None:
     parser.add_argument("--inline-cuda-limits", default="8192",
                         help="device bytes a frame stages through the host; the UCX method runs once per value, "
                              "the first is the transport's default")
+    parser.add_argument("--spin-s", default="0.0005",
+                        help="UCX spin before a wait sleeps, s; the UCX method runs once per value (and limit)")
     parser.add_argument("--out", default="")
     parser.add_argument("--worker-rank", type=int, default=-1, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
@@ -509,11 +513,11 @@ def main() -> None:
             if c % (p * ns.block_size):
                 sys.exit(f"context {c} is not a multiple of P * block size ({p} * {ns.block_size})")
     dtype = torch.bfloat16 if ns.device == "cuda" else torch.float32
-    limits = [int(v) for v in ns.inline_cuda_limits.split(",")]
+    variants = [(int(limit), float(spin)) for limit in ns.inline_cuda_limits.split(",") for spin in ns.spin_s.split(",")]
 
     if ns.worker_rank >= 0:
         worker(Args(ns.device, world, ns.worker_rank, contexts, parts, ns.layers, ns.steps, ns.block_size, dtype,
-                    ns.port, ns.rows_out, with_one_gpu=not ns.no_one_gpu, inline_cuda_limits=limits))
+                    ns.port, ns.rows_out, with_one_gpu=not ns.no_one_gpu, ucx_variants=variants))
         return
 
     port = free_port()
@@ -521,7 +525,7 @@ def main() -> None:
     command = [sys.executable, __file__, "--device", ns.device, "--world", str(world), "--contexts", ns.contexts,
                "--parts", ",".join(map(str, parts)), "--layers", str(ns.layers), "--steps", str(ns.steps),
                "--block-size", str(ns.block_size), "--port", str(port), "--rows-out", str(rows_path),
-               "--inline-cuda-limits", ns.inline_cuda_limits]
+               "--inline-cuda-limits", ns.inline_cuda_limits, "--spin-s", ns.spin_s]
     if ns.no_one_gpu:
         command.append("--no-one-gpu")
     procs = [subprocess.Popen(command + ["--worker-rank", str(r)]) for r in range(world)]

@@ -213,6 +213,15 @@ class UcxTransport:
             raise RuntimeError("transport not started")
         return self._address
 
+    def set_spin(self, spin_s: float) -> None:
+        """Change how long waits spin before they sleep, s. It holds for every transport of this
+        event loop (they share one UCX worker and its waits)."""
+        if spin_s < 0:
+            raise ValueError(f"spin_s must be >= 0, got {spin_s}")
+        if self._progress is None:
+            raise RuntimeError("start the transport first")
+        self._progress.spin_s = spin_s
+
     async def start(self, handler: MessageHandler, placer: BufferPlacer | None = None) -> None:
         self._progress = _progress_for_loop(self._config.spin_s)
         self._handler = handler
