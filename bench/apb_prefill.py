@@ -34,8 +34,7 @@ os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.engine_gpu import LLAMA3_8B, TINY, llama_config, random_weights  # noqa: E402
+from infinite_llm.bench.engine_gpu import LLAMA3_8B, TINY, llama_config, random_weights  # noqa: E402
 from infinite_llm.engine.model import LlamaModel  # noqa: E402
 from infinite_llm.engine.seq_parallel import (  # noqa: E402
     APBConfig,
