@@ -12,6 +12,8 @@ decode throughput is compared with the same cluster and request without moves.
 
     python bench/daemon.py                  # the CPU (SmolLM2-135M)
     python bench/daemon.py --device cuda    # one GPU shared by the processes
+    python bench/daemon.py --device cuda --spread-gpus --model /tmp/llama1b --context-items 8500 \
+        --max-num-batched-tokens 8192          # instance i on GPU i mod count, a 128K-token request
 
 Writes ``bench/results/daemon-<gpu or cpu>.json``.
 """
@@ -94,18 +96,28 @@ def run_request(cluster: LocalCluster, prompt: str, new_tokens: int, placements:
     return events
 
 
+def instance_devices(device: str, num_instances: int, spread: bool) -> list[str]:
+    """Every instance on ``device``, or with ``spread`` instance i on GPU i mod the GPU count."""
+    if not spread:
+        return [device] * num_instances
+    return [f"cuda:{i % torch.cuda.device_count()}" for i in range(num_instances)]
+
+
 def split_case(num_instances: int, context_blocks: int, prompt: str, new_tokens: int, device: str,
-               extra_args: list[str], profile_dir: Path | None = None) -> dict:
+               extra_args: list[str], profile_dir: Path | None = None, spread: bool = False,
+               chunk_tokens: int = 128) -> dict:
     share = math.ceil(context_blocks / num_instances)
+    chunk_blocks = math.ceil(chunk_tokens / BLOCK_SIZE)
     if num_instances == 1:
-        pools = [context_blocks + 64]
+        pools = [context_blocks + max(64, chunk_blocks)]
     else:
         # The home keeps about one share (plus room for a prefill chunk); each creditor takes a share.
-        pools = [share + 10] + [share + 4] * (num_instances - 1)
+        pools = [share + chunk_blocks + 2] + [share + 4] * (num_instances - 1)
     with tempfile.TemporaryDirectory(prefix="infllm-bench-") as root:
         extra_env = {"INFLLM_PROFILE_DIR": str(profile_dir)} if profile_dir else None
         cluster = LocalCluster(Path(root), num_instances, pools[0], device=device, pool_blocks_per_instance=pools,
-                               extra_args=extra_args, extra_env=extra_env)
+                               extra_args=extra_args, extra_env=extra_env,
+                               devices=instance_devices(device, num_instances, spread))
         try:
             cluster.wait_ready()
             run_request(cluster, prompt, 4, [])  # warm-up
@@ -116,7 +128,8 @@ def split_case(num_instances: int, context_blocks: int, prompt: str, new_tokens:
             latencies = latency_means(before, histogram_totals(cluster))
         finally:
             cluster.stop()
-    return {"instances": num_instances, "pools": pools, "placement": placement, "decode_tokens_per_s": rate,
+    return {"instances": num_instances, "devices": instance_devices(device, num_instances, spread), "pools": pools,
+            "placement": placement, "decode_tokens_per_s": rate,
             "decode_tokens": tokens, "latencies": latencies}
 
 
@@ -154,11 +167,11 @@ async def leader_moves(address: PeerAddress, req_id_of: "queue.Queue[int]", num_
 
 
 def move_case(context_blocks: int, prompt: str, new_tokens: int, blocks_per_move: int, device: str,
-              extra_args: list[str]) -> dict:
-    pools = [context_blocks + 64, context_blocks + 64]
+              extra_args: list[str], spread: bool = False, chunk_blocks: int = 8) -> dict:
+    pools = [context_blocks + 64 + chunk_blocks, context_blocks + 64]
     with tempfile.TemporaryDirectory(prefix="infllm-bench-") as root:
         cluster = LocalCluster(Path(root), 2, pools[0], device=device, pool_blocks_per_instance=pools,
-                               extra_args=extra_args)
+                               extra_args=extra_args, devices=instance_devices(device, 2, spread))
         try:
             cluster.wait_ready()
             run_request(cluster, prompt, 4, [])  # warm-up
@@ -197,7 +210,7 @@ def move_case(context_blocks: int, prompt: str, new_tokens: int, blocks_per_move
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--context-items", type=int, default=130, help="passkey items (about 15 tokens each)")
+    parser.add_argument("--context-items", type=int, default=130, help="passkey items (about 16.5 tokens each)")
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
     parser.add_argument("--profile-dir", type=Path, default=None,
@@ -205,6 +218,10 @@ def main() -> None:
     parser.add_argument("--peer-spin-s", type=float, default=500e-6, help="the instances' --peer-spin-s")
     parser.add_argument("--mps", action="store_true",
                         help="record that the processes share the GPU through CUDA MPS (started by the caller)")
+    parser.add_argument("--spread-gpus", action="store_true", help="instance i on GPU i mod the GPU count")
+    parser.add_argument("--instances", default="1,2,3", help="the split cases, comma-separated")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=0,
+                        help="the instances' prefill chunk (default: the local cluster's)")
     parser.add_argument("--model", default=None,
                         help="GGUF file or Hugging Face folder (default: the embedded SmolLM2-135M)")
     args = parser.parse_args()
@@ -212,12 +229,18 @@ def main() -> None:
     if args.device == "cpu":
         os.environ.setdefault("UCX_TLS", "tcp,sm,self")
     prompt = passkey_prompt(args.context_items)
-    # Tokens are about 15 per item plus the question; blocks with room for the output.
-    context_blocks = math.ceil((15 * args.context_items + 40 + args.new_tokens) / BLOCK_SIZE)
+    # Tokens are about 16.5 per item (SmolLM2's tokenizer) plus the question; blocks with room for the output.
+    context_blocks = math.ceil((17 * args.context_items + 40 + args.new_tokens) / BLOCK_SIZE)
 
     extra_args = (["--model", args.model] if args.model else []) + ["--peer-spin-s", str(args.peer_spin_s)]
+    if args.max_num_batched_tokens:
+        extra_args += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    counts = [int(n) for n in args.instances.split(",")]
+    if counts[0] != 1:
+        raise SystemExit("--instances must start with 1 (the anchor)")
     splits = [split_case(n, context_blocks, prompt, args.new_tokens, args.device, extra_args,
-                         args.profile_dir if n == 2 else None) for n in (1, 2, 3)]
+                         args.profile_dir if n == 2 else None, args.spread_gpus,
+                         args.max_num_batched_tokens or 128) for n in counts]
     if args.profile_dir:
         import pstats
 
@@ -226,12 +249,14 @@ def main() -> None:
             pstats.Stats(str(path)).sort_stats("tottime").print_stats(22)
     for row in splits:
         row["vs_one_instance"] = row["decode_tokens_per_s"] / splits[0]["decode_tokens_per_s"]
-    moves = [move_case(context_blocks, prompt, args.new_tokens, k, args.device, extra_args) for k in (1, 2)]
+    moves = [move_case(context_blocks, prompt, args.new_tokens, k, args.device, extra_args, args.spread_gpus,
+                       math.ceil((args.max_num_batched_tokens or 128) / BLOCK_SIZE)) for k in (1, 2)]
 
     gpu = torch.cuda.get_device_name().replace(" ", "-") if args.device.startswith("cuda") else "cpu"
     report = {"device": gpu, "machine": platform.node(), "torch": torch.__version__, "model": args.model or "SmolLM2-135M-Instruct",
-              "cuda_mps": args.mps, "peer_spin_s": args.peer_spin_s, "context_blocks": context_blocks, "new_tokens": args.new_tokens, "splits": splits, "moves": moves}
-    suffix = (f"-{Path(args.model).name}" if args.model else "") + ("-mps" if args.mps else "") + (f"-spin{args.peer_spin_s:g}" if args.peer_spin_s != 500e-6 else "")
+              "cuda_mps": args.mps, "spread_gpus": args.spread_gpus, "peer_spin_s": args.peer_spin_s, "context_blocks": context_blocks, "new_tokens": args.new_tokens, "splits": splits, "moves": moves}
+    suffix = (f"-{Path(args.model).name}" if args.model else "") + ("-mps" if args.mps else "")
+    suffix += (f"-x{torch.cuda.device_count()}-{context_blocks * BLOCK_SIZE // 1024}k" if args.spread_gpus else "") + (f"-spin{args.peer_spin_s:g}" if args.peer_spin_s != 500e-6 else "")
     out = Path(args.out_dir) / f"daemon-{gpu}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
 import json
 import math
 import os
@@ -83,6 +84,7 @@ class Args:
     out: str
     with_one_gpu: bool  # time the home alone over all N tokens (it then holds them all)
     ucx_variants: list[tuple[int, float]]  # (staging limit, spin s) per UCX run; the first is reported
+    profile_dir: str  # where each rank writes a cProfile of its UCX runs; "" for none
 
 
 # --- KV of the request -----------------------------------------------------------------------
@@ -411,6 +413,8 @@ async def worker_main(args: Args, device: torch.device, groups: dict) -> None:
         dist.all_gather_object(gathered, (transport.address.host, transport.address.port))
         transports[(limit, spin_s)] = (transport, [PeerAddress(h, p) for h, p in gathered])
 
+    # cProfile of the UCX method alone, every rank (--profile-dir).
+    profile = cProfile.Profile() if args.profile_dir else None
     rows = []
     for parts in args.parts:
         group = groups[parts]
@@ -437,7 +441,11 @@ async def worker_main(args: Args, device: torch.device, groups: dict) -> None:
             dist.barrier(group=group)
             for (limit, spin_s), (transport, addresses) in transports.items():
                 transport.set_spin(spin_s)  # loop-wide: the creditors' waits spin as long
+                if profile is not None:
+                    profile.enable()
                 result = await ucx_case(args, shards, parts, transport, addresses, holder)
+                if profile is not None:
+                    profile.disable()
                 if result is not None:
                     suffix = "" if (limit, spin_s) == args.ucx_variants[0] else f"_inline{limit // 1024}k_spin{spin_s * 1e6:.0f}us"
                     case[f"distattention_ucx{suffix}_us"], outputs[f"distattention_ucx{suffix}"] = result[0] * 1e6, result[1]
@@ -453,6 +461,9 @@ async def worker_main(args: Args, device: torch.device, groups: dict) -> None:
             dist.barrier()
     for transport, _ in transports.values():
         await transport.close()
+    if profile is not None:
+        Path(args.profile_dir).mkdir(parents=True, exist_ok=True)
+        profile.dump_stats(Path(args.profile_dir) / f"ucx-rank{args.rank}.prof")
     if args.rank == HOME:
         Path(args.out).write_text(json.dumps(rows))
 
@@ -498,6 +509,7 @@ def main() -> None:
                              "the first is the transport's default")
     parser.add_argument("--spin-s", default="0.0005",
                         help="UCX spin before a wait sleeps, s; the UCX method runs once per value (and limit)")
+    parser.add_argument("--profile-dir", default="", help="write a cProfile of each rank's UCX runs here")
     parser.add_argument("--out", default="")
     parser.add_argument("--worker-rank", type=int, default=-1, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
@@ -517,7 +529,8 @@ def main() -> None:
 
     if ns.worker_rank >= 0:
         worker(Args(ns.device, world, ns.worker_rank, contexts, parts, ns.layers, ns.steps, ns.block_size, dtype,
-                    ns.port, ns.rows_out, with_one_gpu=not ns.no_one_gpu, ucx_variants=variants))
+                    ns.port, ns.rows_out, with_one_gpu=not ns.no_one_gpu, ucx_variants=variants,
+                    profile_dir=ns.profile_dir))
         return
 
     port = free_port()
@@ -525,7 +538,7 @@ def main() -> None:
     command = [sys.executable, __file__, "--device", ns.device, "--world", str(world), "--contexts", ns.contexts,
                "--parts", ",".join(map(str, parts)), "--layers", str(ns.layers), "--steps", str(ns.steps),
                "--block-size", str(ns.block_size), "--port", str(port), "--rows-out", str(rows_path),
-               "--inline-cuda-limits", ns.inline_cuda_limits, "--spin-s", ns.spin_s]
+               "--inline-cuda-limits", ns.inline_cuda_limits, "--spin-s", ns.spin_s, "--profile-dir", ns.profile_dir]
     if ns.no_one_gpu:
         command.append("--no-one-gpu")
     procs = [subprocess.Popen(command + ["--worker-rank", str(r)]) for r in range(world)]

@@ -105,9 +105,11 @@ class Instance:
 class LocalCluster:
     def __init__(self, root: Path, num_instances: int, pool_blocks: int, extra_args: list[str] | None = None,
                  extra_env: dict[str, str] | None = None, max_num_batched_tokens: int = 128,
-                 device: str = "cpu", pool_blocks_per_instance: list[int] | None = None) -> None:
+                 device: str = "cpu", pool_blocks_per_instance: list[int] | None = None,
+                 devices: list[str] | None = None) -> None:
         """``root`` holds the logs and the state folder; the sockets go to a folder of their own
-        that every user may traverse, as /run/infinite-llm is, so that tests can call as others."""
+        that every user may traverse, as /run/infinite-llm is, so that tests can call as others.
+        ``devices``: one device per instance (say ``cuda:0``, ``cuda:1``), else ``device`` for all."""
         self.root = root
         self.socket_dir = Path(tempfile.mkdtemp(prefix="infllm-"))
         self.socket_dir.chmod(0o755)
@@ -121,12 +123,15 @@ class LocalCluster:
         pools = pool_blocks_per_instance or [pool_blocks] * num_instances
         if len(pools) != num_instances:
             raise ValueError(f"{len(pools)} pool sizes for {num_instances} instances")
+        devices = devices or [device] * num_instances
+        if len(devices) != num_instances:
+            raise ValueError(f"{len(devices)} devices for {num_instances} instances")
         for inst_id in range(1, num_instances + 1):
             socket_path = self.socket_dir / f"infinited-{inst_id}.sock"
             log_path = root / f"infinited-{inst_id}.log"
             args = [sys.executable, "-m", "infinite_llm.daemon", "--instance-id", str(inst_id),
                     "--kv-pool-blocks", str(pools[inst_id - 1]), "--block-size", "16",
-                    "--max-num-batched-tokens", str(max_num_batched_tokens), "--device", device,
+                    "--max-num-batched-tokens", str(max_num_batched_tokens), "--device", devices[inst_id - 1],
                     "--http-port", "0", "--socket-path", str(socket_path), "--state-dir", str(self.state_dir),
                     "--peer-host", "127.0.0.1", *(extra_args or [])]
             with open(log_path, "w") as log:
