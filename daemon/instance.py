@@ -205,6 +205,10 @@ class InstanceDaemon:
         checkpoint = await asyncio.to_thread(load_checkpoint, c.model, show_progress=True)
         mc = checkpoint.config
         device = torch.device(c.device)
+        if device.type == "cuda" and device.index is not None:
+            # The event loop's thread runs the steps and serves attend requests: Triton launches
+            # and CUDA graph replays go to the thread's current device, which must be ours.
+            torch.cuda.set_device(device)
         dtype = c.dtype if c.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
         block_bytes = mc.num_layers * 2 * c.block_size * mc.num_kv_heads * mc.head_dim * _DTYPE_BYTES[dtype]
         pool_blocks = c.kv_pool_blocks or (c.kv_pool_bytes // block_bytes if c.kv_pool_bytes else 2048)

@@ -69,6 +69,10 @@ class LLMEngine:
         self.model_config = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
         self.device = torch.device(config.device)
+        if self.device.type == "cuda" and self.device.index is not None:
+            # CUDA's current device is per thread, and graph capture and Triton launches use it:
+            # the thread that builds the engine (and captures its graphs) works on its device.
+            torch.cuda.set_device(self.device)
         if config.dtype == "auto":
             self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         else:
