@@ -220,6 +220,7 @@ def main() -> None:
                         help="record that the processes share the GPU through CUDA MPS (started by the caller)")
     parser.add_argument("--spread-gpus", action="store_true", help="instance i on GPU i mod the GPU count")
     parser.add_argument("--instances", default="1,2,3", help="the split cases, comma-separated")
+    parser.add_argument("--no-moves", action="store_true", help="skip the cases of moves during decode")
     parser.add_argument("--max-num-batched-tokens", type=int, default=0,
                         help="the instances' prefill chunk (default: the local cluster's)")
     parser.add_argument("--model", default=None,
@@ -249,8 +250,9 @@ def main() -> None:
             pstats.Stats(str(path)).sort_stats("tottime").print_stats(22)
     for row in splits:
         row["vs_one_instance"] = row["decode_tokens_per_s"] / splits[0]["decode_tokens_per_s"]
-    moves = [move_case(context_blocks, prompt, args.new_tokens, k, args.device, extra_args, args.spread_gpus,
-                       math.ceil((args.max_num_batched_tokens or 128) / BLOCK_SIZE)) for k in (1, 2)]
+    moves = [] if args.no_moves else [
+        move_case(context_blocks, prompt, args.new_tokens, k, args.device, extra_args, args.spread_gpus,
+                  math.ceil((args.max_num_batched_tokens or 128) / BLOCK_SIZE)) for k in (1, 2)]
 
     gpu = torch.cuda.get_device_name().replace(" ", "-") if args.device.startswith("cuda") else "cpu"
     report = {"device": gpu, "machine": platform.node(), "torch": torch.__version__, "model": args.model or "SmolLM2-135M-Instruct",
