@@ -215,7 +215,8 @@ def main() -> None:
     parser.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
     parser.add_argument("--profile-dir", type=Path, default=None,
                         help="profile the daemons of the two-instance case (cProfile) and print where time goes")
-    parser.add_argument("--peer-spin-s", type=float, default=500e-6, help="the instances' --peer-spin-s")
+    parser.add_argument("--peer-spin-s", type=float, default=None,
+                        help="the instances' --peer-spin-s (default theirs: 0.02 s on a GPU, 0.0005 s on the CPU)")
     parser.add_argument("--mps", action="store_true",
                         help="record that the processes share the GPU through CUDA MPS (started by the caller)")
     parser.add_argument("--spread-gpus", action="store_true", help="instance i on GPU i mod the GPU count")
@@ -233,7 +234,8 @@ def main() -> None:
     # Tokens are 16.5-19 per item (SmolLM2's tokenizer; more as the numbers grow) plus the question; blocks with room for the output.
     context_blocks = math.ceil((19 * args.context_items + 40 + args.new_tokens) / BLOCK_SIZE)
 
-    extra_args = (["--model", args.model] if args.model else []) + ["--peer-spin-s", str(args.peer_spin_s)]
+    extra_args = (["--model", args.model] if args.model else [])
+    extra_args += ["--peer-spin-s", str(args.peer_spin_s)] if args.peer_spin_s is not None else []
     if args.max_num_batched_tokens:
         extra_args += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     counts = [int(n) for n in args.instances.split(",")]
@@ -258,7 +260,7 @@ def main() -> None:
     report = {"device": gpu, "machine": platform.node(), "torch": torch.__version__, "model": args.model or "SmolLM2-135M-Instruct",
               "cuda_mps": args.mps, "spread_gpus": args.spread_gpus, "peer_spin_s": args.peer_spin_s, "context_blocks": context_blocks, "new_tokens": args.new_tokens, "splits": splits, "moves": moves}
     suffix = (f"-{Path(args.model).name}" if args.model else "") + ("-mps" if args.mps else "")
-    suffix += (f"-x{torch.cuda.device_count()}-{context_blocks * BLOCK_SIZE // 1024}k" if args.spread_gpus else "") + (f"-spin{args.peer_spin_s:g}" if args.peer_spin_s != 500e-6 else "")
+    suffix += (f"-x{torch.cuda.device_count()}-{context_blocks * BLOCK_SIZE // 1024}k" if args.spread_gpus else "") + (f"-spin{args.peer_spin_s:g}" if args.peer_spin_s is not None else "")
     out = Path(args.out_dir) / f"daemon-{gpu}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")

@@ -20,6 +20,10 @@ class ConfigError(ValueError):
     """A configuration value is missing, of the wrong type or out of range."""
 
 
+GPU_PEER_SPIN_S = 0.02  # default peer_spin_s of an instance on a GPU, s
+CPU_PEER_SPIN_S = 500e-6  # default peer_spin_s of an instance on the CPU, s
+
+
 @dataclass(frozen=True)
 class Timeouts:
     """Every bounded wait of the daemon, in seconds."""
@@ -56,7 +60,10 @@ class InstanceConfig:
     peer_port: int = 0  # 0: any free port (reported in the heartbeat)
     # How long a wait on a peer spins (progressing UCX) before it sleeps on the worker's event
     # fd, s: a reply that comes within it is seen at once, at the cost of a busy core meanwhile.
-    peer_spin_s: float = 500e-6
+    # None: GPU_PEER_SPIN_S on a GPU (waking from a sleep cost more than the spin there: two
+    # H200 instances decoded a split request 1.33x faster at 20 ms than at 0.5 ms), and
+    # CPU_PEER_SPIN_S on the CPU, whose cores the engine needs.
+    peer_spin_s: float | None = None
     http_host: str = "127.0.0.1"  # OpenAI-compatible API and /metrics
     http_port: int | None = 8000  # 0: any free port; None: no TCP API
     socket_path: Path = Path("/run/infinite-llm/infinited.sock")  # local admin API
@@ -88,7 +95,8 @@ class InstanceConfig:
         _check_int("max_num_seqs", self.max_num_seqs, minimum=1)
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, minimum=self.block_size)
         _check_int("peer_port", self.peer_port, minimum=0, maximum=65535)
-        if isinstance(self.peer_spin_s, bool) or not isinstance(self.peer_spin_s, (int, float)) or not 0 <= self.peer_spin_s <= 1:
+        if self.peer_spin_s is not None and (isinstance(self.peer_spin_s, bool) or not isinstance(self.peer_spin_s, (int, float))
+                                             or not 0 <= self.peer_spin_s <= 1):
             raise ConfigError(f"peer_spin_s must be a number of seconds in [0, 1], got {self.peer_spin_s!r}")
         if self.http_port is not None:
             _check_int("http_port", self.http_port, minimum=0, maximum=65535)
@@ -190,3 +198,10 @@ def load_config(path: Path | str | None = None, overrides: Mapping[str, Any] | N
         else:
             values[key] = value
     return _build(InstanceConfig, values, where)
+
+
+def peer_spin_for(config_spin_s: float | None, device_type: str) -> float:
+    """The spin an instance uses: the configured one, else the default of its kind of device."""
+    if config_spin_s is not None:
+        return config_spin_s
+    return GPU_PEER_SPIN_S if device_type == "cuda" else CPU_PEER_SPIN_S

@@ -53,7 +53,7 @@ from infinite_llm.transport.messages import (
     Uncordon,
 )
 
-from .config import InstanceConfig
+from .config import InstanceConfig, peer_spin_for
 from .creditor import CreditorAttention
 from .handover import HandOver, blocks_held_by_home, describe_held, find_leader_admin
 from .heartbeat import HeartbeatState
@@ -215,7 +215,8 @@ class InstanceDaemon:
         if pool_blocks < 1:
             raise ValueError(f"kv_pool_bytes {c.kv_pool_bytes} holds no block of {block_bytes} bytes")
         self.transport = UcxTransport(TransportConfig(
-            host=c.peer_host, port=c.peer_port, spin_s=c.peer_spin_s, connect_timeout_s=c.timeouts.connect_s,
+            host=c.peer_host, port=c.peer_port, spin_s=peer_spin_for(c.peer_spin_s, device.type),
+            connect_timeout_s=c.timeouts.connect_s,
             request_timeout_s=c.timeouts.peer_request_s, receive_device=c.device if device.type == "cuda" else "cpu"))
         self.remote = TransportRemoteAttention(self.transport, self.peers, c.block_size, self.metrics,
                                                c.timeouts.peer_request_s)

@@ -93,3 +93,18 @@ def test_daemon_bad_flag_is_a_usage_error(tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, "-m", "infinite_llm.daemon", "--block-size", "24"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "block_size must be a power of two" in result.stderr
+
+
+def test_peer_spin_defaults_by_device_and_can_be_set(tmp_path: Path) -> None:
+    from infinite_llm.daemon.config import CPU_PEER_SPIN_S, GPU_PEER_SPIN_S, peer_spin_for
+
+    assert load_config().peer_spin_s is None
+    assert peer_spin_for(None, "cuda") == GPU_PEER_SPIN_S > peer_spin_for(None, "cpu") == CPU_PEER_SPIN_S
+    path = tmp_path / "infinited.toml"
+    path.write_text("peer_spin_s = 0.005\n")
+    assert peer_spin_for(load_config(path).peer_spin_s, "cuda") == 0.005
+    assert load_config(None, {"peer_spin_s": 0}).peer_spin_s == 0
+    with pytest.raises(ConfigError, match="peer_spin_s"):
+        load_config(None, {"peer_spin_s": 2.0})
+    with pytest.raises(ConfigError, match="peer_spin_s"):
+        load_config(None, {"peer_spin_s": True})
