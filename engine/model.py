@@ -15,8 +15,12 @@ from typing import Awaitable, Protocol
 import torch
 import torch.nn.functional as F
 
+from infinite_llm.kernels.layer_ops import add_rms_norm, rms_norm, silu_and_mul
+
 from .config import ModelConfig
 from .rope import RotaryEmbedding
+
+__all__ = ["AttentionFn", "LlamaModel", "rms_norm"]
 
 
 class AttentionFn(Protocol):
@@ -24,13 +28,6 @@ class AttentionFn(Protocol):
         """q ``[num_tokens, num_heads, head_dim]``, k and v ``[num_tokens, num_kv_heads, head_dim]``
         -> attention output ``[num_tokens, num_heads, head_dim]`` in q's dtype."""
         ...
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm in float32, cast back before the weight (as the reference models do)."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
 
 
 # On the CPU, the BLAS kernels for one or two rows read a weight stored [in, out] about 1.3x
@@ -146,10 +143,12 @@ class LlamaModel:
         """
         c = self.config
         w = self.weights_for(layer, hidden.shape[0])
-        hidden = hidden + F.linear(attn_out.reshape(attn_out.shape[0], -1), w["o_proj"])
-        gate_up = F.linear(rms_norm(hidden, w["post_attention_norm"], c.rms_norm_eps), w["gate_up_proj"])
-        gate, up = gate_up.chunk(2, dim=-1)
-        return hidden + F.linear(F.silu(gate) * up, w["down_proj"])
+        # On CUDA the residual add and the norm are one kernel, and so are SiLU and the product
+        # (a small decode step is launch-bound); on the CPU these are the torch references.
+        normed, hidden = add_rms_norm(F.linear(attn_out.reshape(attn_out.shape[0], -1), w["o_proj"]), hidden,
+                                      w["post_attention_norm"], c.rms_norm_eps)
+        gate_up = F.linear(normed, w["gate_up_proj"])
+        return hidden + F.linear(silu_and_mul(gate_up), w["down_proj"])
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden ``[num_rows, hidden]`` -> logits ``[num_rows, vocab]`` float32."""
