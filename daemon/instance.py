@@ -22,6 +22,7 @@ from typing import Any, AsyncIterator, Sequence
 import torch
 from aiohttp import web
 
+from infinite_llm.engine.block_manager import SegmentMove
 from infinite_llm.engine.config import EngineConfig
 from infinite_llm.engine.engine import LLMEngine, RequestRejected
 from infinite_llm.engine.loader import load_checkpoint
@@ -62,7 +63,7 @@ from .ledger import CreditorLedger, EpochFence
 from .local_auth import admin_group_id
 from .membership import Member, membership_for, process_alive
 from .metrics import InstanceMetrics
-from .peers import PeerDirectory, TransportLender, TransportRemoteAttention, forward_segment
+from .peers import Peer, PeerDirectory, TransportLender, TransportRemoteAttention, forward_segment
 from .sd_notify import SystemdNotifier
 
 log = logging.getLogger(__name__)
@@ -97,6 +98,9 @@ class InstanceDaemon:
         self._heartbeat_task: asyncio.Task | None = None
         # gManager moves wait here for the next step boundary, where block tables may change.
         self._ordered_moves: list[tuple[MoveKV, asyncio.Future[bool]]] = []
+        # Home-block moves whose data a peer committed, to switch at the next step boundary.
+        self._committed_moves: list[tuple[SegmentMove, Peer, asyncio.Future[bool]]] = []
+        self._moves_in_flight: set[asyncio.Task] = set()
 
     # ---- life --------------------------------------------------------------------------
     async def run(self) -> None:
@@ -401,20 +405,45 @@ class InstanceDaemon:
         return None
 
     async def _carry_out_ordered_moves(self) -> None:
+        """At a step boundary: switch the tables of moves whose data the peers committed, start
+        new moves of home blocks in the background (the engine steps while their messages
+        travel), and carry out creditor-to-creditor moves in place."""
+        committed, self._committed_moves = self._committed_moves, []
+        for move, dst, done in committed:
+            ok = self.lender.switch_move(self.engine, move, dst)
+            if not done.done():
+                done.set_result(ok)
         moves, self._ordered_moves = self._ordered_moves, []
         for message, done in moves:
+            if message.src_inst_id == self.config.instance_id:
+                task = asyncio.ensure_future(self._send_ordered_move(message, done))
+                self._moves_in_flight.add(task)
+                task.add_done_callback(self._moves_in_flight.discard)
+                continue
             try:
                 dst = self.peers.by_inst(message.dst_inst_id)
-                if message.src_inst_id == self.config.instance_id:
-                    ok = await self.lender.move(self.engine, str(message.req_id), message.num_blocks, dst)
-                else:
-                    ok = await self.lender.move_held(self.engine, str(message.req_id), message.num_blocks,
-                                                     self.peers.by_inst(message.src_inst_id), dst, message.epoch)
+                ok = await self.lender.move_held(self.engine, str(message.req_id), message.num_blocks,
+                                                 self.peers.by_inst(message.src_inst_id), dst, message.epoch)
             except Exception as exc:  # the gManager hears of it; the engine goes on
                 log.warning("ordered move %d failed: %s", message.move_id, exc)
                 ok = False
             if not done.done():
                 done.set_result(ok)
+
+    async def _send_ordered_move(self, message: MoveKV, done: asyncio.Future[bool]) -> None:
+        """Reserve, send and commit in the background; the switch waits for a step boundary."""
+        try:
+            dst = self.peers.by_inst(message.dst_inst_id)
+            move = await self.lender.send_move(self.engine, str(message.req_id), message.num_blocks, dst)
+        except Exception as exc:  # the gManager hears of it; the engine goes on
+            log.warning("ordered move %d failed: %s", message.move_id, exc)
+            move = None
+        if move is None:
+            if not done.done():
+                done.set_result(False)
+            return
+        self._committed_moves.append((move, dst, done))
+        self._work.set()  # an idle engine loop wakes to switch
 
     def _try_move(self, message: TryMoveKV) -> MoveReserved | MoveRejected:
         free = self.engine.block_manager.num_free_blocks(self.engine.home_instance_id)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from infinite_llm.engine.block_manager import OutOfBlocks, Segment
+from infinite_llm.engine.block_manager import OutOfBlocks, Segment, SegmentMove
 from infinite_llm.engine.dist_attention import AttendBatch, RemoteAttention
 from infinite_llm.engine.engine import LLMEngine
 from infinite_llm.kernels import AttentionState
@@ -196,10 +196,20 @@ class TransportLender:
         return self.engine.config.block_size
 
     async def move(self, engine: LLMEngine, request_id: str, num_blocks: int, peer: Peer) -> bool:
-        """Move the request's oldest ``num_blocks`` home blocks to ``peer``; True once committed.
+        """Move the request's oldest ``num_blocks`` home blocks to ``peer``; True once committed
+        and switched (between steps: the caller holds the engine)."""
+        move = await self.send_move(engine, request_id, num_blocks, peer)
+        return move is not None and self.switch_move(engine, move, peer)
 
-        The home's table switches only after the peer acknowledged the commit, with no await in
-        between, so the engine never attends over a segment the peer does not hold.
+    async def send_move(self, engine: LLMEngine, request_id: str, num_blocks: int,
+                        peer: Peer) -> SegmentMove | None:
+        """The first three phases of a move of the request's oldest ``num_blocks`` home blocks:
+        reserve on ``peer``, send the data, have the peer commit. Returns the pending move, or
+        None when it did not happen (nothing is left behind).
+
+        The engine may step meanwhile: the moved blocks are full, so no step writes them, and
+        the home attends over its own copy until :meth:`switch_move`, which must come at a step
+        boundary.
         """
         bm = engine.block_manager
         pool = engine.pools[engine.home_instance_id]
@@ -213,11 +223,11 @@ class TransportLender:
         except TransportError as exc:
             log.warning("move of request %s to instance %d: %s", request_id, peer.inst_id, exc)
             self.metrics.moves.labels(result="failed").inc()
-            return False
+            return None
         if isinstance(reply, MoveRejected):
             peer.num_blocks_free = reply.num_blocks_free
             self.metrics.moves.labels(result="rejected").inc()
-            return False
+            return None
         if not isinstance(reply, MoveReserved) or len(reply.dst_block_ids) != num_blocks:
             raise RuntimeError(f"instance {peer.inst_id} answered a try-move with {reply!r}")
         written = engine.num_written_tokens().get(request_id, 0)
@@ -227,7 +237,7 @@ class TransportLender:
             # The request finished or shrank while the reservation was made: it expires there.
             log.info("move of request %s abandoned: %s", request_id, exc)
             self.metrics.moves.labels(result="failed").inc()
-            return False
+            return None
         segment_id = move.token_start // engine.config.block_size
         try:
             # One buffer per run of consecutive destination blocks (the reservation is contiguous
@@ -240,16 +250,34 @@ class TransportLender:
             await self.transport.request(peer.address, MoveCommit(
                 move_id, reply.reservation_id, int(request_id), own, segment_id), timeout_s=self.timeout_s)
         except (TransportError, RuntimeError) as exc:
-            bm.abort_move(move)
+            self._abandon(engine, move, peer)
             log.warning("move of request %s to instance %d failed: %s", request_id, peer.inst_id, exc)
             self.metrics.moves.labels(result="failed").inc()
-            # The commit may have landed before its reply was lost: free it there to be sure.
-            self.release(request_id, Segment(peer.engine_id, move.dst_block_ids, move.token_start, move.num_tokens))
+            return None
+        return move
+
+    def switch_move(self, engine: LLMEngine, move: SegmentMove, peer: Peer) -> bool:
+        """The last phase, at a step boundary: the home's table points at the peer's copy and
+        the home blocks are freed. False when the request ended meanwhile (the peer's copy is
+        freed then)."""
+        try:
+            engine.block_manager.commit_move(move)
+        except (KeyError, ValueError):  # the request finished or was cancelled after the commit
+            self._abandon(engine, move, peer)
+            self.metrics.moves.labels(result="failed").inc()
             return False
-        bm.commit_move(move)
-        peer.num_blocks_free = max(0, peer.num_blocks_free - num_blocks)
+        peer.num_blocks_free = max(0, peer.num_blocks_free - len(move.dst_block_ids))
         self.metrics.moves.labels(result="committed").inc()
         return True
+
+    def _abandon(self, engine: LLMEngine, move: SegmentMove, peer: Peer) -> None:
+        """Undo a pending move: the table keeps the home blocks; the peer frees its copy (the
+        commit may have landed before its reply was lost)."""
+        try:
+            engine.block_manager.abort_move(move)
+        except ValueError:
+            pass  # no longer pending: the request's end aborted it
+        self.release(move.request_id, Segment(peer.engine_id, move.dst_block_ids, move.token_start, move.num_tokens))
 
     async def move_held(self, engine: LLMEngine, request_id: str, num_blocks: int, src: Peer, dst: Peer,
                         epoch: int) -> bool:
