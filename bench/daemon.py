@@ -6,9 +6,10 @@ the local API, and times the streamed decode steps (the first event, which carri
 prefill, is left out). Pools are sized so that the request's KV ends up split over the
 instances by the home's reactive spill; the placement seen during decode is recorded.
 
-Moves: with the request decoding over two instances, a leader sends ``MoveKV`` commands of 1 or
-2 blocks (16 or 32 tokens) back to back, so that about one move lands at every step boundary;
-decode throughput is compared with the same cluster and request without moves.
+Moves: a leader first moves half of the request's KV to the second instance (at its first
+decode step), then sends ``MoveKV`` commands of 1 or 2 blocks (16 or 32 tokens) back to back;
+decode throughput after the split is compared with the same split without the small moves, so
+that the cost is the moves' alone (the request all at home is reported beside).
 
     python bench/daemon.py                  # the CPU (SmolLM2-135M)
     python bench/daemon.py --device cuda    # one GPU shared by the processes
@@ -133,14 +134,16 @@ def split_case(num_instances: int, context_blocks: int, prompt: str, new_tokens:
             "decode_tokens": tokens, "latencies": latencies}
 
 
-async def leader_moves(address: PeerAddress, req_id_of: "queue.Queue[int]", num_blocks: int,
-                       ready: threading.Event, stop: threading.Event, dst: int) -> tuple[int, int]:
-    """A leader's MoveKV commands, back to back, for the request whose id arrives on
-    ``req_id_of``; its transport is up (``ready``) before the request starts, so that the moves
-    cover the whole decode, however short."""
+async def leader_moves(address: PeerAddress, req_id_of: "queue.Queue[int]", split_blocks: int, num_blocks: int,
+                       ready: threading.Event, stop: threading.Event, dst: int, result: dict) -> None:
+    """A leader's MoveKV commands for the request whose id arrives on ``req_id_of``: first one
+    move of ``split_blocks`` (the request then decodes with its KV split, as both timed runs
+    do), then, with ``num_blocks``, moves of that many blocks back to back until ``stop``. Its
+    transport is up (``ready``) before the request starts. Sets ``result["split_at"]`` (when
+    the split move returned, perf_counter s) and ``result["moves"]`` ((committed, failed))."""
     from infinite_llm.transport.ucx import UcxTransport
 
-    transport = UcxTransport(TransportConfig(request_timeout_s=60.0))
+    transport = UcxTransport(TransportConfig(request_timeout_s=120.0))
 
     async def nothing(message):
         raise ValueError("the leader serves nothing here")
@@ -151,8 +154,11 @@ async def leader_moves(address: PeerAddress, req_id_of: "queue.Queue[int]", num_
     req_id = await asyncio.to_thread(req_id_of.get, True, 600)
     done = failed = 0
     try:
-        move_id = 0
-        while not stop.is_set():
+        await transport.request(address, MoveKV(epoch=1, move_id=1, home_inst_id=1, req_id=req_id, src_inst_id=1,
+                                                dst_inst_id=dst, num_blocks=split_blocks))
+        result["split_at"] = time.perf_counter()
+        move_id = 1
+        while num_blocks and not stop.is_set():
             move_id += 1
             try:
                 await transport.request(address, MoveKV(epoch=1, move_id=move_id, home_inst_id=1, req_id=req_id,
@@ -163,48 +169,64 @@ async def leader_moves(address: PeerAddress, req_id_of: "queue.Queue[int]", num_
                 await asyncio.sleep(0.01)
     finally:
         await transport.close()
-    return done, failed
+        result["moves"] = (done, failed)
+
+
+def split_run(cluster: LocalCluster, prompt: str, new_tokens: int, split_blocks: int, blocks_per_move: int) -> dict:
+    """One request whose KV the leader splits at its first decode step, then (``blocks_per_move``
+    > 0) moves back to back; decode rate over the steps after the split."""
+    member = json.loads((cluster.state_dir / "members" / "1.json").read_text())
+    address = PeerAddress(member["peer_host"], member["peer_port"])
+    events: list[tuple[float, dict]] = []
+    ready, stop = threading.Event(), threading.Event()
+    req_id_of: queue.Queue[int] = queue.Queue()
+    result: dict = {}
+    leader_thread = threading.Thread(target=lambda: asyncio.run(leader_moves(
+        address, req_id_of, split_blocks, blocks_per_move, ready, stop, dst=2, result=result)))
+    leader_thread.start()
+    if not ready.wait(120):
+        raise RuntimeError("the benchmark's leader transport did not start")
+    for event in cluster[1].stream(prompt, max_tokens=new_tokens, ignore_eos=True):
+        events.append((time.perf_counter(), event))
+        if len(events) == 1:
+            req_id_of.put(int(event["request_id"]))
+    stop.set()
+    leader_thread.join(timeout=120)
+    if "split_at" not in result:
+        raise RuntimeError("the split move did not return before the request ended")
+    after = [(t, e) for t, e in events if t > result["split_at"]]
+    if len(after) < 3:
+        raise RuntimeError(f"only {len(after)} steps after the split: ask for more new tokens")
+    rate, tokens = decode_rate(after)
+    done, failed = result["moves"]
+    return {"tokens_per_s": rate, "steps": tokens, "moves_committed": done, "moves_failed": failed}
 
 
 def move_case(context_blocks: int, prompt: str, new_tokens: int, blocks_per_move: int, device: str,
               extra_args: list[str], spread: bool = False, chunk_blocks: int = 8) -> dict:
+    """Decode with the request's KV split half and half, without and with moves back to back:
+    the cost of the moves alone. (The request alone, all at home, is reported beside.)"""
     pools = [context_blocks + 64 + chunk_blocks, context_blocks + 64]
+    split_blocks = context_blocks // 2
     with tempfile.TemporaryDirectory(prefix="infllm-bench-") as root:
         cluster = LocalCluster(Path(root), 2, pools[0], device=device, pool_blocks_per_instance=pools,
                                extra_args=extra_args, devices=instance_devices(device, 2, spread))
         try:
             cluster.wait_ready()
             run_request(cluster, prompt, 4, [])  # warm-up
-            baseline, _ = decode_rate(run_request(cluster, prompt, new_tokens, []))
+            local, _ = decode_rate(run_request(cluster, prompt, new_tokens, []))
             time.sleep(2.5)
-            member = json.loads((cluster.state_dir / "members" / "1.json").read_text())
-            address = PeerAddress(member["peer_host"], member["peer_port"])
-            events: list[tuple[float, dict]] = []
-            ready, stop = threading.Event(), threading.Event()
-            req_id_of: queue.Queue[int] = queue.Queue()
-            result: dict = {}
-
-            def leader() -> None:
-                result["moves"] = asyncio.run(leader_moves(address, req_id_of, blocks_per_move, ready, stop, dst=2))
-
-            leader_thread = threading.Thread(target=leader)
-            leader_thread.start()
-            if not ready.wait(120):
-                raise RuntimeError("the benchmark's leader transport did not start")
-            for event in cluster[1].stream(prompt, max_tokens=new_tokens, ignore_eos=True):
-                events.append((time.perf_counter(), event))
-                if len(events) == 1:
-                    req_id_of.put(int(event["request_id"]))
-            stop.set()
-            leader_thread.join(timeout=120)
-            with_moves, tokens = decode_rate(events)
+            split = split_run(cluster, prompt, new_tokens, split_blocks, 0)
+            time.sleep(2.5)  # the creditor frees the first request's segments
+            moving = split_run(cluster, prompt, new_tokens, split_blocks, blocks_per_move)
         finally:
             cluster.stop()
-    done, failed = result["moves"]
-    return {"tokens_per_move": blocks_per_move * BLOCK_SIZE, "decode_tokens_per_s_without": baseline,
-            "decode_tokens_per_s_with": with_moves, "throughput_cost": 1 - with_moves / baseline,
-            "moves_committed": done, "moves_failed": failed, "decode_steps": tokens,
-            "moves_per_step": done / max(1, tokens)}
+    return {"tokens_per_move": blocks_per_move * BLOCK_SIZE, "split_blocks": split_blocks,
+            "decode_tokens_per_s_local": local, "decode_tokens_per_s_without": split["tokens_per_s"],
+            "decode_tokens_per_s_with": moving["tokens_per_s"],
+            "throughput_cost": 1 - moving["tokens_per_s"] / split["tokens_per_s"],
+            "moves_committed": moving["moves_committed"], "moves_failed": moving["moves_failed"],
+            "decode_steps": moving["steps"], "moves_per_step": moving["moves_committed"] / max(1, moving["steps"])}
 
 
 def main() -> None:
@@ -273,10 +295,12 @@ def main() -> None:
         if home.get("remote_attention_mean_s") and served:
             print(f"  {r['instances']} instances: remote attention wait {1e6 * home['remote_attention_mean_s']:.0f} us "
                   f"per layer, of which serving {1e6 * sum(served) / len(served):.0f} us")
-    print(f"{'moved/step':>10} {'tok/s without':>14} {'tok/s with':>11} {'cost':>7} {'moves/step':>10}")
+    if moves:
+        print("KV split half and half; tok/s without and with moves back to back (all at home: tok/s local)")
+    print(f"{'moved':>6} {'tok/s local':>12} {'tok/s without':>14} {'tok/s with':>11} {'cost':>7} {'moves/step':>10}")
     for r in moves:
-        print(f"{r['tokens_per_move']:>10} {r['decode_tokens_per_s_without']:>14.2f} {r['decode_tokens_per_s_with']:>11.2f} "
-              f"{100 * r['throughput_cost']:>6.1f}% {r['moves_per_step']:>10.2f}")
+        print(f"{r['tokens_per_move']:>6} {r['decode_tokens_per_s_local']:>12.2f} {r['decode_tokens_per_s_without']:>14.2f} "
+              f"{r['decode_tokens_per_s_with']:>11.2f} {100 * r['throughput_cost']:>6.1f}% {r['moves_per_step']:>10.2f}")
 
 
 if __name__ == "__main__":
