@@ -131,6 +131,9 @@ class InstanceDaemon:
             self.membership.withdraw(self.config.instance_id)
             if self._heartbeat_task is not None:
                 tasks.append(self._heartbeat_task)
+            # Moves still in flight stop here: their requests end below, which aborts them, and
+            # a peer's reservation expires (or, committed, is freed when this debtor is lost).
+            tasks.extend(self._moves_in_flight)
             for task in (stop, *tasks):
                 task.cancel()
             await asyncio.gather(stop, *tasks, return_exceptions=True)
