@@ -19,18 +19,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import platform
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off on shared hosts
-os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
-
+from infinite_llm.bench.workers import add_worker_arguments, run_workers  # noqa: E402  (before torch)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
@@ -156,9 +150,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="runs of each method; the best counts")
     parser.add_argument("--no-exact", action="store_true", help="skip exact prefill on one GPU (memory)")
     parser.add_argument("--out", default="")
-    parser.add_argument("--worker-rank", type=int, default=-1, help=argparse.SUPPRESS)
-    parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
-    parser.add_argument("--rows-out", default="", help=argparse.SUPPRESS)
+    add_worker_arguments(parser)
     ns = parser.parse_args()
     ns.world = ns.world or (torch.cuda.device_count() if ns.device == "cuda" else 2)
     for length in (int(t) for t in ns.tokens.split(",")):
@@ -170,24 +162,7 @@ def main() -> None:
         worker(ns, ns.worker_rank)
         return
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    rows_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"apb-{os.getpid()}.json"
-    command = [sys.executable, __file__, "--device", ns.device, "--world", str(ns.world), "--tokens", ns.tokens,
-               "--shape", ns.shape, "--anchor", str(ns.anchor), "--passing", str(ns.passing),
-               "--repeats", str(ns.repeats),
-               "--port", str(port), "--rows-out", str(rows_path)] + (["--no-exact"] if ns.no_exact else [])
-    procs = [subprocess.Popen(command + ["--worker-rank", str(r)]) for r in range(ns.world)]
-    while any(p.poll() is None for p in procs):
-        if any(p.poll() for p in procs):  # one failed: the others would wait for it forever
-            for p in procs:
-                p.kill()
-        time.sleep(0.2)
-    if any(p.returncode for p in procs):
-        sys.exit(f"a worker failed: exit codes {[p.returncode for p in procs]}")
-    rows = [r for r in json.loads(rows_path.read_text()) if not r.pop("warmup")]
-    rows_path.unlink()
+    rows = [r for r in run_workers(__file__, ns.world) if not r.pop("warmup")]
     name = torch.cuda.get_device_name(0).replace(" ", "-") if ns.device == "cuda" else "cpu"
     result = {"bench": "apb_prefill", "device": name, "world": ns.world, "host": platform.node(),
               "torch": torch.__version__, "shape": ns.shape, "dtype": "bfloat16" if ns.device == "cuda" else "float32",

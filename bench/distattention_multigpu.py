@@ -39,12 +39,8 @@ import argparse
 import asyncio
 import cProfile
 import json
-import math
 import os
 import platform
-import socket
-import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -53,11 +49,8 @@ from pathlib import Path
 if "--device" in sys.argv and sys.argv[sys.argv.index("--device") + 1] == "cpu":
     os.environ.setdefault("UCX_TLS", "tcp,sm,self")
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-# NVLink multicast stays off on shared multi-GPU hosts (it can take the host's GPUs down).
-os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 
+from infinite_llm.bench.workers import add_worker_arguments, run_workers  # noqa: E402  (before torch)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
@@ -471,12 +464,6 @@ async def worker_main(args: Args, device: torch.device, groups: dict) -> None:
 # --- the launcher ------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def summarize(rows: list[dict], meta: dict) -> dict:
     for row in rows:
         row["per_step_ms"] = {k.removesuffix("_us"): v * LAYERS_PER_STEP / 1e3 for k, v in row.items() if k.endswith("_us")}
@@ -511,9 +498,7 @@ def main() -> None:
                         help="UCX spin before a wait sleeps, s; the UCX method runs once per value (and limit)")
     parser.add_argument("--profile-dir", default="", help="write a cProfile of each rank's UCX runs here")
     parser.add_argument("--out", default="")
-    parser.add_argument("--worker-rank", type=int, default=-1, help=argparse.SUPPRESS)
-    parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
-    parser.add_argument("--rows-out", default="", help=argparse.SUPPRESS)
+    add_worker_arguments(parser)
     ns = parser.parse_args()
     world = ns.world or (torch.cuda.device_count() if ns.device == "cuda" else 2)
     parts = [int(p) for p in ns.parts.split(",")] if ns.parts else [p for p in (2, 4, 8) if p <= world]
@@ -533,25 +518,7 @@ def main() -> None:
                     profile_dir=ns.profile_dir))
         return
 
-    port = free_port()
-    rows_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"distattention-{os.getpid()}.json"
-    command = [sys.executable, __file__, "--device", ns.device, "--world", str(world), "--contexts", ns.contexts,
-               "--parts", ",".join(map(str, parts)), "--layers", str(ns.layers), "--steps", str(ns.steps),
-               "--block-size", str(ns.block_size), "--port", str(port), "--rows-out", str(rows_path),
-               "--inline-cuda-limits", ns.inline_cuda_limits, "--spin-s", ns.spin_s, "--profile-dir", ns.profile_dir]
-    if ns.no_one_gpu:
-        command.append("--no-one-gpu")
-    procs = [subprocess.Popen(command + ["--worker-rank", str(r)]) for r in range(world)]
-    while any(p.poll() is None for p in procs):
-        if any(p.poll() for p in procs):  # one failed: the others would wait for it forever
-            for p in procs:
-                p.kill()
-        time.sleep(0.2)
-    codes = [p.returncode for p in procs]
-    if any(codes):
-        sys.exit(f"a worker failed: exit codes {codes}")
-    rows = json.loads(rows_path.read_text())
-    rows_path.unlink()
+    rows = run_workers(__file__, world)
     name = torch.cuda.get_device_name(0).replace(" ", "-") if ns.device == "cuda" else "cpu"
     meta = {
         "bench": "distattention_multigpu",

@@ -9,28 +9,16 @@ are the engine's CPU path and the tests' oracle.
 
 from __future__ import annotations
 
-import os
-from typing import Literal
-
 import torch
 import torch.nn.functional as F
 
-Backend = Literal["auto", "triton", "torch"]
+from .attention import Backend, _next_pow2, _resolve_backend
+
 _SILU_BLOCK = 1024
 
 
 def _use_triton(backend: Backend, x: torch.Tensor) -> bool:
-    if backend not in ("auto", "triton", "torch"):
-        raise ValueError(f"backend must be auto, triton or torch, got {backend!r}")
-    if backend == "auto":
-        return x.is_cuda
-    if backend == "triton" and not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("the Triton kernels need a CUDA tensor (or TRITON_INTERPRET=1 on the CPU)")
-    return backend == "triton"
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
+    return _resolve_backend(backend, x.device) == "triton"
 
 
 def _check_rows(name: str, t: torch.Tensor) -> None:

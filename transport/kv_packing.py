@@ -1,9 +1,8 @@
 """The buffers of a KV move: one per destination run, gathered from the source pool.
 
 A run whose source blocks are consecutive is a view of the pool (no copy); one whose sources
-are scattered is gathered with one ``index_select`` on the pool's device. The gathered copies
-are complete when this returns (the current CUDA stream is synchronised), since UCX reads the
-buffers on its own streams.
+are scattered is gathered with one ``index_select`` on the pool's device, queued on the
+current stream: the codec waits for it before UCX reads the buffer on its own streams.
 """
 
 from __future__ import annotations
@@ -23,7 +22,6 @@ def pack_kv_runs(pool: torch.Tensor, src_block_ids: list[int] | tuple[int, ...],
     """
     packed: list[PackedRun] = destination_runs(src_block_ids, dst_block_ids)
     buffers = []
-    gathered = False
     for run in packed:
         if run.src_consecutive:
             first = run.src_block_ids[0]
@@ -31,7 +29,4 @@ def pack_kv_runs(pool: torch.Tensor, src_block_ids: list[int] | tuple[int, ...],
         else:
             index = torch.tensor(run.src_block_ids, dtype=torch.long, device=pool.device)
             buffers.append(pool.index_select(0, index))
-            gathered = True
-    if gathered and pool.is_cuda:
-        torch.cuda.current_stream(pool.device).synchronize()
     return tuple(BlockRun(r.dst_block_id, r.num_blocks) for r in packed), tuple(buffers)
