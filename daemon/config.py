@@ -64,6 +64,9 @@ class InstanceConfig:
     # H200 instances decoded a split request 1.33x faster at 20 ms than at 0.5 ms), and
     # CPU_PEER_SPIN_S on the CPU, whose cores the engine needs.
     peer_spin_s: float | None = None
+    # False: a static instance (vLLM-style): it admits only what its own pool holds, never
+    # spills its requests' KV to peers, lends them nothing and refuses moves.
+    share_kv: bool = True
     http_host: str = "127.0.0.1"  # OpenAI-compatible API and /metrics
     http_port: int | None = 8000  # 0: any free port; None: no TCP API
     socket_path: Path = Path("/run/infinite-llm/infinited.sock")  # local admin API
@@ -95,6 +98,8 @@ class InstanceConfig:
         _check_int("max_num_seqs", self.max_num_seqs, minimum=1)
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, minimum=self.block_size)
         _check_int("peer_port", self.peer_port, minimum=0, maximum=65535)
+        if not isinstance(self.share_kv, bool):
+            raise ConfigError(f"share_kv must be true or false, got {self.share_kv!r}")
         if self.peer_spin_s is not None and (isinstance(self.peer_spin_s, bool) or not isinstance(self.peer_spin_s, (int, float))
                                              or not 0 <= self.peer_spin_s <= 1):
             raise ConfigError(f"peer_spin_s must be a number of seconds in [0, 1], got {self.peer_spin_s!r}")

@@ -227,7 +227,8 @@ class InstanceDaemon:
             request_timeout_s=c.timeouts.peer_request_s, receive_device=c.device if device.type == "cuda" else "cpu"))
         self.remote = TransportRemoteAttention(self.transport, self.peers, c.block_size, self.metrics,
                                                c.timeouts.peer_request_s)
-        self.lender = TransportLender(self.transport, self.peers, self.metrics, c.timeouts.peer_request_s)
+        self.lender = TransportLender(self.transport, self.peers, self.metrics, c.timeouts.peer_request_s,
+                                       share_kv=c.share_kv)
         engine_config = EngineConfig(block_size=c.block_size, pool_blocks=(pool_blocks,), max_num_seqs=c.max_num_seqs,
                                      max_num_batched_tokens=c.max_num_batched_tokens, device=c.device, dtype=dtype,
                                      spill_to_creditors=False)
@@ -387,6 +388,8 @@ class InstanceDaemon:
         """A gManager move of blocks of this instance's own request: from its home pool, or from
         a creditor to another creditor (the home drives it: only it may switch its table)."""
         own = self.config.instance_id
+        if not self.config.share_kv:
+            raise ValueError(f"instance {own} does not share KV (share_kv = false): it moves no blocks")
         if message.home_inst_id != own:
             raise ValueError(f"instance {own} moves only its own requests' blocks; "
                              f"asked to move blocks of a request of instance {message.home_inst_id}")
@@ -590,6 +593,8 @@ class InstanceDaemon:
 
     def _free_for_others(self) -> int:
         """Free blocks beyond what this instance's own next step may need."""
+        if not self.config.share_kv:
+            return 0
         free = self.engine.block_manager.num_free_blocks(self.engine.home_instance_id)
         return max(0, free - self.engine.home_blocks_wanted())
 

@@ -106,10 +106,13 @@ class LocalCluster:
     def __init__(self, root: Path, num_instances: int, pool_blocks: int, extra_args: list[str] | None = None,
                  extra_env: dict[str, str] | None = None, max_num_batched_tokens: int = 128,
                  device: str = "cpu", pool_blocks_per_instance: list[int] | None = None,
-                 devices: list[str] | None = None) -> None:
+                 devices: list[str] | None = None, gmanager_perf_model: Path | None = None,
+                 gmanager_args: list[str] | None = None) -> None:
         """``root`` holds the logs and the state folder; the sockets go to a folder of their own
         that every user may traverse, as /run/infinite-llm is, so that tests can call as others.
-        ``devices``: one device per instance (say ``cuda:0``, ``cuda:1``), else ``device`` for all."""
+        ``devices``: one device per instance (say ``cuda:0``, ``cuda:1``), else ``device`` for all.
+        ``gmanager_perf_model``: also run a gManager with this perf model (and ``gmanager_args``),
+        elected through the same state folder."""
         self.root = root
         self.socket_dir = Path(tempfile.mkdtemp(prefix="infllm-"))
         self.socket_dir.chmod(0o755)
@@ -126,6 +129,15 @@ class LocalCluster:
         devices = devices or [device] * num_instances
         if len(devices) != num_instances:
             raise ValueError(f"{len(devices)} devices for {num_instances} instances")
+        self.gmanager: subprocess.Popen | None = None
+        self.gmanager_socket = self.socket_dir / "gmanager.sock"
+        if gmanager_perf_model is not None:
+            args = [sys.executable, "-m", "infinite_llm.scheduler.gmanager", "--state-dir", str(self.state_dir),
+                    "--perf-model", str(gmanager_perf_model), "--http-port", "0",
+                    "--socket-path", str(self.gmanager_socket), *(gmanager_args or [])]
+            with open(root / "gmanager.log", "w") as log:
+                self.gmanager = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                                 start_new_session=True)
         for inst_id in range(1, num_instances + 1):
             socket_path = self.socket_dir / f"infinited-{inst_id}.sock"
             log_path = root / f"infinited-{inst_id}.log"
@@ -146,13 +158,15 @@ class LocalCluster:
             for inst in self.instances.values():
                 if inst.process.poll() is not None:
                     raise RuntimeError(f"instance {inst.inst_id} exited: {inst.log_path.read_text()[-3000:]}")
+            if self.gmanager is not None and self.gmanager.poll() is not None:
+                raise RuntimeError(f"the gManager exited: {(self.root / 'gmanager.log').read_text()[-3000:]}")
             found = {}
             for path in members.glob("*.json") if members.is_dir() else []:
                 try:
                     found[int(path.stem)] = json.loads(path.read_text())
                 except (ValueError, OSError):
                     continue
-            if set(found) >= set(self.instances):
+            if set(found) >= set(self.instances) and (self.gmanager is None or self.gmanager_socket.exists()):
                 for inst_id, member in found.items():
                     if inst_id in self.instances:
                         self.instances[inst_id].http_port = member["http_port"]
@@ -162,17 +176,32 @@ class LocalCluster:
             time.sleep(0.5)
         raise TimeoutError(f"the cluster did not start within {timeout_s} s")
 
+    def gmanager_status(self) -> dict[str, Any]:
+        """The gManager's ``GET /v1/status`` (its leader view: instances, moves by result)."""
+        conn = UnixHTTPConnection(str(self.gmanager_socket), timeout=30)
+        try:
+            conn.request("GET", "/v1/status")
+            response = conn.getresponse()
+            body = json.loads(response.read())
+        finally:
+            conn.close()
+        if response.status != 200:
+            raise RuntimeError(f"gManager status failed ({response.status}): {body}")
+        return body
+
     def stop(self) -> None:
-        for inst in self.instances.values():
-            if inst.process.poll() is None:
-                inst.process.send_signal(signal.SIGTERM)
+        processes = [inst.process for inst in self.instances.values()]
+        processes += [self.gmanager] if self.gmanager is not None else []
+        for process in processes:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + STOP_TIMEOUT_S
-        for inst in self.instances.values():
+        for process in processes:
             try:
-                inst.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                os.killpg(inst.process.pid, signal.SIGKILL)
-                inst.process.wait(timeout=10)
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait(timeout=10)
         shutil.rmtree(self.socket_dir, ignore_errors=True)
 
     def __iter__(self) -> Iterator[Instance]:

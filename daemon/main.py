@@ -31,6 +31,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict]
     parser.add_argument("--peer-port", type=int, dest="peer_port")
     parser.add_argument("--peer-spin-s", type=float, dest="peer_spin_s",
                         help="how long a wait on a peer spins before it sleeps, s (default 0.02 on a GPU, 0.0005 on the CPU)")
+    parser.add_argument("--share-kv", action=argparse.BooleanOptionalAction, dest="share_kv",
+                        help="spill KV to peers and lend them blocks (default); --no-share-kv: a static instance")
     parser.add_argument("--http-host", dest="http_host")
     parser.add_argument("--http-port", type=int, dest="http_port")
     parser.add_argument("--socket-path", dest="socket_path")

@@ -157,8 +157,9 @@ class TransportLender:
     """Moves running requests' oldest blocks to peers, in two phases (reserve, send, commit)."""
 
     def __init__(self, transport: Transport, peers: PeerDirectory, metrics: InstanceMetrics,
-                 timeout_s: float) -> None:
+                 timeout_s: float, share_kv: bool = True) -> None:
         self.transport = transport
+        self.share_kv = share_kv  # False: no spill, and admission counts the home pool only
         self.peers = peers
         self.metrics = metrics
         self.timeout_s = timeout_s
@@ -168,9 +169,11 @@ class TransportLender:
 
     # ---- KVLender -------------------------------------------------------------------------
     def num_free_blocks_elsewhere(self) -> int:
-        return self.peers.num_free_blocks()
+        return self.peers.num_free_blocks() if self.share_kv else 0
 
     async def spill(self, engine: LLMEngine, num_blocks: int) -> None:
+        if not self.share_kv:
+            return  # the scheduler preempts instead, as a static instance does
         bm = engine.block_manager
         written = engine.num_written_tokens()
         lendable = sorted(((bm.num_lendable_blocks(r, n), r) for r, n in written.items()), key=lambda x: (-x[0], x[1]))

@@ -23,9 +23,12 @@ Three policies over the same GPUs and trace:
 
 Every instance runs decode steps back to back; a step's time is the perf model's per-layer
 time of the instance's state at the step's start, times the number of layers. Each step gives
-every running request one token. What it leaves out: prefill time (a prompt's KV appears at
-admission), the time of moving blocks, and the coupling of a debtor's step to its creditors'
-business beyond the model's ``max(local, remote part)``.
+every running request one token. Prefill is left out by default (a prompt's KV appears at
+admission); with ``ClusterConfig.prefill_tokens_per_s`` an admitted prompt is prefilled in
+chunks of at most ``prefill_chunk_tokens`` per step, as chunked prefill runs beside decode: the
+step takes the chunk's tokens at that rate longer, and the request's first token comes with the
+step that ends its prefill. What it leaves out: the time of moving blocks, and the coupling of
+a debtor's step to its creditors' business beyond the model's ``max(local, remote part)``.
 """
 
 from __future__ import annotations
@@ -66,11 +69,17 @@ class ClusterConfig:
     thresholds: Thresholds = field(default_factory=lambda: Thresholds(debtor_max_batch=32, creditor_max_used_fraction=0.9, max_moves=64))
     tensor_parallel: TensorParallelModel | None = None  # for instances over several GPUs; None: free all-reduce, no replication
     static_gpus_per_instance: int = 1  # "static": GPUs per instance (tensor parallel past 1)
+    prefill_tokens_per_s: float | None = None  # one GPU's prefill rate; None: prefill takes no time
+    prefill_chunk_tokens: int = 8192  # prompt tokens an instance prefills per step (max_num_batched_tokens)
 
     def __post_init__(self) -> None:
         g = self.static_gpus_per_instance
         if g < 1 or self.num_instances % g:
             raise ValueError(f"static_gpus_per_instance {g} must divide num_instances {self.num_instances}")
+        if self.prefill_tokens_per_s is not None and not self.prefill_tokens_per_s > 0:
+            raise ValueError(f"prefill_tokens_per_s must be positive, got {self.prefill_tokens_per_s}")
+        if self.prefill_chunk_tokens < 1:
+            raise ValueError(f"prefill_chunk_tokens must be at least 1, got {self.prefill_chunk_tokens}")
 
 
 @dataclass(frozen=True)
@@ -97,13 +106,14 @@ class SimResult:
 
 
 class _Req:
-    __slots__ = ("spec", "home", "context", "generated", "blocks", "admitted")
+    __slots__ = ("spec", "home", "context", "generated", "blocks", "admitted", "prefill_left")
 
     def __init__(self, spec: Request) -> None:
         self.spec = spec
         self.home = -1
         self.context = 0  # KV tokens
         self.generated = 0
+        self.prefill_left = 0  # tokens of its context still to prefill (prefill modelled only)
         self.blocks: dict[int, int] = {}  # instance -> blocks held there; the home's are the newest
         self.admitted = False
 
@@ -229,6 +239,8 @@ class Simulation:
             inst.queue.popleft()
             inst.queued_blocks -= self._queued_need(req)
             req.home, req.context, req.admitted = inst.idx, context, True
+            # A preempted request recomputes its whole context when it comes back.
+            req.prefill_left = context if self.cluster.prefill_tokens_per_s else 0
             for idx, n in placement.items():
                 self._take(idx, n, hosted=idx != inst.idx)
                 req.blocks[idx] = req.blocks.get(idx, 0) + n
@@ -301,10 +313,23 @@ class Simulation:
             inst.busy = False
             return
         duration = self._layer_time(inst) * self.model.num_layers
+        chunk_budget = self.cluster.prefill_chunk_tokens
+        prefilling: set[int] = set()  # ids of requests whose prefill goes on after this step
+        for req in inst.running:
+            if req.prefill_left:
+                take = min(req.prefill_left, chunk_budget)
+                chunk_budget -= take
+                req.prefill_left -= take
+                duration += take / self.cluster.prefill_tokens_per_s
+                if req.prefill_left:
+                    prefilling.add(req.spec.req_id)
         end = self.now + duration
         still: list[_Req] = []
         for req in list(inst.running):
             if not req.admitted:  # preempted during this step
+                continue
+            if req.spec.req_id in prefilling:
+                still.append(req)
                 continue
             req.generated += 1
             req.context += 1
@@ -427,23 +452,32 @@ def make_trace(
     seed: int = 0,
     max_long_tokens: int = 2_000_000,
     long_fraction: float = 0.02,
+    short_tokens: tuple[int, int] = (256, 32_768),
+    long_tokens: tuple[int, int] | None = None,
+    output_tokens: tuple[int, int] = (64, 512),
 ) -> list[Request]:
     """A trace of mixed lengths, Poisson arrivals at ``rate_per_s``.
 
-    ``"short"``: prompts log-uniform over 256-32K tokens (most short, a tail of long ones),
-    outputs uniform 64-512. ``"long"``: the same plus ``long_fraction`` of prompts log-uniform
-    over 100K-``max_long_tokens``.
+    ``"short"``: prompts log-uniform over ``short_tokens`` (default 256-32K: most short, a tail
+    of long ones), outputs uniform over ``output_tokens`` (inclusive). ``"long"``: the same plus
+    ``long_fraction`` of prompts log-uniform over ``long_tokens`` (default 100K to
+    ``max_long_tokens``).
     """
     if kind not in ("short", "long"):
         raise ValueError(f"kind must be 'short' or 'long', got {kind!r}")
+    long_lo, long_hi = long_tokens or (100_000, max_long_tokens)
+    for name, (lo, hi) in (("short_tokens", short_tokens), ("long_tokens", (long_lo, long_hi)),
+                           ("output_tokens", output_tokens)):
+        if not 1 <= lo <= hi:
+            raise ValueError(f"{name} must be (low, high) with 1 <= low <= high, got ({lo}, {hi})")
     rng = np.random.default_rng(seed)
     arrivals = np.cumsum(rng.exponential(1.0 / rate_per_s, num_requests))
-    prompts = np.exp(rng.uniform(math.log(256), math.log(32_768), num_requests))
+    prompts = np.exp(rng.uniform(math.log(short_tokens[0]), math.log(short_tokens[1]), num_requests))
     if kind == "long":
         is_long = rng.random(num_requests) < long_fraction
-        long_prompts = np.exp(rng.uniform(math.log(100_000), math.log(max_long_tokens), num_requests))
+        long_prompts = np.exp(rng.uniform(math.log(long_lo), math.log(long_hi), num_requests))
         prompts = np.where(is_long, long_prompts, prompts)
-    outputs = rng.integers(64, 513, num_requests)
+    outputs = rng.integers(output_tokens[0], output_tokens[1] + 1, num_requests)
     return [Request(i, float(a), int(p), int(o)) for i, (a, p, o) in enumerate(zip(arrivals, prompts, outputs))]
 
 
