@@ -27,7 +27,7 @@ from infinite_llm.engine.config import EngineConfig
 from infinite_llm.engine.engine import LLMEngine, RequestRejected
 from infinite_llm.engine.loader import load_checkpoint
 from infinite_llm.engine.sampling import SamplingParams
-from infinite_llm.transport.errors import PlacementRefused
+from infinite_llm.transport.errors import PlacementRefused, TransportError
 from infinite_llm.transport.interface import PeerAddress, Transport, TransportConfig
 from infinite_llm.transport.messages import (
     AttendRequest,
@@ -63,10 +63,15 @@ from .ledger import CreditorLedger, EpochFence
 from .local_auth import admin_group_id
 from .membership import Member, membership_for, process_alive
 from .metrics import InstanceMetrics
-from .peers import Peer, PeerDirectory, TransportLender, TransportRemoteAttention, forward_segment
+from .peers import Peer, PeerDirectory, PeerPartFailed, TransportLender, TransportRemoteAttention, forward_segment
 from .sd_notify import SystemdNotifier
 
 log = logging.getLogger(__name__)
+
+# A step whose creditor part failed runs again up to this many times in a row before the
+# requests with KV on that creditor end (a peer busy in a long step of its own, or reconnecting,
+# recovers within a retry; a dead one leaves the cluster's membership and ends them at once).
+PEER_STEP_RETRIES = 3
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -101,6 +106,8 @@ class InstanceDaemon:
         # Home-block moves whose data a peer committed, to switch at the next step boundary.
         self._committed_moves: list[tuple[SegmentMove, Peer, asyncio.Future[bool]]] = []
         self._moves_in_flight: set[asyncio.Task] = set()
+        self._peer_step_failures: dict[int, int] = {}  # cluster id -> steps failed in a row for its part
+        self._connecting: dict[int, asyncio.Task] = {}  # cluster id -> connection being opened ahead of use
 
     # ---- life --------------------------------------------------------------------------
     async def run(self) -> None:
@@ -274,10 +281,14 @@ class InstanceDaemon:
                 continue
             try:
                 outputs = await engine.step_async()
+            except PeerPartFailed as exc:
+                self._peer_part_failed(exc)
+                continue
             except Exception as exc:  # noqa: BLE001  a failed step ends its requests, not the daemon
                 log.exception("engine step failed; ending the running requests")
                 self._fail_running(f"{type(exc).__name__}: {exc}")
                 continue
+            self._peer_step_failures.clear()
             if not outputs and not engine.scheduler.running:
                 idle_s = min(0.5, max(0.01, 2 * idle_s))
                 self._work.clear()
@@ -303,14 +314,34 @@ class InstanceDaemon:
             # Give peers' attend requests and the HTTP servers a turn between steps.
             await asyncio.sleep(0)
 
+    def _peer_part_failed(self, exc: PeerPartFailed) -> None:
+        """A creditor's part of the step did not come. The step kept nothing, so it runs again;
+        after ``PEER_STEP_RETRIES`` failures in a row, or at once if the peer has left the
+        cluster, the requests with KV there end with an error and the others go on."""
+        failures = self._peer_step_failures.get(exc.inst_id, 0) + 1
+        self._peer_step_failures[exc.inst_id] = failures
+        gone = exc.inst_id not in self.membership.members()
+        if failures < PEER_STEP_RETRIES and not gone:
+            log.warning("step retried: the part of instance %d failed (%d in a row): %s", exc.inst_id, failures, exc.error)
+            return
+        bm = self.engine.block_manager
+        stranded = [r for r in list(self.engine.scheduler.requests) if bm.has_request(r)
+                    and any(seg.instance_id == exc.engine_id for seg in bm.block_table(r))]
+        self._peer_step_failures.pop(exc.inst_id, None)
+        self._fail_requests(stranded, f"instance {exc.inst_id}, which holds part of their KV, "
+                                      f"{'left the cluster' if gone else f'failed {failures} steps in a row'}: {exc.error}")
+
     def _fail_running(self, reason: str) -> None:
-        for request_id in list(self.engine.scheduler.requests):
+        self._fail_requests(list(self.engine.scheduler.requests), reason)
+
+    def _fail_requests(self, request_ids: list[str], reason: str) -> None:
+        for request_id in request_ids:
             self.engine.abort(request_id)
             queue = self._queues.get(request_id)
             if queue is not None:
                 queue.put_nowait(GenerationEvent(request_id, "", (), True, "error",
                                                  self._prompt_tokens.get(request_id, 0), 0))
-        log.error("requests ended: %s", reason)
+        log.error("%d requests ended: %s", len(request_ids), reason)
 
     async def generate(self, prompt: str | tuple[int, ...] | None, messages: Sequence[dict[str, str]] | None,
                        params: SamplingParams) -> AsyncIterator[GenerationEvent]:
@@ -506,8 +537,9 @@ class InstanceDaemon:
         members = self.membership.members()
         for member in members.values():
             if member.inst_id != self.config.instance_id:
-                self.peers.update(member.inst_id, PeerAddress(member.peer_host, member.peer_port),
-                                  member.num_blocks_free, member.draining)
+                peer = self.peers.update(member.inst_id, PeerAddress(member.peer_host, member.peer_port),
+                                         member.num_blocks_free, member.draining, member.num_blocks_total)
+                self._connect_ahead(peer)
         # A home that keeps publishing is alive even while its requests wait and send nothing.
         for home in list(self.ledger.last_heard):
             if home in members:
@@ -519,6 +551,21 @@ class InstanceDaemon:
         self._send_heartbeat()
 
     # ---- the gManager ---------------------------------------------------------------------
+    def _connect_ahead(self, peer: Peer) -> None:
+        """Open the connection to a peer before any step needs it: the handshake waits for the
+        peer's event loop, which a step of its own can hold for longer than a connect may take."""
+        if not self.config.share_kv or peer.inst_id in self._connecting:
+            return
+        task = asyncio.get_running_loop().create_task(self._connect_quietly(peer))
+        self._connecting[peer.inst_id] = task
+        task.add_done_callback(lambda _: self._connecting.pop(peer.inst_id, None))
+
+    async def _connect_quietly(self, peer: Peer) -> None:
+        try:
+            await self.transport.connect(peer.address)
+        except TransportError as exc:  # the next tick tries again; a request would say the same
+            log.debug("connection ahead to instance %d failed: %s", peer.inst_id, exc)
+
     def _find_leader(self) -> tuple[int, PeerAddress] | None:
         """The gManager leader: the etcd leader key (epoch: its create revision), or the record
         in the state folder (local election) if its process is alive."""

@@ -60,6 +60,7 @@ class Peer:
     address: PeerAddress
     num_blocks_free: int  # last known, blocks
     draining: bool = False
+    num_blocks_total: int = 0  # its pool, blocks
 
 
 class PeerDirectory:
@@ -71,16 +72,18 @@ class PeerDirectory:
         self._by_engine: dict[int, Peer] = {}
         self._next_engine_id = itertools.count(1)
 
-    def update(self, inst_id: int, address: PeerAddress, num_blocks_free: int, draining: bool) -> Peer:
+    def update(self, inst_id: int, address: PeerAddress, num_blocks_free: int, draining: bool,
+               num_blocks_total: int = 0) -> Peer:
         if inst_id == self.own_inst_id:
             raise ValueError("an instance is not its own peer")
         peer = self._by_inst.get(inst_id)
         if peer is None:
-            peer = Peer(inst_id, next(self._next_engine_id), address, num_blocks_free, draining)
+            peer = Peer(inst_id, next(self._next_engine_id), address, num_blocks_free, draining, num_blocks_total)
             self._by_inst[inst_id] = peer
             self._by_engine[peer.engine_id] = peer
         else:
             peer.address, peer.num_blocks_free, peer.draining = address, num_blocks_free, draining
+            peer.num_blocks_total = num_blocks_total
         return peer
 
     def by_inst(self, inst_id: int) -> Peer:
@@ -100,6 +103,25 @@ class PeerDirectory:
 
     def num_free_blocks(self) -> int:
         return sum(p.num_blocks_free for p in self._by_inst.values() if not p.draining)
+
+    def num_total_blocks(self) -> int:
+        """The pools of the peers that are not draining, blocks."""
+        return sum(max(p.num_blocks_total, p.num_blocks_free) for p in self._by_inst.values() if not p.draining)
+
+
+class PeerPartFailed(Exception):
+    """A creditor's part of a step's attention did not come: the step did not complete.
+
+    Nothing of the step was kept (tokens count as computed only after a step), so the same
+    step may run again; the requests with KV on ``inst_id`` are the ones that cannot go on if
+    the peer stays away.
+    """
+
+    def __init__(self, inst_id: int, engine_id: int, error: Exception) -> None:
+        super().__init__(f"instance {inst_id}: {error}")
+        self.inst_id = inst_id
+        self.engine_id = engine_id
+        self.error = error
 
 
 class TransportRemoteAttention(RemoteAttention):
@@ -136,11 +158,15 @@ class TransportRemoteAttention(RemoteAttention):
                                 q.contiguous())
         started = time.perf_counter()
         reply = self.transport.request_soon(peer.address, request, timeout_s=self.timeout_s)
-        return self._finish(peer.inst_id, reply, started, q.device)
+        return self._finish(peer, reply, started, q.device)
 
-    async def _finish(self, inst_id: int, reply: Awaitable[Message], started: float,
+    async def _finish(self, peer: Peer, reply: Awaitable[Message], started: float,
                       device: torch.device) -> AttentionState:
-        result = await reply
+        try:
+            result = await reply
+        except TransportError as exc:
+            raise PeerPartFailed(peer.inst_id, peer.engine_id, exc) from exc
+        inst_id = peer.inst_id
         self.metrics.remote_attention_seconds.observe(time.perf_counter() - started)
         if not isinstance(result, AttendResult):
             raise RuntimeError(f"instance {inst_id} answered an attend request with {type(result).__name__}")
@@ -168,8 +194,8 @@ class TransportLender:
         self._background: set[asyncio.Task] = set()
 
     # ---- KVLender -------------------------------------------------------------------------
-    def num_free_blocks_elsewhere(self) -> int:
-        return self.peers.num_free_blocks() if self.share_kv else 0
+    def num_blocks_elsewhere(self) -> int:
+        return self.peers.num_total_blocks() if self.share_kv else 0
 
     async def spill(self, engine: LLMEngine, num_blocks: int) -> None:
         if not self.share_kv:

@@ -143,7 +143,7 @@ class LLMEngine:
         capacity = self.block_manager.num_total_blocks() if self.config.spill_to_creditors and len(self.pools) > 1 \
             else self.block_manager.num_total_blocks(self.home_instance_id)
         if self.lender is not None:
-            capacity += self.lender.num_free_blocks_elsewhere()
+            capacity += self.lender.num_blocks_elsewhere()
         if self.local_decode_graphs is not None:
             capacity -= 1  # the padding block of graph steps
         if blocks > capacity:

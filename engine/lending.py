@@ -16,8 +16,9 @@ if TYPE_CHECKING:
 
 
 class KVLender(Protocol):
-    def num_free_blocks_elsewhere(self) -> int:
-        """Blocks the peers are known to have free (admission counts them as capacity)."""
+    def num_blocks_elsewhere(self) -> int:
+        """Blocks of the peers' pools. Admission refuses only a request that the whole cluster
+        could never hold; one that fits waits for memory, as it would for its home's."""
         ...
 
     async def spill(self, engine: LLMEngine, num_blocks: int) -> None:

@@ -499,7 +499,10 @@ class GManager:
         except Exception as exc:
             self.stats.num_round_errors += 1
             self.stats.last_error = f"{name}: {exc}"
-            log.exception("%s step failed", name)
+            if isinstance(exc, InconsistentState):  # heartbeats taken at different moments: the next round retries
+                log.warning("%s step skipped: %s", name, exc)
+            else:
+                log.exception("%s step failed", name)
         finally:
             elapsed = time.perf_counter() - started
             if name == "round":

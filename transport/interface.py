@@ -82,6 +82,11 @@ class Transport(Protocol):
         """Send ``message`` expecting no reply; returns once it has left."""
         ...
 
+    async def connect(self, peer: PeerAddress) -> None:
+        """Open the connection to ``peer`` now if there is none, so that no request waits for
+        the handshake (which needs the peer's event loop to turn). Raises PeerUnreachable."""
+        ...
+
     async def close(self) -> None:
         """Stop the listener and drop every connection; pending requests fail."""
         ...

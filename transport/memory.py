@@ -228,6 +228,11 @@ class InMemoryTransport:
         if not self._network._post(self._address, peer, frame, message, msg_id, None):
             raise PeerUnreachable(peer, "no listener")
 
+    async def connect(self, peer: PeerAddress) -> None:
+        self._require_open()
+        if peer not in self._network._listeners:
+            raise PeerUnreachable(peer, "no listener")
+
     async def close(self) -> None:
         for registry in (self._network._listeners, self._network._transports):
             if registry.get(self._address) is self:

@@ -325,6 +325,12 @@ class UcxTransport:
                 raise RequestTimeout(peer, message.TYPE, timeout_s) from None
             raise PeerUnreachable(peer, str(e)) from None
 
+    async def connect(self, peer: PeerAddress) -> None:
+        try:
+            await self._connection_by(peer, time.monotonic() + self._config.connect_timeout_s)
+        except TimeoutError:
+            raise PeerUnreachable(peer, "cannot connect: timed out") from None
+
     async def close(self) -> None:
         self._closed = True
         for peer, connection in list(self._outbound.items()):
@@ -546,7 +552,10 @@ async def _failed(error: Exception) -> Message:
 
 
 def _handler_failed(message: Message, error: Exception) -> ErrorReply:
-    log.error("handler failed on %s", message.TYPE, exc_info=error)
+    if isinstance(error, ValueError):  # a handler's refusal of what it was asked: the sender hears why
+        log.warning("refused %s: %s", message.TYPE, error)
+    else:
+        log.error("handler failed on %s", message.TYPE, exc_info=error)
     return ErrorReply(ErrorCode.HANDLER_FAILED, f"{type(error).__name__}: {error}")
 
 

@@ -108,3 +108,18 @@ def test_peer_spin_defaults_by_device_and_can_be_set(tmp_path: Path) -> None:
         load_config(None, {"peer_spin_s": 2.0})
     with pytest.raises(ConfigError, match="peer_spin_s"):
         load_config(None, {"peer_spin_s": True})
+
+
+def test_share_kv_from_toml_and_flags(tmp_path: Path) -> None:
+    from infinite_llm.daemon.main import parse_args
+
+    assert load_config().share_kv is True
+    path = tmp_path / "infinited.toml"
+    path.write_text("share_kv = false\n")
+    assert load_config(path).share_kv is False
+    assert load_config(path, parse_args(["--share-kv"])[1]).share_kv is True
+    assert load_config(None, parse_args(["--no-share-kv"])[1]).share_kv is False
+    assert load_config(path, parse_args([])[1]).share_kv is False  # no flag: the file holds
+    path.write_text('share_kv = "no"\n')
+    with pytest.raises(ConfigError, match="share_kv must be true or false"):
+        load_config(path)

@@ -87,13 +87,17 @@ def test_killed_peer_fails_pending_requests_at_once_and_a_restart_is_reached():
         await b.start(hang)
         pending = asyncio.create_task(a.request(B, m.Ack(), timeout_s=60))
         await started.wait()
+        await a.connect(B)
         net.kill(B)
         with pytest.raises(PeerUnreachable):
             await pending
         with pytest.raises(PeerUnreachable):
             await a.request(B, m.Ack())
+        with pytest.raises(PeerUnreachable):
+            await a.connect(B)
         restarted = net.transport(B)
         await restarted.start(echo)
+        await a.connect(B)
         assert await a.request(B, m.Ack()) == m.Ack()
     run(scenario())
 

@@ -322,3 +322,23 @@ def test_request_soon_to_a_killed_peer_fails_cleanly(ucx_loop, start_peer, clien
         with pytest.raises(TransportError):  # and again, now without a connection
             await client.request_soon(peer.address, m.Echo(torch.arange(3)), timeout_s=5)
     run_bounded(ucx_loop, scenario(), 30)
+
+
+def test_connect_ahead_opens_the_connection_requests_then_use(ucx_loop, start_peer, client):
+    peer = start_peer("serve")
+
+    async def scenario():
+        await client.connect(peer.address)
+        connection = client._outbound[peer.address]
+        await client.connect(peer.address)  # already open: nothing new
+        assert client._outbound[peer.address] is connection
+        reply = await client.request(peer.address, m.Echo(torch.arange(4)))
+        assert torch.equal(reply.payload, torch.arange(4)) and client._outbound[peer.address] is connection
+        peer.kill()
+        started = time.monotonic()
+        with pytest.raises(PeerUnreachable):
+            for _ in range(50):  # the dead connection is noticed, then the new attempt fails
+                await client.connect(peer.address)
+                await asyncio.sleep(0.05)
+        assert time.monotonic() - started < 5
+    run_bounded(ucx_loop, scenario(), 30)
