@@ -22,7 +22,7 @@ simulator's figure for it is reported beside, unmeasured.
     python bench/cluster_multigpu.py                                 # the CPU: SmolLM2-135M, 2 instances
     python bench/cluster_multigpu.py --device cuda --model /tmp/llama8b   # one instance per GPU
 
-Writes ``bench/results/cluster_multigpu-<gpu>-x<N>.json`` (or ``-cpu``).
+Writes ``bench/results/cluster_multigpu-<gpu>-x<N>.json`` (or ``-cpu``), after each policy.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ Both call an :class:`InstanceService`; this module does HTTP and nothing else.
 from __future__ import annotations
 
 import grp
+import logging
 import os
 import socket
 from dataclasses import dataclass
@@ -37,6 +38,8 @@ from .openai_protocol import (
     parse_completion_request,
     usage_chunk,
 )
+
+log = logging.getLogger(__name__)
 
 _MAX_BODY_BYTES = 16 << 20
 
@@ -170,10 +173,10 @@ class OpenAIApp:
     async def _stream(self, request: web.Request, req: GenerationRequest, events: AsyncIterator[GenerationEvent],
                       chat: bool) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await response.prepare(request)
         rid = new_id("chatcmpl" if chat else "cmpl")
         last = None
         try:
+            await response.prepare(request)
             if chat:
                 await _sse(response, chat_chunk(rid, req.model, {"role": "assistant", "content": ""}, None))
             async for event in events:
@@ -189,6 +192,8 @@ class OpenAIApp:
                 obj = "chat.completion.chunk" if chat else "text_completion"
                 await _sse(response, usage_chunk(rid, req.model, obj, last.num_prompt_tokens, last.num_output_tokens))
             await response.write(b"data: [DONE]\n\n")
+        except ConnectionResetError:
+            log.info("completion stream: the client went away; its request is cancelled")
         finally:
             # A client that went away ends the generator, which aborts the request in the engine.
             await events.aclose()
@@ -271,17 +276,20 @@ class LocalApp:
         except OpenAIError as exc:
             return _json({"error": str(exc)}, status=exc.status)
         response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
-        await response.prepare(request)
         events = _events(first, stream)
         try:
+            await response.prepare(request)
             async for event in events:
                 await response.write(orjson.dumps({
                     "request_id": event.request_id, "text": event.new_text, "token_ids": list(event.new_token_ids),
                     "finished": event.finished, "finish_reason": event.finish_reason,
                     "prompt_tokens": event.num_prompt_tokens, "completion_tokens": event.num_output_tokens,
                 }) + b"\n")
+        except ConnectionResetError:  # the client left: closing the stream cancels its request
+            log.info("generate: the client went away; its request is cancelled")
         finally:
             await events.aclose()
+            await stream.aclose()
         return response
 
 

@@ -76,6 +76,24 @@ PEER_STEP_RETRIES = 3
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
+class DeviceFailed(RuntimeError):
+    """The accelerator reported an error that leaves this process unable to run kernels."""
+
+
+def device_failed(exc: BaseException) -> bool:
+    """Whether ``exc`` is a sticky device error (an illegal address, a lost device): every later
+    CUDA call of the process fails too, so the instance must restart."""
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is not None and isinstance(exc, accelerator_error):
+        return True
+    return isinstance(exc, RuntimeError) and "CUDA error" in str(exc)
+
+
+class MoveNotDone(ValueError):
+    """An ordered move that moved nothing (the peer refused, the request's blocks could not
+    move yet, a transfer failed): the gManager hears why and plans again from heartbeats."""
+
+
 class InstanceDaemon:
     """Everything one instance runs. :meth:`run` is its whole life."""
 
@@ -108,6 +126,7 @@ class InstanceDaemon:
         self._moves_in_flight: set[asyncio.Task] = set()
         self._peer_step_failures: dict[int, int] = {}  # cluster id -> steps failed in a row for its part
         self._connecting: dict[int, asyncio.Task] = {}  # cluster id -> connection being opened ahead of use
+        self._frame_timeout_s = TransportConfig().frame_timeout_s  # the transport's bound on one frame's receive
 
     # ---- life --------------------------------------------------------------------------
     async def run(self) -> None:
@@ -228,10 +247,12 @@ class InstanceDaemon:
         pool_blocks = c.kv_pool_blocks or (c.kv_pool_bytes // block_bytes if c.kv_pool_bytes else 2048)
         if pool_blocks < 1:
             raise ValueError(f"kv_pool_bytes {c.kv_pool_bytes} holds no block of {block_bytes} bytes")
-        self.transport = UcxTransport(TransportConfig(
+        transport_config = TransportConfig(
             host=c.peer_host, port=c.peer_port, spin_s=peer_spin_for(c.peer_spin_s, device.type),
             connect_timeout_s=c.timeouts.connect_s,
-            request_timeout_s=c.timeouts.peer_request_s, receive_device=c.device if device.type == "cuda" else "cpu"))
+            request_timeout_s=c.timeouts.peer_request_s, receive_device=c.device if device.type == "cuda" else "cpu")
+        self._frame_timeout_s = transport_config.frame_timeout_s
+        self.transport = UcxTransport(transport_config)
         self.remote = TransportRemoteAttention(self.transport, self.peers, c.block_size, self.metrics,
                                                c.timeouts.peer_request_s)
         self.lender = TransportLender(self.transport, self.peers, self.metrics, c.timeouts.peer_request_s,
@@ -285,6 +306,12 @@ class InstanceDaemon:
                 self._peer_part_failed(exc)
                 continue
             except Exception as exc:  # noqa: BLE001  a failed step ends its requests, not the daemon
+                if device_failed(exc):
+                    # A CUDA error of this kind sticks to the process: no later kernel can run.
+                    log.critical("the device failed: ending the running requests and exiting, so that the "
+                                 "service manager starts this instance afresh", exc_info=exc)
+                    self._fail_running(f"the device failed: {exc}")
+                    raise DeviceFailed(str(exc)) from exc
                 log.exception("engine step failed; ending the running requests")
                 self._fail_running(f"{type(exc).__name__}: {exc}")
                 continue
@@ -437,8 +464,8 @@ class InstanceDaemon:
         self._ordered_moves.append((message, done))
         self._work.set()
         if not await done:
-            raise RuntimeError(f"move of {message.num_blocks} blocks of request {message.req_id} "
-                               f"to instance {message.dst_inst_id} did not commit")
+            raise MoveNotDone(f"move of {message.num_blocks} blocks of request {message.req_id} "
+                              f"to instance {message.dst_inst_id} did not commit")
         return None
 
     async def _carry_out_ordered_moves(self) -> None:
@@ -468,19 +495,28 @@ class InstanceDaemon:
                 done.set_result(ok)
 
     async def _send_ordered_move(self, message: MoveKV, done: asyncio.Future[bool]) -> None:
-        """Reserve, send and commit in the background; the switch waits for a step boundary."""
+        """Reserve, send and commit in the background, piece by piece; each piece's switch waits
+        for a step boundary. ``done``: True when any block moved (the gManager sees the rest in
+        the next heartbeats)."""
+        moved = 0
         try:
             dst = self.peers.by_inst(message.dst_inst_id)
-            move = await self.lender.send_move(self.engine, str(message.req_id), message.num_blocks, dst)
+            while moved < message.num_blocks:
+                move = await self.lender.send_move(self.engine, str(message.req_id), message.num_blocks - moved, dst)
+                if move is None:
+                    break
+                switched: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+                self._committed_moves.append((move, dst, switched))
+                self._work.set()  # an idle engine loop wakes to switch
+                if not await switched:
+                    break
+                moved += len(move.dst_block_ids)
         except Exception as exc:  # the gManager hears of it; the engine goes on
             log.warning("ordered move %d failed: %s", message.move_id, exc)
-            move = None
-        if move is None:
-            if not done.done():
-                done.set_result(False)
-            return
-        self._committed_moves.append((move, dst, done))
-        self._work.set()  # an idle engine loop wakes to switch
+        if 0 < moved < message.num_blocks:
+            log.info("ordered move %d: %d of %d blocks moved", message.move_id, moved, message.num_blocks)
+        if not done.done():
+            done.set_result(moved > 0)
 
     def _try_move(self, message: TryMoveKV) -> MoveReserved | MoveRejected:
         free = self.engine.block_manager.num_free_blocks(self.engine.home_instance_id)
@@ -507,6 +543,10 @@ class InstanceDaemon:
         reservation = self.ledger.reservations.get(message.reservation_id)
         if reservation is None:
             raise PlacementRefused(f"no reservation {message.reservation_id} (expired or never made)")
+        # UCX writes into these blocks until the frame's receive ends (bounded by the transport's
+        # frame timeout): the reservation outlives that, or its blocks could be given to others
+        # while still being written.
+        self.ledger.hold_while_receiving(message.reservation_id, time.monotonic() + self._frame_timeout_s)
         reserved = set(reservation.block_ids)
         views = []
         for run in message.runs:

@@ -8,6 +8,7 @@ back. Time is passed in (seconds on any monotonic clock), so tests drive it by h
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
@@ -122,6 +123,17 @@ class CreditorLedger:
 
     def heard_from(self, home_inst_id: int, now: float) -> None:
         self.last_heard[home_inst_id] = now
+
+    def hold_while_receiving(self, reservation_id: int, until: float) -> Reservation:
+        """Data for the reservation has started to arrive: it must not expire (and its blocks go
+        to someone else while they are being written) before ``until``, the latest the receive
+        can end, plus the usual time for the commit."""
+        reservation = self.reservation(reservation_id)
+        expires_at = max(reservation.expires_at, until + self.reservation_ttl_s)
+        if expires_at != reservation.expires_at:
+            reservation = dataclasses.replace(reservation, expires_at=expires_at)
+            self.reservations[reservation_id] = reservation
+        return reservation
 
     def release_expired(self, now: float) -> list[Reservation]:
         """Release reservations whose commit did not come in time; returns them."""

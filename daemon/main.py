@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from .config import ConfigError, load_config
-from .instance import InstanceDaemon
+from .instance import DeviceFailed, InstanceDaemon
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict]:
@@ -79,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
             asyncio.run(daemon.run())
     except (FileNotFoundError, ValueError, ConnectionError) as exc:  # ConnectionError: etcd unreachable
         print(f"infinited: {exc}", file=sys.stderr)
+        return 1
+    except DeviceFailed as exc:  # logged where it happened; systemd's Restart=on-failure starts afresh
+        print(f"infinited: the device failed: {exc}", file=sys.stderr)
         return 1
     finally:
         if profiler is not None:

@@ -179,6 +179,18 @@ class TransportRemoteAttention(RemoteAttention):
             del self._slices[key]
 
 
+# A move travels in pieces of at most this many bytes: each piece's transfer stays well inside
+# the creditor's reservation time, and a step boundary comes between pieces.
+MOVE_PIECE_BYTES = 256 << 20
+# The slowest transfer a move's data request allows for, on top of the peer request timeout.
+MOVE_BYTES_PER_S_FLOOR = 1e9
+
+
+def move_piece_blocks(block_nbytes: int) -> int:
+    """Blocks of ``block_nbytes`` in one piece of a move (at least one)."""
+    return max(1, MOVE_PIECE_BYTES // block_nbytes)
+
+
 class TransportLender:
     """Moves running requests' oldest blocks to peers, in two phases (reserve, send, commit)."""
 
@@ -194,6 +206,9 @@ class TransportLender:
         self._background: set[asyncio.Task] = set()
 
     # ---- KVLender -------------------------------------------------------------------------
+    def num_free_blocks_elsewhere(self) -> int:
+        return self.peers.num_free_blocks() if self.share_kv else 0
+
     def num_blocks_elsewhere(self) -> int:
         return self.peers.num_total_blocks() if self.share_kv else 0
 
@@ -208,8 +223,9 @@ class TransportLender:
                 break
             for peer in self.peers.creditors():
                 take = min(count, num_blocks, peer.num_blocks_free)
-                if take > 0 and await self.move(engine, request_id, take, peer):
-                    num_blocks -= take
+                moved = await self.move(engine, request_id, take, peer) if take > 0 else 0
+                if moved:
+                    num_blocks -= moved
                     break
 
     def release(self, request_id: str, segment: Segment) -> None:
@@ -224,11 +240,17 @@ class TransportLender:
         assert self.engine is not None
         return self.engine.config.block_size
 
-    async def move(self, engine: LLMEngine, request_id: str, num_blocks: int, peer: Peer) -> bool:
-        """Move the request's oldest ``num_blocks`` home blocks to ``peer``; True once committed
-        and switched (between steps: the caller holds the engine)."""
-        move = await self.send_move(engine, request_id, num_blocks, peer)
-        return move is not None and self.switch_move(engine, move, peer)
+    async def move(self, engine: LLMEngine, request_id: str, num_blocks: int, peer: Peer) -> int:
+        """Move the request's oldest ``num_blocks`` home blocks to ``peer``, in pieces of at
+        most :func:`move_piece_blocks` (each reserved, sent, committed and switched before the
+        next; between steps: the caller holds the engine). Returns the blocks moved."""
+        moved = 0
+        while moved < num_blocks:
+            move = await self.send_move(engine, request_id, num_blocks - moved, peer)
+            if move is None or not self.switch_move(engine, move, peer):
+                break
+            moved += len(move.dst_block_ids)
+        return moved
 
     async def send_move(self, engine: LLMEngine, request_id: str, num_blocks: int,
                         peer: Peer) -> SegmentMove | None:
@@ -243,6 +265,13 @@ class TransportLender:
         bm = engine.block_manager
         pool = engine.pools[engine.home_instance_id]
         block_nbytes = pool[0].numel() * pool.element_size()
+        lendable = bm.num_lendable_blocks(request_id, engine.num_written_tokens().get(request_id, 0))
+        num_blocks = min(num_blocks, lendable, move_piece_blocks(block_nbytes))
+        if num_blocks <= 0:
+            log.info("move of request %s to instance %d: no block may move now (unwritten, or a move of it "
+                     "in flight)", request_id, peer.inst_id)
+            self.metrics.moves.labels(result="failed").inc()
+            return None
         move_id = next(self._move_ids)
         own = self.peers.own_inst_id
         try:
@@ -255,6 +284,8 @@ class TransportLender:
             return None
         if isinstance(reply, MoveRejected):
             peer.num_blocks_free = reply.num_blocks_free
+            log.info("move of %d blocks of request %s: instance %d refused (%s, %d blocks free there)",
+                     num_blocks, request_id, peer.inst_id, reply.reason, reply.num_blocks_free)
             self.metrics.moves.labels(result="rejected").inc()
             return None
         if not isinstance(reply, MoveReserved) or len(reply.dst_block_ids) != num_blocks:
@@ -273,7 +304,7 @@ class TransportLender:
             # where the peer's pool allows): a view of the home pool, or a gather of its blocks.
             runs, data = pack_kv_runs(pool, move.src_block_ids, move.dst_block_ids)
             stored = await self.transport.request(peer.address, KVBlocks(move_id, reply.reservation_id, runs, data),
-                timeout_s=self.timeout_s)
+                timeout_s=self.timeout_s + num_blocks * block_nbytes / MOVE_BYTES_PER_S_FLOOR)
             if not isinstance(stored, KVBlocksStored) or stored.num_blocks != num_blocks:
                 raise RuntimeError(f"instance {peer.inst_id} stored {stored!r}")
             await self.transport.request(peer.address, MoveCommit(

@@ -92,7 +92,8 @@ class LLMEngine:
         self.block_manager = BlockManager(config.block_size, config.pool_blocks, self.home_instance_id,
                                           on_remote_free=lender.release if lender is not None else None)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
-                                   max_num_batched_tokens=config.max_num_batched_tokens)
+                                   max_num_batched_tokens=config.max_num_batched_tokens,
+                                   can_start=self._prompt_fits_free_memory if lender is not None else None)
         creditors = {i: p for i, p in enumerate(self.pools) if i != self.home_instance_id}
         self.remote = remote if remote is not None else InProcessRemoteAttention(creditors, num_heads=mc.num_heads)
         self.sampler = Sampler()
@@ -199,6 +200,15 @@ class LLMEngine:
         self.pools[move.dst_instance_id][dst] = self.pools[move.src_instance_id][src]
         self.block_manager.commit_move(move)
         return move
+
+    def _prompt_fits_free_memory(self, request: Request) -> bool:
+        """With peers: a waiting request starts only when its whole context fits the free memory
+        it can reach (the home's and the peers' last published). Started on less, two long
+        requests that together exceed the cluster would each take part of it, then preempt and
+        recompute themselves over and over while the other holds what they need."""
+        bm = self.block_manager
+        need = -(-request.num_tokens // self.config.block_size)
+        return need <= bm.num_free_blocks(self.home_instance_id) + self.lender.num_free_blocks_elsewhere()
 
     def home_shortfall(self) -> int:
         """Home blocks missing for the next step's new tokens (0: enough are free)."""

@@ -16,6 +16,11 @@ if TYPE_CHECKING:
 
 
 class KVLender(Protocol):
+    def num_free_blocks_elsewhere(self) -> int:
+        """Blocks the peers last published as free for others: a waiting request starts only when
+        its context fits the home's free blocks and these."""
+        ...
+
     def num_blocks_elsewhere(self) -> int:
         """Blocks of the peers' pools. Admission refuses only a request that the whole cluster
         could never hold; one that fits waits for memory, as it would for its home's."""

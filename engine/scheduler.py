@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
@@ -69,10 +70,14 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
+                 can_start: Callable[[Request], bool] | None = None) -> None:
+        """``can_start``: whether a waiting request may start (or restart) now, beyond the room
+        for its first chunk; None: the first chunk's room is enough."""
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.can_start = can_start
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self.requests: dict[str, Request] = {}
@@ -113,7 +118,8 @@ class Scheduler:
             request = self.waiting[0]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             end = request.num_computed_tokens + num_new
-            if not self.block_manager.can_allocate(request.request_id, end):
+            if not self.block_manager.can_allocate(request.request_id, end) or (
+                    self.can_start is not None and not self.can_start(request)):
                 break  # wait for blocks to come back; first come, first served
             self.waiting.popleft()
             self.block_manager.allocate(request.request_id, end)

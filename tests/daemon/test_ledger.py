@@ -90,3 +90,24 @@ def test_epoch_fence() -> None:
     assert fence.admit(5) and fence.admit(5) and fence.admit(9)
     assert not fence.admit(5)
     assert fence.num_refused == 1 and fence.newest_epoch == 9
+
+
+def test_a_reservation_receiving_data_outlives_the_receive() -> None:
+    pool, ledger = make(ttl=10.0)
+    r = ledger.reserve(1, 7, 3, now=0.0)
+    # Data starts to arrive at 9 s; the transport bounds the receive to 10 s more.
+    held = ledger.hold_while_receiving(r.reservation_id, until=19.0)
+    assert held.expires_at == 29.0 and held.block_ids == r.block_ids
+    assert ledger.release_expired(now=20.0) == []  # the old deadline would have freed blocks being written
+    assert ledger.hold_while_receiving(r.reservation_id, until=1.0).expires_at == 29.0  # never shortened
+    assert [x.reservation_id for x in ledger.release_expired(now=29.0)] == [r.reservation_id]
+    assert pool.free_ids == list(range(8))
+    with pytest.raises(LedgerError, match="no reservation"):
+        ledger.hold_while_receiving(r.reservation_id, until=40.0)
+
+
+def test_moves_travel_in_pieces_of_bounded_bytes() -> None:
+    from infinite_llm.daemon.peers import MOVE_PIECE_BYTES, move_piece_blocks
+
+    assert move_piece_blocks(2 << 20) == MOVE_PIECE_BYTES // (2 << 20) == 128  # Llama-3-8B bf16 blocks of 16 tokens
+    assert move_piece_blocks(MOVE_PIECE_BYTES * 2) == 1  # a block larger than a piece still moves

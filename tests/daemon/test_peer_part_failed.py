@@ -61,3 +61,13 @@ def test_a_creditor_that_fails_its_part_is_named(fault):
         assert (info.value.inst_id, info.value.engine_id) == (2, peer.engine_id)
         assert isinstance(info.value.error, PeerUnreachable if fault == "killed" else RequestTimeout)
     run(scenario())
+
+
+def test_sticky_device_errors_are_told_from_other_step_failures():
+    from infinite_llm.daemon.instance import device_failed
+
+    assert device_failed(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    if hasattr(torch, "AcceleratorError"):
+        assert device_failed(torch.AcceleratorError("CUDA error: an illegal memory access was encountered"))
+    assert not device_failed(RuntimeError("request 3: cannot lend 4 blocks"))
+    assert not device_failed(ValueError("CUDA error"))  # only the runtime's own errors

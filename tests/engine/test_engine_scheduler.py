@@ -73,3 +73,18 @@ def test_preemption_frees_the_newest_request_and_recomputes_it():
     assert (b.status, b.num_computed_tokens, b.output_token_ids) == (RequestStatus.WAITING, 0, [7])
     assert bm.block_table("b") == ()
     assert len(bm.block_table("a")[0].block_ids) == 3
+
+
+def test_a_waiting_request_starts_only_when_can_start_says_so_first_come_first_served():
+    free_elsewhere = {"blocks": 0}
+    bm = BlockManager(4, [8])
+
+    def fits(request: Request) -> bool:  # as the engine's check with peers: the whole context
+        return -(-request.num_tokens // 4) <= bm.num_free_blocks(0) + free_elsewhere["blocks"]
+
+    scheduler = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=8, can_start=fits)
+    scheduler.add(_request("long", 40))  # 10 blocks: more than the home's 8
+    scheduler.add(_request("short", 4))
+    assert _run(scheduler) == []  # the head waits, and the one behind it too
+    free_elsewhere["blocks"] = 2
+    assert _run(scheduler) == [ScheduledChunk("long", 0, 8, False)]
