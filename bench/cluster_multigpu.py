@@ -13,8 +13,9 @@ blocks when the perf model predicts a gain.
 The simulator runs the same trace on the same pools with the perf model, the gManager's
 thresholds, and prefill at the rate measured on this cluster in the same run (one prompt of
 ``--prefill-probe-tokens`` prefilled alone); the prediction's error is reported per rate and
-policy, once with the perf model as calibrated and once with its remote term replaced by the
-remote-attention wait per layer the daemons measured.
+policy, once with the perf model as calibrated and once with its remote overhead replaced by
+the one the daemons measured (the home's wait per layer for a creditor's part, less the
+creditor's time serving it).
 
 One instance over all GPUs (vLLM-single) needs tensor parallelism, which the engine lacks: the
 simulator's figure for it is reported beside, unmeasured.
@@ -226,15 +227,83 @@ def run_policy(policy: str, args, traces: dict[float, list[Request]], devices: l
     return rows, prefill_rate
 
 
-def remote_wait_per_layer(rows: dict) -> float | None:
-    """The mean remote-attention wait per layer over every rate's run (s), where any happened."""
-    total = count = 0.0
+def remote_times_per_layer(rows: dict) -> tuple[float, float] | None:
+    """Over every rate's run: the homes' mean wait for a creditor's part per layer, and the
+    creditors' mean time serving one (s); None where no part was remote."""
+    sums = {"remote_attention": [0.0, 0.0], "attend_serve": [0.0, 0.0]}
     for row in rows.values():
         for figures in row["latencies"].values():
-            if "remote_attention_mean_s" in figures:
-                total += figures["remote_attention_mean_s"] * figures["remote_attention_count"]
-                count += figures["remote_attention_count"]
-    return total / count if count else None
+            for key, acc in sums.items():
+                if f"{key}_mean_s" in figures:
+                    acc[0] += figures[f"{key}_mean_s"] * figures[f"{key}_count"]
+                    acc[1] += figures[f"{key}_count"]
+    (wait, waits), (serve, serves) = sums["remote_attention"], sums["attend_serve"]
+    if not waits:
+        return None
+    return wait / waits, (serve / serves if serves else 0.0)
+
+
+def add_predictions(results: dict, traces: dict, perf_model, args, prefill_rate: float) -> tuple:
+    """Fill in every row's predictions and their errors; returns (the measured remote times per
+    layer or None, the one-big-instance predictions by rate)."""
+    remote = remote_times_per_layer(results.get("infinite", {}))
+    # The perf model charges a remote part's attention itself (max of local and remote) plus
+    # ``remote_overhead_s``: the measured overhead is the wait less the creditor's serving.
+    measured_model = replace(perf_model, remote_overhead_s=max(0.0, remote[0] - remote[1])) if remote else None
+    for name, policy_rows in results.items():
+        for rate, row in policy_rows.items():
+            row["predicted"] = predict(traces[rate], perf_model, args, args.pool_blocks, prefill_rate, name)
+            row.pop("predicted_with_measured_remote", None)
+            if measured_model is not None:
+                row["predicted_with_measured_remote"] = predict(traces[rate], measured_model, args, args.pool_blocks,
+                                                                prefill_rate, name)
+            m = row["measured"]
+            row["error"] = {key: {kind: relative_error(row[kind][key], m[key])
+                                  for kind in ("predicted", "predicted_with_measured_remote") if kind in row}
+                            for key in ("throughput_tokens_per_s", "mean_latency_s")}
+    single = {rate: predict(trace, perf_model, args, args.pool_blocks, prefill_rate, "single") for rate, trace in traces.items()}
+    return remote, single
+
+
+def repredict(path: Path) -> None:
+    """Recompute a saved report's predictions with this simulator (the measured rows stay)."""
+    report = json.loads(path.read_text())
+    t = report["trace"]
+    args = argparse.Namespace(instances=report["instances"], pool_blocks=report["pool_blocks"],
+                              max_num_seqs=report["max_num_seqs"], max_num_batched_tokens=report["max_num_batched_tokens"])
+    perf_model = load_model(ROOT / report["perf_model"])
+    any_rows = next(iter(report["policies"].values()))
+    traces = {float(rate): make_trace("long", t["requests_per_rate"], float(rate), seed=t["seed"],
+                                      long_fraction=t["long_fraction"], short_tokens=tuple(t["short_tokens"]),
+                                      long_tokens=tuple(t["long_tokens"]), output_tokens=tuple(t["output_tokens"]))
+              for rate in any_rows}
+    results = {p: {float(rate): row for rate, row in rows.items()} for p, rows in report["policies"].items()}
+    remote, single = add_predictions(results, traces, perf_model, args, report["prefill_tokens_per_s"])
+    report["remote_wait_per_layer_s"] = remote[0] if remote else None
+    report["remote_serve_per_layer_s"] = remote[1] if remote else None
+    report["policies"] = {p: {str(rate): row for rate, row in rows.items()} for p, rows in results.items()}
+    report["single_predicted_only"] = {str(rate): row for rate, row in single.items()}
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print_report(report)
+
+
+def print_report(report: dict) -> None:
+    remote_s = report["remote_wait_per_layer_s"]
+    print(f"prefill {report['prefill_tokens_per_s']:.0f} tok/s; remote wait per layer "
+          f"{'-' if remote_s is None else f'{remote_s * 1e3:.2f} ms'} (perf model: {report['perf_model_remote_overhead_s'] * 1e3:.3f} ms)")
+    print(f"{'policy':>9} {'rate':>5} {'done':>5} {'refused':>7} {'tok/s':>8} {'predicted':>9} {'err':>7} "
+          f"{'err (remote)':>12} {'mean lat s':>10} {'predicted':>9}")
+    for policy, rows in report["policies"].items():
+        for rate, row in rows.items():
+            m, p, e = row["measured"], row["predicted"], row["error"]["throughput_tokens_per_s"]
+            with_remote = e.get("predicted_with_measured_remote")
+            print(f"{policy:>9} {float(rate):>5g} {m['num_finished']:>5} {m['num_rejected']:>7} {m['throughput_tokens_per_s']:>8.1f} "
+                  f"{p['throughput_tokens_per_s']:>9.1f} {100 * (e['predicted'] or 0):>6.0f}% "
+                  f"{'-' if with_remote is None else f'{100 * with_remote:.0f}%':>12} "
+                  f"{m['mean_latency_s']:>10.2f} {p['mean_latency_s']:>9.2f}")
+    for rate, row in report["single_predicted_only"].items():
+        print(f"{'single':>9} {float(rate):>5g} (simulated only: the engine has no tensor parallelism) "
+              f"{row['throughput_tokens_per_s']:.1f} tok/s, mean latency {row['mean_latency_s']:.2f} s")
 
 
 def main() -> None:
@@ -260,7 +329,12 @@ def main() -> None:
     parser.add_argument("--timeout-s", type=float, default=900.0, help="bound on one rate's run")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--log-dir", type=Path, default=None, help="keep the daemons' and the gManager's logs here")
+    parser.add_argument("--repredict", type=Path, default=None,
+                        help="recompute the predictions of a saved report with this simulator, and nothing else")
     args = parser.parse_args()
+    if args.repredict is not None:
+        repredict(args.repredict)
+        return
     on_cuda = args.device.startswith("cuda")
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     if not on_cuda:
@@ -306,47 +380,22 @@ def main() -> None:
         "perf_model_remote_overhead_s": perf_model.remote_overhead_s,
     }
     results: dict[str, dict] = {}
-    prefill_rate = remote_s = None
-    single: dict = {}
+    prefill_rate = None
     for policy in policies:
         rows, probed = run_policy(policy, args, traces, devices, perf_model_path, extra_args, probe=prefill_rate is None)
         prefill_rate = prefill_rate or probed
         results[policy] = rows
         # Predictions and the report after every policy: a run cut short keeps what it measured.
-        remote_s = remote_wait_per_layer(results.get("infinite", {}))
-        measured_model = replace(perf_model, remote_overhead_s=remote_s) if remote_s else None
-        for name, policy_rows in results.items():
-            for rate, row in policy_rows.items():
-                row["predicted"] = predict(traces[rate], perf_model, args, args.pool_blocks, prefill_rate, name)
-                if measured_model is not None:
-                    row["predicted_with_measured_remote"] = predict(traces[rate], measured_model, args, args.pool_blocks,
-                                                                    prefill_rate, name)
-                m = row["measured"]
-                row["error"] = {key: {kind: relative_error(row[kind][key], m[key])
-                                      for kind in ("predicted", "predicted_with_measured_remote") if kind in row}
-                                for key in ("throughput_tokens_per_s", "mean_latency_s")}
-        single = {rate: predict(traces[rate], perf_model, args, args.pool_blocks, prefill_rate, "single") for rate in rates}
+        remote, single = add_predictions(results, traces, perf_model, args, prefill_rate)
+        remote_s = remote[0] if remote else None
         out.write_text(json.dumps({
             **header, "prefill_tokens_per_s": prefill_rate, "remote_wait_per_layer_s": remote_s,
+            "remote_serve_per_layer_s": remote[1] if remote else None,
             "policies": {p: {str(rate): row for rate, row in rows.items()} for p, rows in results.items()},
             "single_predicted_only": {str(rate): row for rate, row in single.items()},
         }, indent=2) + "\n")
 
-    print(f"prefill {prefill_rate:.0f} tok/s; remote wait per layer "
-          f"{'-' if remote_s is None else f'{remote_s * 1e3:.2f} ms'} (perf model: {perf_model.remote_overhead_s * 1e3:.3f} ms)")
-    print(f"{'policy':>9} {'rate':>5} {'done':>5} {'refused':>7} {'tok/s':>8} {'predicted':>9} {'err':>7} "
-          f"{'err (remote)':>12} {'mean lat s':>10} {'predicted':>9}")
-    for policy, rows in results.items():
-        for rate, row in rows.items():
-            m, p, e = row["measured"], row["predicted"], row["error"]["throughput_tokens_per_s"]
-            with_remote = e.get("predicted_with_measured_remote")
-            print(f"{policy:>9} {rate:>5g} {m['num_finished']:>5} {m['num_rejected']:>7} {m['throughput_tokens_per_s']:>8.1f} "
-                  f"{p['throughput_tokens_per_s']:>9.1f} {100 * (e['predicted'] or 0):>6.0f}% "
-                  f"{'-' if with_remote is None else f'{100 * with_remote:.0f}%':>12} "
-                  f"{m['mean_latency_s']:>10.2f} {p['mean_latency_s']:>9.2f}")
-    for rate, row in single.items():
-        print(f"{'single':>9} {rate:>5g} (simulated only: the engine has no tensor parallelism) "
-              f"{row['throughput_tokens_per_s']:.1f} tok/s, mean latency {row['mean_latency_s']:.2f} s")
+    print_report(json.loads(out.read_text()))
     print(f"-> {out}")
 
 

@@ -161,11 +161,18 @@ class OpenAIApp:
             return _openai_error(exc)
         events = _events(first, stream)
         if req.stream:
-            return await self._stream(request, req, events, chat)
+            try:
+                return await self._stream(request, req, events, chat)
+            finally:
+                await stream.aclose()  # at once, not when the collector gets to it
         text, last = [], first
-        async for event in events:
-            text.append(event.new_text)
-            last = event
+        try:
+            async for event in events:
+                text.append(event.new_text)
+                last = event
+        finally:
+            await events.aclose()
+            await stream.aclose()
         render = chat_response if chat else completion_response
         rid = new_id("chatcmpl" if chat else "cmpl")
         return _json(render(rid, req.model, "".join(text), last.finish_reason, last.num_prompt_tokens, last.num_output_tokens))

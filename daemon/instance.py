@@ -72,6 +72,7 @@ log = logging.getLogger(__name__)
 # requests with KV on that creditor end (a peer busy in a long step of its own, or reconnecting,
 # recovers within a retry; a dead one leaves the cluster's membership and ends them at once).
 PEER_STEP_RETRIES = 3
+PEER_RETRY_PAUSE_S = 0.1  # before the n-th retry of a step: n times this
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -80,13 +81,19 @@ class DeviceFailed(RuntimeError):
     """The accelerator reported an error that leaves this process unable to run kernels."""
 
 
+# CUDA errors that corrupt the context: every later call of the process fails with them too.
+_STICKY_CUDA_ERRORS = ("illegal memory access", "illegal address", "illegal instruction", "misaligned address",
+                       "unspecified launch failure", "device-side assert", "uncorrectable ECC",
+                       "hardware stack error", "launch timed out")
+
+
 def device_failed(exc: BaseException) -> bool:
-    """Whether ``exc`` is a sticky device error (an illegal address, a lost device): every later
-    CUDA call of the process fails too, so the instance must restart."""
-    accelerator_error = getattr(torch, "AcceleratorError", None)
-    if accelerator_error is not None and isinstance(exc, accelerator_error):
-        return True
-    return isinstance(exc, RuntimeError) and "CUDA error" in str(exc)
+    """Whether ``exc`` is a sticky device error (an illegal address, a device-side assert, a
+    launch failure): every later CUDA call of the process fails too, so the instance must
+    restart. Errors that leave the context usable (out of memory, a bad launch configuration)
+    are not."""
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and "CUDA error" in text and any(e in text for e in _STICKY_CUDA_ERRORS)
 
 
 class MoveNotDone(ValueError):
@@ -124,6 +131,8 @@ class InstanceDaemon:
         # Home-block moves whose data a peer committed, to switch at the next step boundary.
         self._committed_moves: list[tuple[SegmentMove, Peer, asyncio.Future[bool]]] = []
         self._moves_in_flight: set[asyncio.Task] = set()
+        self._device_failure: BaseException | None = None  # a sticky device error: stop and exit 1
+        self._pending_aborts: set[str] = set()  # requests whose clients left, ended at the next step boundary
         self._peer_step_failures: dict[int, int] = {}  # cluster id -> steps failed in a row for its part
         self._connecting: dict[int, asyncio.Task] = {}  # cluster id -> connection being opened ahead of use
         self._frame_timeout_s = TransportConfig().frame_timeout_s  # the transport's bound on one frame's receive
@@ -151,6 +160,8 @@ class InstanceDaemon:
             for task in done:
                 if task is not stop and task.exception() is not None:
                     raise task.exception()
+            if self._device_failure is not None:
+                raise DeviceFailed(str(self._device_failure)) from self._device_failure
             await self._drain_for_stop()
         finally:
             self.notifier.stopping("stopping")
@@ -160,6 +171,7 @@ class InstanceDaemon:
             # Moves still in flight stop here: their requests end below, which aborts them, and
             # a peer's reservation expires (or, committed, is freed when this debtor is lost).
             tasks.extend(self._moves_in_flight)
+            tasks.extend(self._connecting.values())
             for task in (stop, *tasks):
                 task.cancel()
             await asyncio.gather(stop, *tasks, return_exceptions=True)
@@ -295,6 +307,9 @@ class InstanceDaemon:
         engine = self.engine
         idle_s = 0.0  # back-off while no request can be scheduled for want of blocks
         while True:
+            for request_id in self._pending_aborts:
+                engine.abort(request_id)
+            self._pending_aborts.clear()
             await self._carry_out_ordered_moves()
             if not engine.has_unfinished:
                 self._work.clear()
@@ -303,13 +318,14 @@ class InstanceDaemon:
             try:
                 outputs = await engine.step_async()
             except PeerPartFailed as exc:
-                self._peer_part_failed(exc)
+                if self._peer_part_failed(exc):
+                    # A short pause before the same step again: a peer that is reconnecting or
+                    # busy in a long step of its own needs it; failures take milliseconds.
+                    await asyncio.sleep(PEER_RETRY_PAUSE_S * self._peer_step_failures.get(exc.inst_id, 1))
                 continue
             except Exception as exc:  # noqa: BLE001  a failed step ends its requests, not the daemon
                 if device_failed(exc):
-                    # A CUDA error of this kind sticks to the process: no later kernel can run.
-                    log.critical("the device failed: ending the running requests and exiting, so that the "
-                                 "service manager starts this instance afresh", exc_info=exc)
+                    self._device_failed(exc)
                     self._fail_running(f"the device failed: {exc}")
                     raise DeviceFailed(str(exc)) from exc
                 log.exception("engine step failed; ending the running requests")
@@ -341,22 +357,32 @@ class InstanceDaemon:
             # Give peers' attend requests and the HTTP servers a turn between steps.
             await asyncio.sleep(0)
 
-    def _peer_part_failed(self, exc: PeerPartFailed) -> None:
-        """A creditor's part of the step did not come. The step kept nothing, so it runs again;
-        after ``PEER_STEP_RETRIES`` failures in a row, or at once if the peer has left the
-        cluster, the requests with KV there end with an error and the others go on."""
+    def _device_failed(self, exc: BaseException) -> None:
+        """A CUDA error of this kind sticks to the process: no later kernel can run. Stop at
+        once (no drain: nothing can be computed or sent from the device any more) and exit with
+        an error, so that the service manager starts this instance afresh."""
+        if self._device_failure is None:
+            log.critical("the device failed: ending the running requests and exiting", exc_info=exc)
+            self._device_failure = exc
+            self._stopping.set()
+
+    def _peer_part_failed(self, exc: PeerPartFailed) -> bool:
+        """A creditor's part of the step did not come. The step kept nothing, so it runs again
+        (True); after ``PEER_STEP_RETRIES`` failures in a row, or at once if the peer has left
+        the cluster, the requests with KV there end with an error and the others go on (False)."""
         failures = self._peer_step_failures.get(exc.inst_id, 0) + 1
         self._peer_step_failures[exc.inst_id] = failures
         gone = exc.inst_id not in self.membership.members()
         if failures < PEER_STEP_RETRIES and not gone:
             log.warning("step retried: the part of instance %d failed (%d in a row): %s", exc.inst_id, failures, exc.error)
-            return
+            return True
         bm = self.engine.block_manager
         stranded = [r for r in list(self.engine.scheduler.requests) if bm.has_request(r)
                     and any(seg.instance_id == exc.engine_id for seg in bm.block_table(r))]
         self._peer_step_failures.pop(exc.inst_id, None)
         self._fail_requests(stranded, f"instance {exc.inst_id}, which holds part of their KV, "
                                       f"{'left the cluster' if gone else f'failed {failures} steps in a row'}: {exc.error}")
+        return False
 
     def _fail_running(self, reason: str) -> None:
         self._fail_requests(list(self.engine.scheduler.requests), reason)
@@ -394,7 +420,10 @@ class InstanceDaemon:
                 yield event
         finally:
             if not finished:
-                self.engine.abort(request_id)  # the client went away
+                # The client went away. The engine may be inside a step that holds this request
+                # (a step awaits its creditors' parts): the abort waits for the step boundary.
+                self._pending_aborts.add(request_id)
+                self._work.set()
             self._queues.pop(request_id, None)
             self._prompt_tokens.pop(request_id, None)
 
@@ -406,7 +435,12 @@ class InstanceDaemon:
         if isinstance(message, AttendRequest):
             self.ledger.heard_from(message.home_inst_id, time.monotonic())
             started = time.perf_counter()
-            result = self.creditor.attend(message)
+            try:
+                result = self.creditor.attend(message)
+            except Exception as exc:
+                if device_failed(exc):
+                    self._device_failed(exc)
+                raise
             self.metrics.attend_serve_seconds.observe(time.perf_counter() - started)
             return result
         if isinstance(message, TryMoveKV):

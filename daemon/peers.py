@@ -63,6 +63,11 @@ class Peer:
     num_blocks_total: int = 0  # its pool, blocks
 
 
+# Blocks an idle instance does not publish as free for others: the padding block of its CUDA
+# graphs and the block its own next step keeps (``InstanceDaemon._free_for_others``).
+IDLE_PEER_KEEPS_BLOCKS = 2
+
+
 class PeerDirectory:
     """The peers this instance knows, with their addresses and last known free blocks."""
 
@@ -104,9 +109,12 @@ class PeerDirectory:
     def num_free_blocks(self) -> int:
         return sum(p.num_blocks_free for p in self._by_inst.values() if not p.draining)
 
-    def num_total_blocks(self) -> int:
-        """The pools of the peers that are not draining, blocks."""
-        return sum(max(p.num_blocks_total, p.num_blocks_free) for p in self._by_inst.values() if not p.draining)
+    def num_lendable_capacity(self) -> int:
+        """The most the peers that are not draining could lend, blocks: their pools less what an
+        idle instance keeps for itself (``IDLE_PEER_KEEPS_BLOCKS``), so that a request admitted
+        on this capacity can start once the peers are idle."""
+        return sum(max(0, max(p.num_blocks_total - IDLE_PEER_KEEPS_BLOCKS, p.num_blocks_free))
+                   for p in self._by_inst.values() if not p.draining)
 
 
 class PeerPartFailed(Exception):
@@ -204,13 +212,16 @@ class TransportLender:
         self.engine: LLMEngine | None = None
         self._move_ids = itertools.count(1)
         self._background: set[asyncio.Task] = set()
+        # Requests with a move of home blocks between its reservation and its switch: a second
+        # move of the same request would find no block left to lend once its reservation came.
+        self._moving: set[str] = set()
 
     # ---- KVLender -------------------------------------------------------------------------
     def num_free_blocks_elsewhere(self) -> int:
         return self.peers.num_free_blocks() if self.share_kv else 0
 
     def num_blocks_elsewhere(self) -> int:
-        return self.peers.num_total_blocks() if self.share_kv else 0
+        return self.peers.num_lendable_capacity() if self.share_kv else 0
 
     async def spill(self, engine: LLMEngine, num_blocks: int) -> None:
         if not self.share_kv:
@@ -267,11 +278,23 @@ class TransportLender:
         block_nbytes = pool[0].numel() * pool.element_size()
         lendable = bm.num_lendable_blocks(request_id, engine.num_written_tokens().get(request_id, 0))
         num_blocks = min(num_blocks, lendable, move_piece_blocks(block_nbytes))
-        if num_blocks <= 0:
+        if num_blocks <= 0 or request_id in self._moving:
             log.info("move of request %s to instance %d: no block may move now (unwritten, or a move of it "
                      "in flight)", request_id, peer.inst_id)
             self.metrics.moves.labels(result="failed").inc()
             return None
+        self._moving.add(request_id)
+        move = None
+        try:
+            move = await self._send_move_piece(engine, request_id, num_blocks, peer, pool, block_nbytes)
+        finally:
+            if move is None:  # nothing pending: a later move of the request may start
+                self._moving.discard(request_id)
+        return move
+
+    async def _send_move_piece(self, engine: LLMEngine, request_id: str, num_blocks: int, peer: Peer,
+                               pool: torch.Tensor, block_nbytes: int) -> SegmentMove | None:
+        bm = engine.block_manager
         move_id = next(self._move_ids)
         own = self.peers.own_inst_id
         try:
@@ -320,6 +343,7 @@ class TransportLender:
         """The last phase, at a step boundary: the home's table points at the peer's copy and
         the home blocks are freed. False when the request ended meanwhile (the peer's copy is
         freed then)."""
+        self._moving.discard(move.request_id)
         try:
             engine.block_manager.commit_move(move)
         except (KeyError, ValueError):  # the request finished or was cancelled after the commit
@@ -333,6 +357,7 @@ class TransportLender:
     def _abandon(self, engine: LLMEngine, move: SegmentMove, peer: Peer) -> None:
         """Undo a pending move: the table keeps the home blocks; the peer frees its copy (the
         commit may have landed before its reply was lost)."""
+        self._moving.discard(move.request_id)
         try:
             engine.block_manager.abort_move(move)
         except ValueError:

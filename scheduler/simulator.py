@@ -291,14 +291,16 @@ class Simulation:
         req.blocks = {}
 
     # -- one decode step ---------------------------------------------------------------------
-    def _layer_time(self, inst: _Instance) -> float:
-        batch = len(inst.running)
+    def _layer_time(self, inst: _Instance, decoding: list[_Req] | None = None) -> float:
+        """Per-layer decode time of ``decoding`` (default: every running request) on ``inst``."""
+        decoding = inst.running if decoding is None else decoding
+        batch = len(decoding)
         if inst.degree > 1:
-            tokens = sum(r.context for r in inst.running)
+            tokens = sum(r.context for r in decoding)
             return float(self.tp.layer_time(self.model, inst.degree, batch, tokens))
         local_tokens = inst.hosted_blocks * self.B
         parts: dict[int, int] = {}
-        for r in inst.running:
+        for r in decoding:
             remote_blocks = sum(n for idx, n in r.blocks.items() if idx != inst.idx)
             local_tokens += r.context - remote_blocks * self.B
             for idx, n in r.blocks.items():
@@ -312,12 +314,16 @@ class Simulation:
         if not inst.running:
             inst.busy = False
             return
-        duration = self._layer_time(inst) * self.model.num_layers
-        chunk_budget = self.cluster.prefill_chunk_tokens
+        # The decoding requests' step, then the prefill chunks in the rest of the step's token
+        # budget (as the engine schedules): a request being prefilled is not in the decode batch,
+        # and the measured prefill rate covers its whole pass.
+        decoding = [r for r in inst.running if not r.prefill_left]
+        duration = self._layer_time(inst, decoding) * self.model.num_layers if decoding else 0.0
+        chunk_budget = self.cluster.prefill_chunk_tokens - len(decoding)
         prefilling: set[int] = set()  # ids of requests whose prefill goes on after this step
         for req in inst.running:
             if req.prefill_left:
-                take = min(req.prefill_left, chunk_budget)
+                take = min(req.prefill_left, max(0, chunk_budget))
                 chunk_budget -= take
                 req.prefill_left -= take
                 duration += take / self.cluster.prefill_tokens_per_s

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import socket
 import threading
@@ -166,3 +167,25 @@ def test_mutating_local_calls_need_root_or_the_admin_group(cluster):
                                                       ("POST", "/v1/generate")])
     assert codes == [200, 403, 403]
     assert inst.status()["draining"] is False
+
+
+def test_a_client_that_leaves_mid_stream_cancels_only_its_request(cluster, reference_engine):
+    """The request's KV spans the instances, so its steps await creditors' parts: the abort of
+    a client that left must wait for the step boundary and leave the instance serving."""
+    from infinite_llm.daemon.local_cluster import UnixHTTPConnection, wait_for
+
+    home = cluster[1]
+    conn = UnixHTTPConnection(str(home.socket_path), timeout=120)
+    body = json.dumps({"prompt": LONG_PROMPT, "params": {"max_tokens": 400, "ignore_eos": True}}).encode()
+    conn.request("POST", "/v1/generate", body=body, headers={"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200
+    response.readline()  # the prefill's token: the request is decoding over three pools
+    response.readline()
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    wait_for("the left request to be cancelled", lambda: not home.status()["requests"], timeout_s=60)
+    tokens, _ = home.generate("Say hello.", max_tokens=4)
+    assert tokens == reference_tokens(reference_engine, "Say hello.", 4)
+    log = home.log_path.read_text()
+    assert "engine step failed" not in log and "requests ended" not in log

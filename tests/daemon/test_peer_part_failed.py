@@ -67,7 +67,10 @@ def test_sticky_device_errors_are_told_from_other_step_failures():
     from infinite_llm.daemon.instance import device_failed
 
     assert device_failed(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    assert device_failed(RuntimeError("CUDA error: device-side assert triggered"))
     if hasattr(torch, "AcceleratorError"):
         assert device_failed(torch.AcceleratorError("CUDA error: an illegal memory access was encountered"))
+        assert not device_failed(torch.AcceleratorError("CUDA error: invalid configuration argument"))
+    assert not device_failed(RuntimeError("CUDA error: out of memory"))  # the context stays usable
     assert not device_failed(RuntimeError("request 3: cannot lend 4 blocks"))
-    assert not device_failed(ValueError("CUDA error"))  # only the runtime's own errors
+    assert not device_failed(ValueError("CUDA error: an illegal memory access"))  # only the runtime's own errors
