@@ -80,3 +80,29 @@ def test_systemd_sees_ready_watchdog_and_stopping(tmp_path):
             assert not (cluster.state_dir / "members" / "1.json").exists()  # deregistered
         finally:
             cluster.stop()
+
+
+def test_a_killed_creditor_ends_only_the_requests_with_kv_there(tmp_path):
+    from infinite_llm.daemon.local_cluster import Generation, wait_for
+
+    cluster = LocalCluster(tmp_path, num_instances=2, pool_blocks=POOL_BLOCKS,
+                           extra_args=["--heartbeat-interval-s", "0.5"])
+    try:
+        cluster.wait_ready()
+        home, creditor = cluster[1], cluster[2]
+        split = Generation(home, passkey_prompt(50), max_tokens=400, timeout_s=180)
+        wait_for("the home to spill to the creditor", lambda: creditor.status()["held_segments"], timeout_s=120)
+        local = Generation(home, "The sky is", max_tokens=200, timeout_s=180)
+        wait_for("the local request to decode", lambda: len(local.tokens) >= 2, timeout_s=60)
+        os.killpg(creditor.process.pid, signal.SIGKILL)
+        creditor.process.wait(timeout=10)
+        killed_at = time.monotonic()
+        split.join()
+        assert split.finish_reason == "error" and len(split.tokens) < 400
+        assert time.monotonic() - killed_at < 30
+        assert local.join() and len(local.tokens) == 200 and local.finish_reason == "length"
+        log = home.log_path.read_text()
+        assert "1 requests ended: instance 2, which holds part of their KV" in log
+        assert not home.status()["requests"]
+    finally:
+        cluster.stop()
