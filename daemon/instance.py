@@ -536,6 +536,8 @@ class InstanceDaemon:
         try:
             dst = self.peers.by_inst(message.dst_inst_id)
             while moved < message.num_blocks:
+                if moved and not self.lender.can_move(self.engine, str(message.req_id)):
+                    break  # the rest is not written yet: a partial move, not a failed one
                 move = await self.lender.send_move(self.engine, str(message.req_id), message.num_blocks - moved, dst)
                 if move is None:
                     break

@@ -263,6 +263,12 @@ class TransportLender:
             moved += len(move.dst_block_ids)
         return moved
 
+    def can_move(self, engine: LLMEngine, request_id: str) -> bool:
+        """Whether a move of the request's home blocks could start now: some are written and full,
+        and no other move of the request is between its reservation and its switch."""
+        written = engine.num_written_tokens().get(request_id, 0)
+        return request_id not in self._moving and engine.block_manager.num_lendable_blocks(request_id, written) > 0
+
     async def send_move(self, engine: LLMEngine, request_id: str, num_blocks: int,
                         peer: Peer) -> SegmentMove | None:
         """The first three phases of a move of the request's oldest ``num_blocks`` home blocks:
