@@ -535,24 +535,21 @@ class InstanceDaemon:
         moved = 0
         try:
             dst = self.peers.by_inst(message.dst_inst_id)
-            while moved < message.num_blocks:
-                if moved and not self.lender.can_move(self.engine, str(message.req_id)):
-                    break  # the rest is not written yet: a partial move, not a failed one
-                move = await self.lender.send_move(self.engine, str(message.req_id), message.num_blocks - moved, dst)
-                if move is None:
-                    break
-                switched: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-                self._committed_moves.append((move, dst, switched))
-                self._work.set()  # an idle engine loop wakes to switch
-                if not await switched:
-                    break
-                moved += len(move.dst_block_ids)
+            moved = await self.lender.move(self.engine, str(message.req_id), message.num_blocks, dst,
+                                           switch=self._switch_at_step_boundary)
         except Exception as exc:  # the gManager hears of it; the engine goes on
             log.warning("ordered move %d failed: %s", message.move_id, exc)
         if 0 < moved < message.num_blocks:
             log.info("ordered move %d: %d of %d blocks moved", message.move_id, moved, message.num_blocks)
         if not done.done():
             done.set_result(moved > 0)
+
+    async def _switch_at_step_boundary(self, move: SegmentMove, dst: Peer) -> bool:
+        """Hand a committed piece to the engine loop, which switches it at the next step boundary."""
+        switched: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._committed_moves.append((move, dst, switched))
+        self._work.set()  # an idle engine loop wakes to switch
+        return await switched
 
     def _try_move(self, message: TryMoveKV) -> MoveReserved | MoveRejected:
         free = self.engine.block_manager.num_free_blocks(self.engine.home_instance_id)
@@ -626,7 +623,6 @@ class InstanceDaemon:
         self._update_metrics(now)
         self._send_heartbeat()
 
-    # ---- the gManager ---------------------------------------------------------------------
     def _connect_ahead(self, peer: Peer) -> None:
         """Open the connection to a peer before any step needs it: the handshake waits for the
         peer's event loop, which a step of its own can hold for longer than a connect may take."""
@@ -642,6 +638,7 @@ class InstanceDaemon:
         except TransportError as exc:  # the next tick tries again; a request would say the same
             log.debug("connection ahead to instance %d failed: %s", peer.inst_id, exc)
 
+    # ---- the gManager ---------------------------------------------------------------------
     def _find_leader(self) -> tuple[int, PeerAddress] | None:
         """The gManager leader: the etcd leader key (epoch: its create revision), or the record
         in the state folder (local election) if its process is alive."""

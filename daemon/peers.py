@@ -20,7 +20,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import torch
@@ -113,7 +113,7 @@ class PeerDirectory:
         """The most the peers that are not draining could lend, blocks: their pools less what an
         idle instance keeps for itself (``IDLE_PEER_KEEPS_BLOCKS``), so that a request admitted
         on this capacity can start once the peers are idle."""
-        return sum(max(0, max(p.num_blocks_total - IDLE_PEER_KEEPS_BLOCKS, p.num_blocks_free))
+        return sum(max(p.num_blocks_total - IDLE_PEER_KEEPS_BLOCKS, p.num_blocks_free)
                    for p in self._by_inst.values() if not p.draining)
 
 
@@ -174,10 +174,9 @@ class TransportRemoteAttention(RemoteAttention):
             result = await reply
         except TransportError as exc:
             raise PeerPartFailed(peer.inst_id, peer.engine_id, exc) from exc
-        inst_id = peer.inst_id
         self.metrics.remote_attention_seconds.observe(time.perf_counter() - started)
         if not isinstance(result, AttendResult):
-            raise RuntimeError(f"instance {inst_id} answered an attend request with {type(result).__name__}")
+            raise RuntimeError(f"instance {peer.inst_id} answered an attend request with {type(result).__name__}")
         out = torch.as_tensor(result.out).to(device=device, dtype=torch.float32)
         lse = torch.as_tensor(result.lse).to(device=device, dtype=torch.float32)
         return AttentionState(out, lse)
@@ -251,23 +250,32 @@ class TransportLender:
         assert self.engine is not None
         return self.engine.config.block_size
 
-    async def move(self, engine: LLMEngine, request_id: str, num_blocks: int, peer: Peer) -> int:
+    async def move(self, engine: LLMEngine, request_id: str, num_blocks: int, peer: Peer,
+                   switch: Callable[[SegmentMove, Peer], Awaitable[bool]] | None = None) -> int:
         """Move the request's oldest ``num_blocks`` home blocks to ``peer``, in pieces of at
-        most :func:`move_piece_blocks` (each reserved, sent, committed and switched before the
-        next; between steps: the caller holds the engine). Returns the blocks moved."""
+        most :func:`move_piece_blocks`, each reserved, sent, committed and switched before the
+        next; it stops, as a partial move, once none of the rest is written. ``switch``: how a
+        piece switches (None: at once, for a caller that holds the engine between steps; a
+        background move passes one that waits for the next step boundary). Returns the blocks
+        moved."""
         moved = 0
         while moved < num_blocks:
+            if moved and not self._lendable_now(engine, request_id):
+                break
             move = await self.send_move(engine, request_id, num_blocks - moved, peer)
-            if move is None or not self.switch_move(engine, move, peer):
+            if move is None:
+                break
+            if not (self.switch_move(engine, move, peer) if switch is None else await switch(move, peer)):
                 break
             moved += len(move.dst_block_ids)
         return moved
 
-    def can_move(self, engine: LLMEngine, request_id: str) -> bool:
-        """Whether a move of the request's home blocks could start now: some are written and full,
-        and no other move of the request is between its reservation and its switch."""
-        written = engine.num_written_tokens().get(request_id, 0)
-        return request_id not in self._moving and engine.block_manager.num_lendable_blocks(request_id, written) > 0
+    def _lendable_now(self, engine: LLMEngine, request_id: str) -> int:
+        """Home blocks of the request a move could take now: full and written, and none while
+        another move of it is between its reservation and its switch."""
+        if request_id in self._moving:
+            return 0
+        return engine.block_manager.num_lendable_blocks(request_id, engine.num_written_tokens().get(request_id, 0))
 
     async def send_move(self, engine: LLMEngine, request_id: str, num_blocks: int,
                         peer: Peer) -> SegmentMove | None:
@@ -279,12 +287,10 @@ class TransportLender:
         the home attends over its own copy until :meth:`switch_move`, which must come at a step
         boundary.
         """
-        bm = engine.block_manager
         pool = engine.pools[engine.home_instance_id]
         block_nbytes = pool[0].numel() * pool.element_size()
-        lendable = bm.num_lendable_blocks(request_id, engine.num_written_tokens().get(request_id, 0))
-        num_blocks = min(num_blocks, lendable, move_piece_blocks(block_nbytes))
-        if num_blocks <= 0 or request_id in self._moving:
+        num_blocks = min(num_blocks, self._lendable_now(engine, request_id), move_piece_blocks(block_nbytes))
+        if num_blocks <= 0:
             log.info("move of request %s to instance %d: no block may move now (unwritten, or a move of it "
                      "in flight)", request_id, peer.inst_id)
             self.metrics.moves.labels(result="failed").inc()

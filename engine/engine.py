@@ -207,7 +207,7 @@ class LLMEngine:
         requests that together exceed the cluster would each take part of it, then preempt and
         recompute themselves over and over while the other holds what they need."""
         bm = self.block_manager
-        need = -(-request.num_tokens // self.config.block_size)
+        need = bm.blocks_needed(request.request_id, request.num_tokens)
         return need <= bm.num_free_blocks(self.home_instance_id) + self.lender.num_free_blocks_elsewhere()
 
     def home_shortfall(self) -> int:
