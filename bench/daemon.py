@@ -67,7 +67,7 @@ def histogram_totals(cluster: LocalCluster) -> dict[int, dict[str, float]]:
 
 
 def latency_means(before: dict, after: dict) -> dict[int, dict]:
-    """Means over what happened between two ``histogram_totals`` (the timed request alone:
+    """Means over what happened between two ``histogram_totals`` (the timed request decoding:
     warm-up, kernel compilation included, is left out), s; and the wait's bucket counts."""
     means: dict[int, dict] = {}
     for inst_id, values in after.items():
@@ -87,13 +87,17 @@ def latency_means(before: dict, after: dict) -> dict[int, dict]:
     return means
 
 
-def run_request(cluster: LocalCluster, prompt: str, new_tokens: int, placements: list) -> list[tuple[float, dict]]:
+def run_request(cluster: LocalCluster, prompt: str, new_tokens: int, placements: list,
+                on_decode=None) -> list[tuple[float, dict]]:
+    """The request's events with their times; ``on_decode()`` is called once it decodes."""
     events = []
     for event in cluster[1].stream(prompt, max_tokens=new_tokens, ignore_eos=True):
         events.append((time.perf_counter(), event))
         if len(events) == 2:  # decoding: record where the KV lives
             status = cluster[1].status()
             placements.extend(sorted({s["instance_id"] for r in status["requests"] for s in r["segments"]}))
+            if on_decode is not None:
+                on_decode()
     return events
 
 
@@ -124,8 +128,10 @@ def split_case(num_instances: int, context_blocks: int, prompt: str, new_tokens:
             run_request(cluster, prompt, 4, [])  # warm-up
             time.sleep(2.5)  # peers republish their freed blocks
             placement: list[int] = []
-            before = histogram_totals(cluster)
-            rate, tokens = decode_rate(run_request(cluster, prompt, new_tokens, placement))
+            before: dict = {}
+            # The latencies of decode steps alone: the prompt's chunks attend over many rows.
+            rate, tokens = decode_rate(run_request(cluster, prompt, new_tokens, placement,
+                                                   on_decode=lambda: before.update(histogram_totals(cluster))))
             latencies = latency_means(before, histogram_totals(cluster))
         finally:
             cluster.stop()

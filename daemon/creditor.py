@@ -4,6 +4,12 @@ An ``AttendRequest`` names, per request, the held segment and how many of its to
 over; the keys of a held segment are all older than the home's query rows (only complete,
 earlier blocks are ever moved), so no causal mask applies here. The plan (block tables, lengths)
 is the same for every layer of a home's step and is kept until that home's next step.
+
+On a GPU the creditor computes on a stream of its own, of the highest priority, and copies a
+small result to the host there: the attend request is served while this instance's own step
+still runs on the default stream (its kernels queue behind nothing of that step), and the
+transport, which would stage a small device result through the host on the current stream,
+does not wait for that step either.
 """
 
 from __future__ import annotations
@@ -25,12 +31,18 @@ class AttendError(ValueError):
 class CreditorAttention:
     """Serves ``AttendRequest`` messages from the pool and the ledger of one instance."""
 
-    def __init__(self, ledger: CreditorLedger, kv_pool: torch.Tensor, num_heads: int) -> None:
+    def __init__(self, ledger: CreditorLedger, kv_pool: torch.Tensor, num_heads: int,
+                 host_staging_bytes: int = 0) -> None:
         self.ledger = ledger
+        # Results of at most this many bytes are returned in host memory (on a GPU): the
+        # transport's inline limit for device buffers, which it would stage the same way.
+        self.host_staging_bytes = host_staging_bytes
         self.kv_pool = kv_pool
         self.num_heads = num_heads
         self.sm_scale = 1.0 / math.sqrt(kv_pool.shape[-1])
         self._plans: dict[int, tuple[int, tuple, MicroAttentionPlan]] = {}  # home -> (step, slices, plan)
+        # Lower is higher; torch maps a value past the device's range to its highest priority.
+        self.stream = torch.cuda.Stream(kv_pool.device, priority=-16) if kv_pool.is_cuda else None
 
     def _plan(self, request: AttendRequest) -> MicroAttentionPlan:
         cached = self._plans.get(request.home_inst_id)
@@ -70,15 +82,32 @@ class CreditorAttention:
         """Partial attention of the request's rows over the held segments.
 
         ``request.q``: ``[num_rows, num_heads, head_dim]``; the result's ``out`` has that shape
-        (the pool's dtype) and ``lse`` is ``[num_rows, num_heads]`` float32, natural log.
+        (the pool's dtype) and ``lse`` is ``[num_rows, num_heads]`` float32, natural log. On a
+        GPU both come back complete: in host memory up to ``host_staging_bytes``.
         """
         if not 0 <= request.layer < self.kv_pool.shape[1]:
             raise AttendError(f"layer {request.layer} outside [0, {self.kv_pool.shape[1]})")
-        q = torch.as_tensor(request.q, device=self.kv_pool.device)
+        num_rows = sum(s.num_rows for s in request.slices)
+        if tuple(request.q.shape) != (num_rows, self.num_heads, self.kv_pool.shape[5]):
+            raise AttendError(f"q has shape {list(request.q.shape)}; the slices name {num_rows} rows and this "
+                              f"model has {self.num_heads} heads of dim {self.kv_pool.shape[5]}")
+        if self.stream is None:
+            return self._attend(request)
+        staged = num_rows * self.num_heads * (self.kv_pool.shape[5] * self.kv_pool.element_size() + 4) <= self.host_staging_bytes
+        with torch.cuda.stream(self.stream):
+            result = self._attend(request)
+            if staged:  # each copy waits for this stream only
+                return AttendResult(result.home_inst_id, result.creditor_inst_id, result.step_id, result.layer,
+                                    result.out.cpu(), result.lse.cpu())
+        # A large result stays on the device: complete once this stream is. (The transport then
+        # also waits for the current stream before UCX reads it, as for any device buffer.)
+        self.stream.synchronize()
+        return result
+
+    def _attend(self, request: AttendRequest) -> AttendResult:
+        q = torch.as_tensor(request.q).to(self.kv_pool.device)  # on a GPU from host memory if it came inline
         if q.dtype != self.kv_pool.dtype:
             q = q.to(self.kv_pool.dtype)
-        if tuple(q.shape[1:]) != (self.num_heads, self.kv_pool.shape[5]):
-            raise AttendError(f"q has shape {list(q.shape)}; this model has {self.num_heads} heads of dim {self.kv_pool.shape[5]}")
         plan = self._plan(request)
         # The partial output in the model's dtype, as the message says: half the bytes of float32
         # (a decode row of Llama-3-8B then fits the 8 KiB that travel inline, 3x faster between

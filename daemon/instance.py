@@ -262,7 +262,8 @@ class InstanceDaemon:
         transport_config = TransportConfig(
             host=c.peer_host, port=c.peer_port, spin_s=peer_spin_for(c.peer_spin_s, device.type),
             connect_timeout_s=c.timeouts.connect_s,
-            request_timeout_s=c.timeouts.peer_request_s, receive_device=c.device if device.type == "cuda" else "cpu")
+            request_timeout_s=c.timeouts.peer_request_s, receive_device=c.device if device.type == "cuda" else "cpu",
+            land_inline_on_host=device.type == "cuda")
         self._frame_timeout_s = transport_config.frame_timeout_s
         self.transport = UcxTransport(transport_config)
         self.remote = TransportRemoteAttention(self.transport, self.peers, c.block_size, self.metrics,
@@ -278,7 +279,8 @@ class InstanceDaemon:
         bm = self.engine.block_manager
         self.ledger = CreditorLedger(bm.reserve_home_blocks, bm.release_home_blocks,
                                      reservation_ttl_s=c.timeouts.reservation_s)
-        self.creditor = CreditorAttention(self.ledger, self.pool, mc.num_heads)
+        self.creditor = CreditorAttention(self.ledger, self.pool, mc.num_heads,
+                                           host_staging_bytes=transport_config.limits.inline_cuda_limit_bytes)
         self.block_nbytes = self.pool[0].numel() * self.pool.element_size()
         await self.transport.start(self._handle, self._place)
 
@@ -700,14 +702,16 @@ class InstanceDaemon:
                            self.ledger.num_blocks_held + self.ledger.num_blocks_reserved, self._num_blocks_borrowed())
 
     def _placement_entries(self) -> list[RequestPlacementEntry]:
-        """Blocks of every request of this home, per instance holding them."""
+        """Blocks of every request of this home, per instance holding them; the home's blocks
+        are movable once some are written and no move of the request is under way."""
         bm = self.engine.block_manager
         entries = []
         for request_id in self.engine.scheduler.requests:
             blocks: dict[int, int] = {}
             for segment in bm.block_table(request_id):
                 blocks[segment.instance_id] = blocks.get(segment.instance_id, 0) + len(segment.block_ids)
-            entries.extend(RequestPlacementEntry(int(request_id), self.peers.cluster_id(i), n, bm.is_local(i))
+            entries.extend(RequestPlacementEntry(int(request_id), self.peers.cluster_id(i), n, bm.is_local(i),
+                                                 not bm.is_local(i) or self.lender.lendable_now(self.engine, request_id) > 0)
                            for i, n in blocks.items())
         return entries
 

@@ -43,6 +43,7 @@ from infinite_llm.transport.messages import (
     Message,
     MoveCommit,
     MoveRejected,
+    MoveRejectReason,
     MoveReserved,
     TryMoveKV,
 )
@@ -162,9 +163,9 @@ class TransportRemoteAttention(RemoteAttention):
         """The request leaves now (on an open connection): the creditor computes while this
         instance computes its own part, before the step's next await."""
         peer = self.peers.by_engine(batch.instance_id)
+        started = time.perf_counter()
         request = AttendRequest(self.peers.own_inst_id, peer.inst_id, batch.step_id, layer, self._slices_of(batch),
                                 q.contiguous())
-        started = time.perf_counter()
         reply = self.transport.request_soon(peer.address, request, timeout_s=self.timeout_s)
         return self._finish(peer, reply, started, q.device)
 
@@ -260,17 +261,19 @@ class TransportLender:
         moved."""
         moved = 0
         while moved < num_blocks:
-            if moved and not self._lendable_now(engine, request_id):
+            if moved and not (self.lendable_now(engine, request_id) and peer.num_blocks_free > 0):
                 break
             move = await self.send_move(engine, request_id, num_blocks - moved, peer)
             if move is None:
                 break
+            # Taken there, until the peer's next figure says otherwise.
+            peer.num_blocks_free = max(0, peer.num_blocks_free - len(move.dst_block_ids))
             if not (self.switch_move(engine, move, peer) if switch is None else await switch(move, peer)):
                 break
             moved += len(move.dst_block_ids)
         return moved
 
-    def _lendable_now(self, engine: LLMEngine, request_id: str) -> int:
+    def lendable_now(self, engine: LLMEngine, request_id: str) -> int:
         """Home blocks of the request a move could take now: full and written, and none while
         another move of it is between its reservation and its switch."""
         if request_id in self._moving:
@@ -289,7 +292,7 @@ class TransportLender:
         """
         pool = engine.pools[engine.home_instance_id]
         block_nbytes = pool[0].numel() * pool.element_size()
-        num_blocks = min(num_blocks, self._lendable_now(engine, request_id), move_piece_blocks(block_nbytes))
+        num_blocks = min(num_blocks, self.lendable_now(engine, request_id), move_piece_blocks(block_nbytes))
         if num_blocks <= 0:
             log.info("move of request %s to instance %d: no block may move now (unwritten, or a move of it "
                      "in flight)", request_id, peer.inst_id)
@@ -307,16 +310,24 @@ class TransportLender:
     async def _send_move_piece(self, engine: LLMEngine, request_id: str, num_blocks: int, peer: Peer,
                                pool: torch.Tensor, block_nbytes: int) -> SegmentMove | None:
         bm = engine.block_manager
-        move_id = next(self._move_ids)
         own = self.peers.own_inst_id
-        try:
-            reply = await self.transport.request(peer.address, TryMoveKV(
-                epoch=0, move_id=move_id, req_id=int(request_id), home_inst_id=own, src_inst_id=own,
-                num_blocks=num_blocks, block_nbytes=block_nbytes), timeout_s=self.timeout_s)
-        except TransportError as exc:
-            log.warning("move of request %s to instance %d: %s", request_id, peer.inst_id, exc)
-            self.metrics.moves.labels(result="failed").inc()
-            return None
+        for attempt in range(2):
+            move_id = next(self._move_ids)
+            try:
+                reply = await self.transport.request(peer.address, TryMoveKV(
+                    epoch=0, move_id=move_id, req_id=int(request_id), home_inst_id=own, src_inst_id=own,
+                    num_blocks=num_blocks, block_nbytes=block_nbytes), timeout_s=self.timeout_s)
+            except TransportError as exc:
+                log.warning("move of request %s to instance %d: %s", request_id, peer.inst_id, exc)
+                self.metrics.moves.labels(result="failed").inc()
+                return None
+            # A refusal for want of room says how much there is (the figure we had was older):
+            # ask once more for that much rather than nothing.
+            if (attempt == 0 and isinstance(reply, MoveRejected) and reply.reason == MoveRejectReason.NO_SPACE
+                    and 0 < reply.num_blocks_free < num_blocks):
+                num_blocks = peer.num_blocks_free = reply.num_blocks_free
+                continue
+            break
         if isinstance(reply, MoveRejected):
             peer.num_blocks_free = reply.num_blocks_free
             log.info("move of %d blocks of request %s: instance %d refused (%s, %d blocks free there)",

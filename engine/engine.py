@@ -302,15 +302,27 @@ class LLMEngine:
             logits = self.local_decode_graphs.forward(ids, pos, layout.slot_mapping, home_batch.block_tables,
                                                       home_batch.kv_lens, rows)
             self.remote.end_step(step_id)
-            return self._sample(scheduled, logits)
-        forward = self.model.forward
-        if decode and self.decode_graphs is not None and self.decode_graphs.can_run(len(token_ids)):
-            forward = self.decode_graphs.forward
-        try:
-            logits = await forward(ids, pos, attention, rows)
-        finally:
-            self.remote.end_step(step_id)
+        else:
+            forward = self.model.forward
+            if decode and self.decode_graphs is not None and self.decode_graphs.can_run(len(token_ids)):
+                forward = self.decode_graphs.forward
+            try:
+                logits = await forward(ids, pos, attention, rows)
+            finally:
+                self.remote.end_step(step_id)
+        await self._until_device_done()
         return self._sample(scheduled, logits)
+
+    async def _until_device_done(self) -> None:
+        """Let the event loop turn while the device runs the step's queued kernels, instead of
+        blocking in the sampler's copy to the host: a daemon serves its peers' attend requests
+        (on a stream of their own) and its clients meanwhile."""
+        if self.device.type != "cuda":
+            return
+        done = torch.cuda.Event()
+        done.record()
+        while not done.query():
+            await asyncio.sleep(0)
 
     def _sample(self, scheduled: SchedulerOutput, logits: torch.Tensor) -> list[int]:
         """logits ``[num_sampling_chunks, vocab]`` -> one token per sampling chunk."""

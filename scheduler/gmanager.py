@@ -204,7 +204,7 @@ class ClusterView:
             for e in record.placement.entries.values():
                 if e.inst_id in live_ids:
                     index = requests.setdefault((record.inst_id, e.req_id), len(requests))
-                    entries.append(PolicyEntry(index, e.inst_id, e.num_blocks, e.local))
+                    entries.append(PolicyEntry(index, e.inst_id, e.num_blocks, e.local, e.movable))
         return ClusterSnapshot(block_size, instances, PlacementTable.from_entries(entries)), list(requests)
 
     def creditor_hints(self, now_s: float, exclude_inst_id: int, num_hints: int) -> tuple[CreditorHint, ...]:

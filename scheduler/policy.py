@@ -49,6 +49,7 @@ class RequestPlacementEntry:
     inst_id: int
     num_blocks: int
     local: bool  # True: the request's home (it runs the request's steps); False: a creditor
+    movable: bool = True  # False: none of these blocks may move yet (e.g. the prompt is being written)
 
 
 @dataclass(frozen=True)
@@ -83,10 +84,14 @@ class PlacementTable:
     inst_id: np.ndarray  # [num_entries] int64
     num_blocks: np.ndarray  # [num_entries] int64
     local: np.ndarray  # [num_entries] bool
+    movable: np.ndarray | None = None  # [num_entries] bool (RequestPlacementEntry.movable); None: all
 
     def __post_init__(self) -> None:
+        if self.movable is None:
+            object.__setattr__(self, "movable", np.ones(np.shape(self.req_id)[:1] or (0,), np.bool_))
         columns = {}
-        for name, dtype in (("req_id", np.int64), ("inst_id", np.int64), ("num_blocks", np.int64), ("local", np.bool_)):
+        for name, dtype in (("req_id", np.int64), ("inst_id", np.int64), ("num_blocks", np.int64), ("local", np.bool_),
+                            ("movable", np.bool_)):
             array = np.array(getattr(self, name), dtype=dtype).reshape(-1)
             array.setflags(write=False)
             columns[name] = array
@@ -99,14 +104,15 @@ class PlacementTable:
         entries = list(entries)
         return cls(
             [e.req_id for e in entries], [e.inst_id for e in entries],
-            [e.num_blocks for e in entries], [e.local for e in entries],
+            [e.num_blocks for e in entries], [e.local for e in entries], [e.movable for e in entries],
         )
 
     def __len__(self) -> int:
         return self.req_id.shape[0]
 
     def entries(self) -> Iterator[RequestPlacementEntry]:
-        for row in zip(self.req_id.tolist(), self.inst_id.tolist(), self.num_blocks.tolist(), self.local.tolist()):
+        for row in zip(self.req_id.tolist(), self.inst_id.tolist(), self.num_blocks.tolist(), self.local.tolist(),
+                       self.movable.tolist()):
             yield RequestPlacementEntry(*row)
 
 
@@ -227,13 +233,14 @@ class _State:
         self.local_req_id = table.req_id[local]
         self.local_inst = entry_inst[local]
         self.local_blocks = table.num_blocks[local].astype(np.int64).copy()
+        self.local_movable = table.movable[local]
         self.block_size = B
 
     def local_rows(self, instances: np.ndarray) -> dict[int, np.ndarray]:
-        """Rows of the local entries of each of ``instances`` (one pass over the table)."""
+        """Rows of the movable local entries of each of ``instances`` (one pass over the table)."""
         wanted = np.zeros(len(self.inst_ids), bool)
         wanted[instances] = True
-        rows = np.flatnonzero(wanted[self.local_inst])
+        rows = np.flatnonzero(wanted[self.local_inst] & self.local_movable)
         rows = rows[np.argsort(self.local_inst[rows], kind="stable")]
         cuts = np.flatnonzero(np.diff(self.local_inst[rows])) + 1
         return {int(self.local_inst[group[0]]): group for group in np.split(rows, cuts) if len(group)}
@@ -452,11 +459,13 @@ def apply_moves(snapshot: ClusterSnapshot, moves: list[Move]) -> ClusterSnapshot
     """The snapshot after ``moves`` (for tests and the simulator's bookkeeping)."""
     free = {i.inst_id: i.free_blocks for i in snapshot.instances}
     rows: dict[tuple[int, int, bool], int] = {}
+    unmovable = {(e.req_id, e.inst_id) for e in snapshot.placement.entries() if not e.movable}
     for e in snapshot.placement.entries():
         rows[(e.req_id, e.inst_id, e.local)] = rows.get((e.req_id, e.inst_id, e.local), 0) + e.num_blocks
     for move in moves:
         key = (move.req_id, move.src_inst, True)
-        if rows.get(key, 0) < move.num_blocks or free.get(move.dst_inst, -1) < move.num_blocks:
+        if (rows.get(key, 0) < move.num_blocks or free.get(move.dst_inst, -1) < move.num_blocks
+                or (move.req_id, move.src_inst) in unmovable):
             raise ValueError(f"{move} does not fit the snapshot")
         rows[key] -= move.num_blocks
         rows[(move.req_id, move.dst_inst, False)] = rows.get((move.req_id, move.dst_inst, False), 0) + move.num_blocks
@@ -465,7 +474,7 @@ def apply_moves(snapshot: ClusterSnapshot, moves: list[Move]) -> ClusterSnapshot
     instances = tuple(
         InstanceState(i.inst_id, i.total_blocks, free[i.inst_id], i.num_waiting, i.waiting_blocks) for i in snapshot.instances
     )
-    entries = [RequestPlacementEntry(r, i, n, loc) for (r, i, loc), n in rows.items() if n > 0 or loc]
+    entries = [RequestPlacementEntry(r, i, n, loc, (r, i) not in unmovable) for (r, i, loc), n in rows.items() if n > 0 or loc]
     return ClusterSnapshot(snapshot.block_size, instances, PlacementTable.from_entries(entries))
 
 

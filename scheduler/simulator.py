@@ -390,7 +390,7 @@ class Simulation:
     def snapshot(self) -> tuple[ClusterSnapshot, dict[int, _Req]]:
         """The cluster as the gManager would see it from heartbeats."""
         instances = []
-        req_ids, inst_ids, blocks, local = [], [], [], []
+        req_ids, inst_ids, blocks, local, movable = [], [], [], [], []
         by_id: dict[int, _Req] = {}
         for inst in self.instances:
             instances.append(InstanceState(inst.idx, inst.total, inst.free, len(inst.queue), inst.queued_blocks))
@@ -401,7 +401,8 @@ class Simulation:
                     inst_ids.append(idx)
                     blocks.append(n)
                     local.append(idx == req.home)
-        return ClusterSnapshot(self.B, tuple(instances), PlacementTable(req_ids, inst_ids, blocks, local)), by_id
+                    movable.append(not req.prefill_left)  # as a daemon reports: unwritten blocks stay
+        return ClusterSnapshot(self.B, tuple(instances), PlacementTable(req_ids, inst_ids, blocks, local, movable)), by_id
 
     def _plan(self) -> None:
         snapshot, by_id = self.snapshot()

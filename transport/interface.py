@@ -41,6 +41,11 @@ class TransportConfig:
     frame_timeout_s: float = 10.0  # sending a frame, or receiving its buffers, s
     idle_timeout_s: float = 300.0  # a connection with no traffic this long is closed, s
     receive_device: str = "cpu"  # where received tensors are allocated: "cpu" or "cuda[:n]"
+    # A frame whose buffers all travel inside its header lands in host memory even when
+    # receive_device is a GPU: its bytes are on the host already, and landing them on the
+    # device would copy on the current stream, behind whatever the receiver's own step has
+    # queued there. The reader moves them to the device on a stream of its choosing.
+    land_inline_on_host: bool = False
     # How long a UCX wait spins (progressing the worker, yielding to the event loop) before it
     # sleeps on the worker's event fd, s. A reply that is on its way comes within the spin
     # (lowest latency); an idle connection costs no CPU. 0: always sleep (~150 us more per

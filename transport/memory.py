@@ -256,7 +256,7 @@ class InMemoryTransport:
             return
         try:
             destinations = self._placer(header.message) if self._placer else None
-            message = _carry(header, frame, destinations, self._config.receive_device)
+            message = _carry(header, frame, destinations, self._config)
         except (PlacementRefused, ValueError) as e:
             reply: Message = ErrorReply(ErrorCode.PLACEMENT_REFUSED, str(e))
         else:
@@ -282,7 +282,7 @@ class InMemoryTransport:
         pending = self._pending.get(header.reply_to)
         if pending is None:
             return  # the request timed out already
-        reply = _carry(header, frame, None, self._config.receive_device)
+        reply = _carry(header, frame, None, self._config)
         if isinstance(reply, ErrorReply):
             self._finish(header.reply_to, RemoteError(pending.peer, reply.code, reply.detail))
         else:
@@ -313,9 +313,10 @@ class InMemoryTransport:
 
 
 def _carry(header: codec.FrameHeader, frame: codec.EncodedFrame,
-           destinations: list | None, device: str) -> Message:
+           destinations: list | None, config: TransportConfig) -> Message:
     """Move a frame's buffers into their destinations, as the wire would."""
     if destinations is None:
+        device = "cpu" if config.land_inline_on_host and all(header.inline) else config.receive_device
         destinations = [allocate(spec, device) for spec in header.specs]
     for dest, src in zip(codec.land_inline(header, destinations), frame.buffers, strict=True):
         copy_bytes(dest, src)

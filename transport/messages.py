@@ -84,6 +84,9 @@ class RequestPlacementEntry:
     inst_id: int  # instance whose pool holds these blocks
     num_blocks: int  # blocks of the request held there
     local: bool  # True when inst_id is the request's home
+    # False while none of these blocks may move (the prompt is still being written, or a move
+    # of the request is under way): the gManager plans no move of them until it is True.
+    movable: bool = True
 
 
 @dataclass(frozen=True)
@@ -127,7 +130,7 @@ class Heartbeat:
     """Instance -> gManager, every heartbeat period. The placement part is a diff."""
 
     TYPE: ClassVar[str] = "heartbeat"
-    VERSION: ClassVar[int] = 1
+    VERSION: ClassVar[int] = 2  # 2: RequestPlacementEntry.movable
 
     inst_id: int  # sender
     seq: int  # heartbeat number, increasing per instance life

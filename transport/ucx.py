@@ -398,7 +398,7 @@ class UcxTransport:
                     if isinstance(header.message, ErrorReply):  # the peer refused a frame
                         raise RemoteError(peer, header.message.code, header.message.detail)
                     raise ProtocolError(ErrorCode.INVALID_FIELDS, "a request on a reply path")
-                destinations = [allocate(s, self._config.receive_device) for s in header.specs]
+                destinations = self._fresh_destinations(header)
                 await connection.recv_buffers(header, destinations)
                 reply = codec.assemble(header, destinations)
                 future = connection.pending.pop(header.reply_to, None)
@@ -460,7 +460,7 @@ class UcxTransport:
                 refusal = ErrorReply(ErrorCode.PLACEMENT_REFUSED, str(e))
                 destinations = None
         if destinations is None:  # fresh tensors, or scratch to drain a refused frame into
-            destinations = [allocate(s, self._config.receive_device) for s in header.specs]
+            destinations = self._fresh_destinations(header)
         await connection.recv_buffers(header, destinations)
         if refusal is not None:
             if header.wants_reply:
@@ -493,6 +493,12 @@ class UcxTransport:
             reply = _handler_failed(message, e)
         if header.wants_reply:
             await self._reply(connection, header.msg_id, reply)
+
+    def _fresh_destinations(self, header: codec.FrameHeader) -> list[object]:
+        device = self._config.receive_device
+        if self._config.land_inline_on_host and all(header.inline):
+            device = "cpu"
+        return [allocate(s, device) for s in header.specs]
 
     def _encode_reply(self, msg_id: int, reply: Message) -> codec.EncodedFrame:
         return codec.encode(reply, next(self._next_msg_id), reply_to=msg_id, wants_reply=False,

@@ -123,3 +123,4 @@ def test_share_kv_from_toml_and_flags(tmp_path: Path) -> None:
     path.write_text('share_kv = "no"\n')
     with pytest.raises(ConfigError, match="share_kv must be true or false"):
         load_config(path)
+

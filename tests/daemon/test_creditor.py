@@ -65,3 +65,33 @@ def test_unknown_segment_and_too_many_tokens_are_refused() -> None:
         creditor.attend(AttendRequest(1, 5, 0, 0, (AttendSlice(7, 0, 1, 0, 9),), q))
     with pytest.raises(AttendError, match="layer 3 outside"):
         creditor.attend(AttendRequest(1, 5, 0, 3, (AttendSlice(7, 0, 1, 0, 4),), q))
+
+
+def test_queries_of_the_wrong_width_are_refused() -> None:
+    ledger, _, creditor = make_creditor()
+    hold(ledger, home=1, req=7, segment_id=0, num_blocks=2)
+    q = torch.randn(1, NUM_HEADS - 1, HEAD_DIM)
+    with pytest.raises(AttendError, match=f"this model has {NUM_HEADS} heads of dim {HEAD_DIM}"):
+        creditor.attend(AttendRequest(1, 5, 0, 0, (AttendSlice(7, 0, 1, 0, 4),), q))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("host_staging_bytes", [0, 1 << 20])
+def test_on_a_gpu_the_creditor_serves_beside_a_busy_default_stream(host_staging_bytes: int) -> None:
+    """The attention runs on the creditor's own stream while the default stream is still busy
+    with a long queue of work; small results come back in host memory, large ones on the
+    device, both complete and equal to the float64 reference."""
+    ledger, pool, _ = make_creditor(num_blocks=64)
+    pool = pool.cuda()
+    creditor = CreditorAttention(ledger, pool, NUM_HEADS, host_staging_bytes=host_staging_bytes)
+    segment = hold(ledger, home=1, req=7, segment_id=0, num_blocks=40)
+    q = torch.randn(4, NUM_HEADS, HEAD_DIM)
+    busy = torch.randn(4096, 4096, device="cuda")
+    for _ in range(20):  # some tens of milliseconds queued on the default stream
+        busy = busy @ busy / 64
+    result = creditor.attend(AttendRequest(1, 5, 0, 1, (AttendSlice(7, 0, 4, 0, 150),), q))
+    assert result.out.is_cuda == (host_staging_bytes == 0)
+    out, lse = attention_over(pool.cpu(), segment.block_ids, 150, 1, q)
+    torch.testing.assert_close(result.out.cpu().double(), out, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(result.lse.cpu().double(), lse, rtol=1e-4, atol=1e-5)
+    torch.cuda.synchronize()

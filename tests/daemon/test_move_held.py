@@ -5,6 +5,7 @@ messages is asserted, and each failure leaves H's table as it was."""
 from __future__ import annotations
 
 import asyncio
+import math
 from types import SimpleNamespace
 
 import torch
@@ -179,3 +180,35 @@ def test_only_whole_segments_that_fit_move() -> None:
 
     asyncio.run(scenario())
     assert s.network.messages() == []
+
+
+def test_a_home_move_refused_for_room_asks_again_for_what_is_free() -> None:
+    """The home's figure for X is stale (8 free; X has 2): the first try-move of 4 blocks is
+    refused with X's real figure, the second asks for those 2, and they move."""
+    network = InMemoryNetwork()
+    x = Creditor(network, X, 2)
+    peers = PeerDirectory(H)
+    dst = peers.update(X, address(X), 8, False)
+    bm = BlockManager(BLOCK_SIZE, [6])
+    bm.allocate("7", 20)
+    pool = torch.arange(6 * math.prod(BLOCK_SHAPE), dtype=torch.float32).reshape(6, *BLOCK_SHAPE)
+    engine = SimpleNamespace(block_manager=bm, pools={0: pool}, config=SimpleNamespace(block_size=BLOCK_SIZE),
+                             home_instance_id=0, num_written_tokens=lambda: {"7": 20})
+    home = network.transport(address(H))
+    lender = TransportLender(home, peers, InstanceMetrics(), timeout_s=5.0)
+    oldest = bm.block_table("7")[0].block_ids[:2]
+
+    async def scenario() -> int:
+        await x.start()
+
+        async def serves_nothing(message):
+            raise ValueError("the home serves nothing here")
+        await home.start(serves_nothing)
+        return await lender.move(engine, "7", 4, dst)
+
+    assert asyncio.run(scenario()) == 2
+    tries = [m for _, _, m in network.messages() if m == "try_move_kv"]
+    assert len(tries) == 2 and dst.num_blocks_free == 0  # none left there: no third try
+    table = bm.block_table("7")
+    assert (table[0].instance_id, table[0].token_start, table[0].token_end) == (dst.engine_id, 0, 2 * BLOCK_SIZE)
+    assert torch.equal(x.pool[list(table[0].block_ids)], pool[list(oldest)])

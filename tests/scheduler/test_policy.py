@@ -45,6 +45,22 @@ def key(moves):
 
 
 @pytest.mark.parametrize("search", ["breakpoints", "scan"])
+def test_blocks_that_may_not_move_yet_are_left_alone(search):
+    """A request whose prompt is still being written reports its blocks unmovable: the plan
+    takes the other long request instead, and none at all once both are unmovable."""
+    base = figure5()
+    entries = list(base.placement.entries())
+    one_unmovable = [RequestPlacementEntry(e.req_id, e.inst_id, e.num_blocks, e.local, e.req_id != 0) for e in entries]
+    moves = plan(snapshot(base.instances, one_unmovable), DENSE_BOUND, LOOSE, search=search)
+    assert key(moves) == [(1, 0, 1, 20)]
+    both_unmovable = [RequestPlacementEntry(e.req_id, e.inst_id, e.num_blocks, e.local, e.req_id not in (0, 1))
+                      for e in entries]
+    assert plan(snapshot(base.instances, both_unmovable), DENSE_BOUND, LOOSE, search=search) == []
+    with pytest.raises(ValueError, match="does not fit"):
+        apply_moves(snapshot(base.instances, one_unmovable), [Move(0, 0, 1, 20, 0.0)])
+
+
+@pytest.mark.parametrize("search", ["breakpoints", "scan"])
 def test_figure5_moves_just_enough_of_a_long_request_to_admit_the_queue(search):
     moves = plan(figure5(), DENSE_BOUND, LOOSE, search=search)
     # 20 blocks free 24, what the six waiting requests need; a block more only trades the

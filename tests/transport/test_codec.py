@@ -38,7 +38,7 @@ def sample_messages() -> list[m.Message]:
         m.Heartbeat(
             inst_id=2, seq=9, pool=m.PoolFigures(100, 40, 10, 5), batch_size=7,
             placement_base_version=3, placement_version=4,
-            placement_upserts=(m.RequestPlacementEntry(11, 2, 6, True),
+            placement_upserts=(m.RequestPlacementEntry(11, 2, 6, True, movable=False),
                                m.RequestPlacementEntry(11, 5, 3, False)),
             placement_removals=(m.PlacementKey(12, 5),)),
         m.HeartbeatReply(epoch=17, acked_placement_version=4, needs_full_placement=False,

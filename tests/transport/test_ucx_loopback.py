@@ -342,3 +342,26 @@ def test_connect_ahead_opens_the_connection_requests_then_use(ucx_loop, start_pe
                 await asyncio.sleep(0.05)
         assert time.monotonic() - started < 5
     run_bounded(ucx_loop, scenario(), 30)
+
+
+
+@pytest.mark.gpu
+def test_inline_frames_land_on_the_host_others_on_the_device(ucx_loop, start_peer):
+    """With ``land_inline_on_host``, a GPU receiver lands a frame whose buffers all came inside
+    its header in host memory (for the reader to move on a stream of its choice); a frame with
+    a separate buffer lands on its device."""
+    peer = start_peer("serve")
+    transport = UcxTransport(TransportConfig(request_timeout_s=10, receive_device="cuda", land_inline_on_host=True))
+
+    async def scenario():
+        await transport.start(lambda message: None)
+        try:
+            small = torch.randn(256)  # 1 KiB: inline
+            return await transport.request(peer.address, m.Echo(small)), small
+        finally:
+            await transport.close()
+    reply, small = run_bounded(ucx_loop, scenario(), 30)
+    assert not reply.payload.is_cuda and torch.equal(reply.payload, small)
+    frame = codec.encode(m.Echo(torch.randn(1 << 16)), msg_id=1)  # 256 KiB: a separate buffer
+    header = codec.decode_header(frame.header, codec.FrameLimits())
+    assert [d.is_cuda for d in transport._fresh_destinations(header)] == [True]
