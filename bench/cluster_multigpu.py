@@ -194,10 +194,11 @@ def run_policy(policy: str, args, traces: dict[float, list[Request]], devices: l
                extra_args: list[str], probe: bool) -> tuple[dict, float | None]:
     """Start the cluster for ``policy``, replay every rate's trace; (rows by rate, prefill rate)."""
     share = ["--share-kv"] if policy == "infinite" else ["--no-share-kv"]
+    bypass = [] if args.queue_bypass_limit is None else ["--queue-bypass-limit", str(args.queue_bypass_limit)]
     with tempfile.TemporaryDirectory(prefix="infllm-cluster-") as root:
         cluster = LocalCluster(Path(root), args.instances, args.pool_blocks, device=args.device, devices=devices,
                                max_num_batched_tokens=args.max_num_batched_tokens,
-                               extra_args=[*extra_args, *share, "--max-num-seqs", str(args.max_num_seqs)],
+                               extra_args=[*extra_args, *share, "--max-num-seqs", str(args.max_num_seqs), *bypass],
                                gmanager_perf_model=perf_model_path if policy == "infinite" else None)
         try:
             cluster.wait_ready()
@@ -324,6 +325,8 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=0, help="the prefill chunk (default 128 on the CPU, 8192 on CUDA)")
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--prefill-probe-tokens", type=int, default=0, help="prompt of the prefill-rate probe (default 4 chunks)")
+    parser.add_argument("--queue-bypass-limit", type=int, default=None,
+                        help="the instances' --queue-bypass-limit (default: theirs)")
     parser.add_argument("--policies", default="infinite,static")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout-s", type=float, default=900.0, help="bound on one rate's run")
@@ -373,7 +376,7 @@ def main() -> None:
         "device": gpu, "machine": platform.node(), "torch": torch.__version__,
         "model": args.model or "SmolLM2-135M-Instruct", "instances": args.instances, "devices": devices,
         "pool_blocks": args.pool_blocks, "block_size": BLOCK_SIZE, "max_num_batched_tokens": args.max_num_batched_tokens,
-        "max_num_seqs": args.max_num_seqs,
+        "max_num_seqs": args.max_num_seqs, "queue_bypass_limit": args.queue_bypass_limit,
         "perf_model": str(perf_model_path.relative_to(ROOT) if perf_model_path.is_relative_to(ROOT) else perf_model_path),
         "trace": {"requests_per_rate": args.requests, "short_tokens": short, "long_tokens": long,
                   "long_fraction": args.long_fraction, "output_tokens": outputs, "seed": args.seed},

@@ -26,6 +26,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict]
     parser.add_argument("--kv-pool-blocks", type=int, dest="kv_pool_blocks")
     parser.add_argument("--kv-pool-bytes", type=int, dest="kv_pool_bytes")
     parser.add_argument("--max-num-seqs", type=int, dest="max_num_seqs")
+    parser.add_argument("--queue-bypass-limit", type=int, dest="queue_bypass_limit",
+                        help="later requests that may start ahead of one that waits for memory (0: first come, first served)")
     parser.add_argument("--max-num-batched-tokens", type=int, dest="max_num_batched_tokens")
     parser.add_argument("--peer-host", dest="peer_host")
     parser.add_argument("--peer-port", type=int, dest="peer_port")

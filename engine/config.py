@@ -105,6 +105,9 @@ class EngineConfig:
     dtype: str = "auto"  # "auto": bfloat16 on CUDA, float32 on the CPU
     spill_to_creditors: bool = True  # lend a request's oldest blocks when the home pool is full
     cuda_graphs: bool = True  # replay decode steps as CUDA graphs (CUDA only)
+    # Later requests that may start ahead of a waiting request that cannot start yet (its
+    # context needs memory that is not free); 0: first come, first served.
+    queue_bypass_limit: int = 0
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -117,6 +120,8 @@ class EngineConfig:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least block_size ({self.block_size})"
             )
+        if self.queue_bypass_limit < 0:
+            raise ValueError(f"queue_bypass_limit must be >= 0, got {self.queue_bypass_limit}")
         if self.max_model_len < 0:
             raise ValueError(f"max_model_len must be >= 0, got {self.max_model_len}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -5,6 +5,10 @@ request, a chunk of the prompt for a prefilling one) within a token budget, then
 requests first-come-first-served while the budget, the request limit and the home pool allow.
 A running request that cannot get a block makes the newest running request give its blocks
 back (it waits and recomputes later), so a request never writes into blocks it does not own.
+
+A waiting request that cannot start yet (its context needs memory that is not free) lets up
+to ``queue_bypass_limit`` later requests that can start go ahead of it; then the queue waits
+for it, so that a long request is delayed by a bounded number of short ones, not starved.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose K and V are written
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
+    num_bypassed: int = 0  # later requests started while this one waited at the queue's head
 
     @property
     def num_tokens(self) -> int:
@@ -71,9 +76,13 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 can_start: Callable[[Request], bool] | None = None) -> None:
+                 can_start: Callable[[Request], bool] | None = None, queue_bypass_limit: int = 0) -> None:
         """``can_start``: whether a waiting request may start (or restart) now, beyond the room
-        for its first chunk; None: the first chunk's room is enough."""
+        for its first chunk; None: the first chunk's room is enough. ``queue_bypass_limit``:
+        later requests that may start ahead of a head that cannot (0: first come, first served)."""
+        if queue_bypass_limit < 0:
+            raise ValueError(f"queue_bypass_limit must be >= 0, got {queue_bypass_limit}")
+        self.queue_bypass_limit = queue_bypass_limit
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -114,16 +123,26 @@ class Scheduler:
             budget -= num_new
             index += 1
 
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
-            request = self.waiting[0]
+        position = 0  # in the queue: past a head that cannot start, while it may be bypassed
+        while (position < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs
+               and not preempted):
+            request = self.waiting[position]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             end = request.num_computed_tokens + num_new
             if not self.block_manager.can_allocate(request.request_id, end) or (
                     self.can_start is not None and not self.can_start(request)):
-                break  # wait for blocks to come back; first come, first served
-            self.waiting.popleft()
+                if position == 0 and self.waiting[0].num_bypassed < self.queue_bypass_limit:
+                    position = 1
+                    continue
+                break  # wait for blocks to come back
+            del self.waiting[position]
+            if position:
+                self.waiting[0].num_bypassed += 1
+                if self.waiting[0].num_bypassed >= self.queue_bypass_limit:
+                    position = len(self.waiting)  # the head's turn: no one else starts first
             self.block_manager.allocate(request.request_id, end)
             request.status = RequestStatus.RUNNING
+            request.num_bypassed = 0  # if it waits again (preempted), its allowance starts afresh
             self.running.append(request)
             chunks.append(ScheduledChunk(request.request_id, request.num_computed_tokens, num_new, end == request.num_tokens))
             budget -= num_new

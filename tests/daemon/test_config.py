@@ -124,3 +124,12 @@ def test_share_kv_from_toml_and_flags(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="share_kv must be true or false"):
         load_config(path)
 
+
+def test_queue_bypass_limit_from_flags_and_its_bounds() -> None:
+    from infinite_llm.daemon.main import parse_args
+
+    assert load_config().queue_bypass_limit == 0
+    assert load_config(None, parse_args(["--queue-bypass-limit", "8"])[1]).queue_bypass_limit == 8
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ConfigError, match="queue_bypass_limit"):
+            load_config(None, {"queue_bypass_limit": bad})

@@ -1,5 +1,7 @@
 """Scheduling without a model: chunks, budgets, admission, preemption."""
 
+import pytest
+
 from infinite_llm.engine.block_manager import BlockManager
 from infinite_llm.engine.sampling import SamplingParams
 from infinite_llm.engine.scheduler import Request, RequestStatus, ScheduledChunk, Scheduler
@@ -88,3 +90,30 @@ def test_a_waiting_request_starts_only_when_can_start_says_so_first_come_first_s
     assert _run(scheduler) == []  # the head waits, and the one behind it too
     free_elsewhere["blocks"] = 2
     assert _run(scheduler) == [ScheduledChunk("long", 0, 8, False)]
+
+
+def test_requests_behind_one_that_cannot_start_go_ahead_up_to_the_limit():
+    """"long" cannot start (can_start says no); with a limit of 2, "s1" and "s2" start ahead of
+    it, then the queue waits for it ("s3" does not start) until it can."""
+    long_may_start = {"yes": False}
+    scheduler = Scheduler(BlockManager(4, [64]), max_num_seqs=8, max_num_batched_tokens=64, queue_bypass_limit=2,
+                          can_start=lambda r: r.request_id != "long" or long_may_start["yes"])
+    for request_id, length in (("long", 20), ("s1", 3), ("s2", 3), ("s3", 3)):
+        scheduler.add(_request(request_id, length))
+    assert [c.request_id for c in _run(scheduler)] == ["s1", "s2"]
+    assert [r.request_id for r in scheduler.waiting] == ["long", "s3"]
+    assert scheduler.requests["long"].num_bypassed == 2
+    assert [c.request_id for c in _run(scheduler)] == ["s1", "s2"]  # "s3" waits behind "long"
+    long_may_start["yes"] = True
+    assert [c.request_id for c in _run(scheduler)] == ["s1", "s2", "long", "s3"]
+    assert scheduler.requests["long"].num_bypassed == 0
+
+
+def test_without_a_limit_the_queue_is_first_come_first_served():
+    scheduler = Scheduler(BlockManager(4, [64]), max_num_seqs=8, max_num_batched_tokens=64,
+                          can_start=lambda r: r.request_id != "long")
+    scheduler.add(_request("long", 20))
+    scheduler.add(_request("s1", 3))
+    assert _run(scheduler) == []
+    with pytest.raises(ValueError, match="queue_bypass_limit"):
+        Scheduler(BlockManager(4, [64]), max_num_seqs=8, max_num_batched_tokens=64, queue_bypass_limit=-1)
