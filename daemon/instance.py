@@ -538,6 +538,9 @@ class InstanceDaemon:
         moved = 0
         try:
             dst = self.peers.by_inst(message.dst_inst_id)
+            # The plan comes from a heartbeat up to a period old: a spill of the same request
+            # may be under way. It ends within a piece's round trips; then this move goes on.
+            await self.lender.until_not_moving(str(message.req_id), self.config.timeouts.peer_request_s)
             moved = await self.lender.move(self.engine, str(message.req_id), message.num_blocks, dst,
                                            switch=self._switch_at_step_boundary)
         except Exception as exc:  # the gManager hears of it; the engine goes on

@@ -273,6 +273,16 @@ class TransportLender:
             moved += len(move.dst_block_ids)
         return moved
 
+    async def until_not_moving(self, request_id: str, timeout_s: float) -> bool:
+        """Wait (at most ``timeout_s``) until no move of the request is between its reservation
+        and its switch; whether none is."""
+        deadline = time.monotonic() + timeout_s
+        while request_id in self._moving:
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.01)  # a piece takes round trips and a step boundary: ms
+        return True
+
     def lendable_now(self, engine: LLMEngine, request_id: str) -> int:
         """Home blocks of the request a move could take now: full and written, and none while
         another move of it is between its reservation and its switch."""

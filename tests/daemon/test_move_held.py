@@ -212,3 +212,21 @@ def test_a_home_move_refused_for_room_asks_again_for_what_is_free() -> None:
     table = bm.block_table("7")
     assert (table[0].instance_id, table[0].token_start, table[0].token_end) == (dst.engine_id, 0, 2 * BLOCK_SIZE)
     assert torch.equal(x.pool[list(table[0].block_ids)], pool[list(oldest)])
+
+
+def test_an_ordered_move_waits_for_a_move_of_the_same_request_under_way() -> None:
+    """``until_not_moving`` returns once the other move's switch is done, or False at its bound."""
+    lender = TransportLender(InMemoryNetwork().transport(address(H)), PeerDirectory(H), InstanceMetrics(), timeout_s=5.0)
+
+    async def scenario() -> tuple[bool, float, bool]:
+        lender._moving.add("7")
+        asyncio.get_running_loop().call_later(0.05, lender._moving.discard, "7")
+        started = asyncio.get_running_loop().time()
+        freed = await lender.until_not_moving("7", timeout_s=5.0)
+        waited = asyncio.get_running_loop().time() - started
+        lender._moving.add("8")
+        return freed, waited, await lender.until_not_moving("8", timeout_s=0.05)
+
+    freed, waited, still_moving = asyncio.run(scenario())
+    assert freed and 0.04 <= waited < 1.0
+    assert not still_moving
