@@ -44,6 +44,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import ucxx  # noqa: E402
 
+from infinite_llm.daemon.config import peer_spin_for  # noqa: E402
 from infinite_llm.transport import messages as m  # noqa: E402
 from infinite_llm.transport.codec import FrameLimits  # noqa: E402
 from infinite_llm.transport.interface import PeerAddress, TransportConfig  # noqa: E402
@@ -60,7 +61,7 @@ STAGING_SIZES = [1 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB]
 # --- server ---------------------------------------------------------------------------------
 
 
-async def serve(device: str, inline_cuda_limit_bytes: int | None = None) -> None:
+async def serve(device: str, spin_s: float, inline_cuda_limit_bytes: int | None = None) -> None:
     pool = torch.empty(POOL_BYTES, dtype=torch.uint8, device=device)
 
     def place(message: m.Message):
@@ -82,7 +83,8 @@ async def serve(device: str, inline_cuda_limit_bytes: int | None = None) -> None
                                     sum(r.num_blocks for r in message.runs))
         return None
 
-    transport = UcxTransport(TransportConfig(receive_device=device, limits=limits_with(inline_cuda_limit_bytes)))
+    transport = UcxTransport(TransportConfig(receive_device=device, spin_s=spin_s,
+                                             limits=limits_with(inline_cuda_limit_bytes)))
     await transport.start(handle, place)
     print(f"PORT {transport.address.port}", flush=True)
     await asyncio.sleep(3600)
@@ -339,14 +341,14 @@ async def measure_round_trips(transport, server, device: str, count: int) -> dic
     return {"message_bytes": PING_BYTES, "count": count, "layer": percentiles(samples)}
 
 
-async def measure_staging(device: str, count: int) -> list[dict]:
+async def measure_staging(device: str, count: int, spin_s: float) -> list[dict]:
     """Round trips of device buffers of several sizes, staged through the host (the default
     limit) against sent GPU-to-GPU by UCX (limit 0): where the default limit should lie."""
     rows = []
     for limit in (None, 0):
-        server_process, port = start_process(["--role", "server", "--device", device,
+        server_process, port = start_process(["--role", "server", "--device", device, "--spin-s", str(spin_s),
                                               "--inline-cuda-limit", str(-1 if limit is None else limit)])
-        transport = UcxTransport(TransportConfig(receive_device=device, request_timeout_s=60,
+        transport = UcxTransport(TransportConfig(receive_device=device, request_timeout_s=60, spin_s=spin_s,
                                                  limits=limits_with(limit)))
         try:
             await transport.start(lambda message: asyncio.sleep(0))
@@ -379,10 +381,10 @@ async def run_client(args) -> dict:
     # The copy anchors run before any server starts, so that no polling slows them.
     copy_rates = {nbytes: copy_bandwidth(nbytes, device, repeats=20) for nbytes in MESSAGE_SIZES}
     bare = measure_bare(args)
-    server_process, layer_port = start_process(["--role", "server", "--device", device])
+    server_process, layer_port = start_process(["--role", "server", "--device", device, "--spin-s", str(args.spin_s)])
     try:
         transport = UcxTransport(TransportConfig(receive_device=device, request_timeout_s=60,
-                                                 frame_timeout_s=60))
+                                                 frame_timeout_s=60, spin_s=args.spin_s))
         await transport.start(lambda message: asyncio.sleep(0))
         server = PeerAddress("127.0.0.1", layer_port)
         bandwidth = []
@@ -402,7 +404,7 @@ async def run_client(args) -> dict:
         server_process.kill()
         server_process.wait(timeout=10)
     if device.startswith("cuda"):
-        round_trips["staging"] = await measure_staging(device, max(200, args.round_trips // 5))
+        round_trips["staging"] = await measure_staging(device, max(200, args.round_trips // 5), args.spin_s)
     round_trips["bare_ucxx"] = bare["round_trip"]
     round_trips["overhead_p50"] = (round_trips["layer"]["p50_us"]
                                    / round_trips["bare_ucxx"]["p50_us"])
@@ -450,14 +452,18 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--loop", choices=["uvloop", "asyncio"], default=None,
                         help="event loop of every process (default: uvloop where installed)")
+    parser.add_argument("--spin-s", type=float, default=None,
+                        help="the transport's spin before a wait sleeps, s (default: the daemon's for the device, "
+                             "20 ms on a GPU, 0.5 ms on the CPU)")
     parser.add_argument("--inline-cuda-limit", type=int, default=-1,
                         help="(server) device bytes staged through the host; -1: the default")
     args = parser.parse_args()
+    args.spin_s = peer_spin_for(args.spin_s, "cuda" if args.device.startswith("cuda") else "cpu")
     if args.loop:
         os.environ["INFLLM_BENCH_LOOP"] = args.loop
     torch.set_num_threads(1)  # one core per process: two processes share the host
     if args.role == "server":
-        run_loop(serve(args.device, None if args.inline_cuda_limit < 0 else args.inline_cuda_limit))
+        run_loop(serve(args.device, args.spin_s, None if args.inline_cuda_limit < 0 else args.inline_cuda_limit))
         return
     if args.role == "bare-server":
         run_loop(serve_bare(args.device))
@@ -472,7 +478,7 @@ def main() -> None:
         "python": platform.python_version(), "torch": torch.__version__,
         "ucxx": ucxx.__version__, "ucx": ".".join(map(str, ucxx.get_ucx_version())),
         "UCX_TLS": os.environ.get("UCX_TLS", "(UCX default)"),
-        "layer_spin_s": TransportConfig().spin_s, "bare_progress_mode": "polling",
+        "layer_spin_s": args.spin_s, "bare_progress_mode": "polling",
         "event_loop": event_loop_name(),
         "window": args.window, **results,
     }
