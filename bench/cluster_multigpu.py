@@ -195,6 +195,7 @@ def run_policy(policy: str, args, traces: dict[float, list[Request]], devices: l
     """Start the cluster for ``policy``, replay every rate's trace; (rows by rate, prefill rate)."""
     share = ["--share-kv"] if policy == "infinite" else ["--no-share-kv"]
     bypass = [] if args.queue_bypass_limit is None else ["--queue-bypass-limit", str(args.queue_bypass_limit)]
+    bypass += [] if args.split_decode_interval is None else ["--split-decode-interval", str(args.split_decode_interval)]
     with tempfile.TemporaryDirectory(prefix="infllm-cluster-") as root:
         cluster = LocalCluster(Path(root), args.instances, args.pool_blocks, device=args.device, devices=devices,
                                max_num_batched_tokens=args.max_num_batched_tokens,
@@ -327,6 +328,8 @@ def main() -> None:
     parser.add_argument("--prefill-probe-tokens", type=int, default=0, help="prompt of the prefill-rate probe (default 4 chunks)")
     parser.add_argument("--queue-bypass-limit", type=int, default=None,
                         help="the instances' --queue-bypass-limit (default: theirs)")
+    parser.add_argument("--split-decode-interval", type=int, default=None,
+                        help="the instances' --split-decode-interval (default: theirs)")
     parser.add_argument("--policies", default="infinite,static")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout-s", type=float, default=900.0, help="bound on one rate's run")
@@ -377,6 +380,7 @@ def main() -> None:
         "model": args.model or "SmolLM2-135M-Instruct", "instances": args.instances, "devices": devices,
         "pool_blocks": args.pool_blocks, "block_size": BLOCK_SIZE, "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_num_seqs": args.max_num_seqs, "queue_bypass_limit": args.queue_bypass_limit,
+        "split_decode_interval": args.split_decode_interval,
         "perf_model": str(perf_model_path.relative_to(ROOT) if perf_model_path.is_relative_to(ROOT) else perf_model_path),
         "trace": {"requests_per_rate": args.requests, "short_tokens": short, "long_tokens": long,
                   "long_fraction": args.long_fraction, "output_tokens": outputs, "seed": args.seed},

@@ -59,6 +59,9 @@ class InstanceConfig:
     # Later requests that may start ahead of a waiting request whose context does not fit the
     # free memory yet (a long one), before the queue waits for it; 0: first come, first served.
     queue_bypass_limit: int = 0
+    # Decoding requests whose KV spans peers run in one step of this many while others run: a
+    # split step waits on the peers at every layer, and so does its whole batch.
+    split_decode_interval: int = 1
     peer_host: str = "127.0.0.1"  # UCX listener, for other instances
     peer_port: int = 0  # 0: any free port (reported in the heartbeat)
     # How long a wait on a peer spins (progressing UCX) before it sleeps on the worker's event
@@ -100,6 +103,7 @@ class InstanceConfig:
             _check_int("kv_pool_bytes", self.kv_pool_bytes, minimum=1)
         _check_int("max_num_seqs", self.max_num_seqs, minimum=1)
         _check_int("queue_bypass_limit", self.queue_bypass_limit, minimum=0)
+        _check_int("split_decode_interval", self.split_decode_interval, minimum=1)
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, minimum=self.block_size)
         _check_int("peer_port", self.peer_port, minimum=0, maximum=65535)
         if not isinstance(self.share_kv, bool):

@@ -272,6 +272,7 @@ class InstanceDaemon:
                                        share_kv=c.share_kv)
         engine_config = EngineConfig(block_size=c.block_size, pool_blocks=(pool_blocks,), max_num_seqs=c.max_num_seqs,
                                      queue_bypass_limit=c.queue_bypass_limit,
+                                     split_decode_interval=c.split_decode_interval,
                                      max_num_batched_tokens=c.max_num_batched_tokens, device=c.device, dtype=dtype,
                                      spill_to_creditors=False)
         self.engine = await asyncio.to_thread(LLMEngine, checkpoint, engine_config, self.remote, self.lender)

@@ -28,6 +28,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict]
     parser.add_argument("--max-num-seqs", type=int, dest="max_num_seqs")
     parser.add_argument("--queue-bypass-limit", type=int, dest="queue_bypass_limit",
                         help="later requests that may start ahead of one that waits for memory (0: first come, first served)")
+    parser.add_argument("--split-decode-interval", type=int, dest="split_decode_interval",
+                        help="decoding requests with KV on peers run in one step of this many while others run (default 1)")
     parser.add_argument("--max-num-batched-tokens", type=int, dest="max_num_batched_tokens")
     parser.add_argument("--peer-host", dest="peer_host")
     parser.add_argument("--peer-port", type=int, dest="peer_port")

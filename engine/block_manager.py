@@ -159,6 +159,10 @@ class BlockManager:
     def block_table(self, request_id: str) -> tuple[Segment, ...]:
         return tuple(self._tables.get(request_id, ()))
 
+    def is_split(self, request_id: str) -> bool:
+        """Whether some of the request's KV lives outside the home pool."""
+        return any(s.instance_id != self.home_instance_id for s in self._tables.get(request_id, ()))
+
     def num_tokens(self, request_id: str) -> int:
         """Tokens of the request that have a KV slot."""
         table = self._tables.get(request_id)

@@ -108,6 +108,9 @@ class EngineConfig:
     # Later requests that may start ahead of a waiting request that cannot start yet (its
     # context needs memory that is not free); 0: first come, first served.
     queue_bypass_limit: int = 0
+    # Decoding requests whose KV spans other instances run in one step of this many while other
+    # requests run (their steps wait on peers at every layer; see engine.scheduler).
+    split_decode_interval: int = 1
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -120,6 +123,8 @@ class EngineConfig:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least block_size ({self.block_size})"
             )
+        if self.split_decode_interval < 1:
+            raise ValueError(f"split_decode_interval must be at least 1, got {self.split_decode_interval}")
         if self.queue_bypass_limit < 0:
             raise ValueError(f"queue_bypass_limit must be >= 0, got {self.queue_bypass_limit}")
         if self.max_model_len < 0:

@@ -94,7 +94,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    can_start=self._prompt_fits_free_memory if lender is not None else None,
-                                   queue_bypass_limit=config.queue_bypass_limit)
+                                   queue_bypass_limit=config.queue_bypass_limit,
+                                   split_decode_interval=config.split_decode_interval)
         creditors = {i: p for i, p in enumerate(self.pools) if i != self.home_instance_id}
         self.remote = remote if remote is not None else InProcessRemoteAttention(creditors, num_heads=mc.num_heads)
         self.sampler = Sampler()

@@ -9,6 +9,12 @@ back (it waits and recomputes later), so a request never writes into blocks it d
 A waiting request that cannot start yet (its context needs memory that is not free) lets up
 to ``queue_bypass_limit`` later requests that can start go ahead of it; then the queue waits
 for it, so that a long request is delayed by a bounded number of short ones, not starved.
+
+A decoding request whose KV is split over other instances makes every layer of its step wait
+for their parts, and every request batched with it waits too. With ``split_decode_interval``
+n > 1 such requests decode in one step of n while other requests run; the steps between carry
+the others alone, at the pace of the home's own device. (Prompt chunks always run: a long
+prompt held back would hold up the queue behind it.)
 """
 
 from __future__ import annotations
@@ -76,12 +82,17 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 can_start: Callable[[Request], bool] | None = None, queue_bypass_limit: int = 0) -> None:
+                 can_start: Callable[[Request], bool] | None = None, queue_bypass_limit: int = 0,
+                 split_decode_interval: int = 1) -> None:
         """``can_start``: whether a waiting request may start (or restart) now, beyond the room
         for its first chunk; None: the first chunk's room is enough. ``queue_bypass_limit``:
         later requests that may start ahead of a head that cannot (0: first come, first served)."""
         if queue_bypass_limit < 0:
             raise ValueError(f"queue_bypass_limit must be >= 0, got {queue_bypass_limit}")
+        if split_decode_interval < 1:
+            raise ValueError(f"split_decode_interval must be at least 1, got {split_decode_interval}")
+        self.split_decode_interval = split_decode_interval
+        self._num_steps = 0
         self.queue_bypass_limit = queue_bypass_limit
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
@@ -105,9 +116,14 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted: list[str] = []
+        self._num_steps += 1
+        held_back = self._split_decodes_held_back()
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            if request.request_id in held_back:
+                index += 1
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             end = request.num_computed_tokens + num_new
             while not self.block_manager.can_allocate(request.request_id, end):
@@ -147,6 +163,15 @@ class Scheduler:
             chunks.append(ScheduledChunk(request.request_id, request.num_computed_tokens, num_new, end == request.num_tokens))
             budget -= num_new
         return SchedulerOutput(tuple(chunks), tuple(preempted))
+
+    def _split_decodes_held_back(self) -> set[str]:
+        """The decoding split requests this step leaves out: none in one step of
+        ``split_decode_interval``, nor when no other request would run in their place."""
+        if self.split_decode_interval == 1 or self._num_steps % self.split_decode_interval == 0:
+            return set()
+        held = {r.request_id for r in self.running
+                if r.num_tokens - r.num_computed_tokens == 1 and self.block_manager.is_split(r.request_id)}
+        return held if len(held) < len(self.running) else set()
 
     def finish(self, request_id: str) -> None:
         """Drop a request (done, stopped or aborted) and free its blocks."""

@@ -133,3 +133,13 @@ def test_queue_bypass_limit_from_flags_and_its_bounds() -> None:
     for bad in (-1, 2.5, True):
         with pytest.raises(ConfigError, match="queue_bypass_limit"):
             load_config(None, {"queue_bypass_limit": bad})
+
+
+def test_split_decode_interval_from_flags_and_its_bounds() -> None:
+    from infinite_llm.daemon.main import parse_args
+
+    assert load_config().split_decode_interval == 1
+    assert load_config(None, parse_args(["--split-decode-interval", "4"])[1]).split_decode_interval == 4
+    for bad in (0, 1.5, True):
+        with pytest.raises(ConfigError, match="split_decode_interval"):
+            load_config(None, {"split_decode_interval": bad})

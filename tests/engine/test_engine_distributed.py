@@ -125,3 +125,22 @@ def test_taking_a_segment_back_keeps_the_tokens(smollm2, prompt_token_ids, singl
 
     tokens, _ = _greedy(engine, prompt_token_ids[:1], 10, lend_then_take_back)
     assert tokens == single_pool_tokens[:1]
+
+
+def test_split_decodes_one_step_in_three_keep_their_tokens(smollm2, prompt_token_ids, single_pool_tokens):
+    """Request "0" is split from its fourth step on and then decodes one step in three beside
+    "1" (all at home): both give the tokens they give alone, and "1" finishes first."""
+    engine = LLMEngine(smollm2, EngineConfig(block_size=4, pool_blocks=(256, 64), max_num_batched_tokens=512,
+                                             spill_to_creditors=False, split_decode_interval=3))
+    finished_at = {}
+
+    def lend_once(engine, step):
+        if step == 3:
+            engine.lend("0", 2, 1)
+        for request_id in ("0", "1"):
+            if request_id not in engine.scheduler.requests:
+                finished_at.setdefault(request_id, step)
+
+    tokens, _ = _greedy(engine, prompt_token_ids[:2], 10, lend_once)
+    assert tokens == single_pool_tokens[:2]
+    assert finished_at["1"] < finished_at["0"]

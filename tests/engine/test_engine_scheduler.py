@@ -117,3 +117,32 @@ def test_without_a_limit_the_queue_is_first_come_first_served():
     assert _run(scheduler) == []
     with pytest.raises(ValueError, match="queue_bypass_limit"):
         Scheduler(BlockManager(4, [64]), max_num_seqs=8, max_num_batched_tokens=64, queue_bypass_limit=-1)
+
+
+def test_decoding_split_requests_run_one_step_in_n_while_others_run():
+    """"a" decodes with its oldest block lent to pool 1: with an interval of 3 it joins every
+    third step while "b" (all at home) runs every step; "c", a prompt being prefilled, is never
+    held back. Once "a" is alone, it runs every step."""
+    block_manager = BlockManager(4, [64, 8])
+    scheduler = Scheduler(block_manager, max_num_seqs=4, max_num_batched_tokens=16, split_decode_interval=3)
+    scheduler.add(_request("a", 8))
+    scheduler.add(_request("b", 3))
+    assert [c.request_id for c in _run(scheduler)] == ["a", "b"]  # step 1: nothing split yet
+    block_manager.commit_move(block_manager.lend("a", 1, 1, num_written=8))
+    assert block_manager.is_split("a") and not block_manager.is_split("b")
+    assert [[c.request_id for c in _run(scheduler)] for _ in range(4)] == [["b"], ["a", "b"], ["b"], ["b"]]
+    scheduler.finish("b")
+    assert [[c.request_id for c in _run(scheduler)] for _ in range(2)] == [["a"], ["a"]]
+    with pytest.raises(ValueError, match="split_decode_interval"):
+        Scheduler(block_manager, max_num_seqs=4, max_num_batched_tokens=16, split_decode_interval=0)
+
+
+def test_a_split_prompt_being_prefilled_is_never_held_back():
+    block_manager = BlockManager(4, [64, 8])
+    scheduler = Scheduler(block_manager, max_num_seqs=4, max_num_batched_tokens=8, split_decode_interval=3)
+    scheduler.add(_request("c", 30))
+    scheduler.add(_request("b", 3))
+    assert [(c.request_id, c.num_tokens) for c in _run(scheduler)] == [("c", 8)]
+    block_manager.commit_move(block_manager.lend("c", 1, 1, num_written=8))
+    assert block_manager.is_split("c")
+    assert [[c.request_id for c in _run(scheduler)] for _ in range(2)] == [["c"], ["c"]]
