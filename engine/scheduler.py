@@ -91,13 +91,13 @@ class Scheduler:
             raise ValueError(f"queue_bypass_limit must be >= 0, got {queue_bypass_limit}")
         if split_decode_interval < 1:
             raise ValueError(f"split_decode_interval must be at least 1, got {split_decode_interval}")
-        self.split_decode_interval = split_decode_interval
-        self._num_steps = 0
-        self.queue_bypass_limit = queue_bypass_limit
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.can_start = can_start
+        self.queue_bypass_limit = queue_bypass_limit
+        self.split_decode_interval = split_decode_interval
+        self._num_steps = 0
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
         self.requests: dict[str, Request] = {}

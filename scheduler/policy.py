@@ -88,7 +88,7 @@ class PlacementTable:
 
     def __post_init__(self) -> None:
         if self.movable is None:
-            object.__setattr__(self, "movable", np.ones(np.shape(self.req_id)[:1] or (0,), np.bool_))
+            object.__setattr__(self, "movable", np.ones(len(self.req_id), np.bool_))
         columns = {}
         for name, dtype in (("req_id", np.int64), ("inst_id", np.int64), ("num_blocks", np.int64), ("local", np.bool_),
                             ("movable", np.bool_)):
@@ -459,9 +459,11 @@ def apply_moves(snapshot: ClusterSnapshot, moves: list[Move]) -> ClusterSnapshot
     """The snapshot after ``moves`` (for tests and the simulator's bookkeeping)."""
     free = {i.inst_id: i.free_blocks for i in snapshot.instances}
     rows: dict[tuple[int, int, bool], int] = {}
-    unmovable = {(e.req_id, e.inst_id) for e in snapshot.placement.entries() if not e.movable}
+    unmovable: set[tuple[int, int]] = set()
     for e in snapshot.placement.entries():
         rows[(e.req_id, e.inst_id, e.local)] = rows.get((e.req_id, e.inst_id, e.local), 0) + e.num_blocks
+        if not e.movable:
+            unmovable.add((e.req_id, e.inst_id))
     for move in moves:
         key = (move.req_id, move.src_inst, True)
         if (rows.get(key, 0) < move.num_blocks or free.get(move.dst_inst, -1) < move.num_blocks

@@ -53,6 +53,11 @@ class TransportConfig:
     spin_s: float = 500e-6
     limits: FrameLimits = field(default_factory=FrameLimits)
 
+    def landing_device(self, all_inline: bool) -> str:
+        """Where a frame's fresh destinations are allocated (``all_inline``: every buffer came
+        inside its header)."""
+        return "cpu" if self.land_inline_on_host and all_inline else self.receive_device
+
 
 class Transport(Protocol):
     """Messages between instances. Connections are cached per peer and made again after a

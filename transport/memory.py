@@ -316,7 +316,7 @@ def _carry(header: codec.FrameHeader, frame: codec.EncodedFrame,
            destinations: list | None, config: TransportConfig) -> Message:
     """Move a frame's buffers into their destinations, as the wire would."""
     if destinations is None:
-        device = "cpu" if config.land_inline_on_host and all(header.inline) else config.receive_device
+        device = config.landing_device(all(header.inline))
         destinations = [allocate(spec, device) for spec in header.specs]
     for dest, src in zip(codec.land_inline(header, destinations), frame.buffers, strict=True):
         copy_bytes(dest, src)

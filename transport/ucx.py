@@ -495,9 +495,7 @@ class UcxTransport:
             await self._reply(connection, header.msg_id, reply)
 
     def _fresh_destinations(self, header: codec.FrameHeader) -> list[object]:
-        device = self._config.receive_device
-        if self._config.land_inline_on_host and all(header.inline):
-            device = "cpu"
+        device = self._config.landing_device(all(header.inline))
         return [allocate(s, device) for s in header.specs]
 
     def _encode_reply(self, msg_id: int, reply: Message) -> codec.EncodedFrame:
