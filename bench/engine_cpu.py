@@ -8,8 +8,8 @@ Prefill time is the time to the first token; decode tokens/s is
 The machine may be shared, so the two sides are timed in alternation, ``--rounds`` times, and
 each keeps its fastest time (load only ever adds time). The same run times the floor of a decode
 step: the model's weight matmuls alone (every projection and the logits of ``batch`` rows, no
-attention, norms or Python), which no engine on these BLAS kernels can beat. The load average is
-recorded before and after.
+attention, norms or Python, on the engine's matmul kernels: MKL for one or two rows, oneDNN for
+more), which no engine on these kernels can beat. The load average is recorded before and after.
 
     python bench/engine_cpu.py [--prompt-len 256] [--new-tokens 32] [--threads 1] [--rounds 5]
 
@@ -53,8 +53,8 @@ def _seconds(fn) -> float:
 
 def weight_matmul_floor(model: LlamaModel, batch: int, repeats: int = 3) -> float:
     """Seconds of one decode step's weight matmuls alone: ``batch`` rows through every layer's
-    projections and the logits, in the weight layout the engine uses for that many rows
-    (weights read from memory once each, as in a real step)."""
+    projections and the logits, in the weight layout and with the matmul kernel the engine uses
+    for that many rows (weights read from memory once each, as in a real step)."""
     c = model.config
     x = torch.randn(batch, c.hidden_size, dtype=model.dtype)
     mlp_in = torch.randn(batch, c.intermediate_size, dtype=model.dtype)
@@ -63,11 +63,11 @@ def weight_matmul_floor(model: LlamaModel, batch: int, repeats: int = 3) -> floa
 
     def step() -> None:
         for w in layers:
-            torch.nn.functional.linear(x, w["qkv_proj"])
-            torch.nn.functional.linear(x, w["o_proj"])
-            torch.nn.functional.linear(x, w["gate_up_proj"])
-            torch.nn.functional.linear(mlp_in, w["down_proj"])
-        torch.nn.functional.linear(x, lm_head)
+            model.linear(x, w["qkv_proj"])
+            model.linear(x, w["o_proj"])
+            model.linear(x, w["gate_up_proj"])
+            model.linear(mlp_in, w["down_proj"])
+        model.linear(x, lm_head)
 
     step()
     return min(_seconds(step) for _ in range(repeats))

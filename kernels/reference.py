@@ -190,21 +190,27 @@ def _attend_rows(
     num_rows, num_heads, head_dim = q.shape
     num_keys = k.shape[1]
     visible = None
+    fused = _FLASH_CPU is not None and q.device.type == "cpu"
+    square_causal = False
     if q_pos is not None:
         # Keys past the last row's position are masked for every row: leave them out.
         num_keys = max(0, min(num_keys, int(q_pos.max()) - kv_start + 1))
         k, v = k[:, :num_keys], v[:, :num_keys]
         key_pos = kv_start + torch.arange(num_keys, device=q.device)
-        visible = key_pos[None, :] <= q_pos[:, None]  # [num_rows, num_keys]
+        # A prompt's first chunk: row i is at key i's position. The fused kernel's own causal
+        # mask (row i sees keys <= i) is then this mask exactly, with nothing to build per layer.
+        square_causal = fused and num_rows == num_keys and torch.equal(q_pos, key_pos)
+        if not square_causal:
+            visible = key_pos[None, :] <= q_pos[:, None]  # [num_rows, num_keys]
     if num_keys == 0:
         return (torch.zeros(num_rows, num_heads, head_dim, device=q.device),
                 torch.full((num_rows, num_heads), -math.inf, device=q.device))
     q32 = q.float().transpose(0, 1)  # [num_heads, num_rows, head_dim]
     k = k.repeat_interleave(group, dim=0)
     v = v.repeat_interleave(group, dim=0)
-    if _FLASH_CPU is not None and q.device.type == "cpu":
+    if fused:
         mask = None if visible is None else torch.where(visible, 0.0, -math.inf)[None, None]
-        out, lse = _FLASH_CPU(q32[None], k[None], v[None], 0.0, False, attn_mask=mask, scale=sm_scale)
+        out, lse = _FLASH_CPU(q32[None], k[None], v[None], 0.0, square_causal, attn_mask=mask, scale=sm_scale)
         out, lse = out[0], lse[0]  # [num_heads, num_rows, head_dim], [num_heads, num_rows]
     else:
         scores = torch.matmul(q32, k.transpose(1, 2)) * sm_scale

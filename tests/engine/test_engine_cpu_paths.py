@@ -91,6 +91,19 @@ def test_fused_projections_match_the_unfused_layer(model_and_weights, num_rows: 
     torch.testing.assert_close(model.logits(hidden), want_logits, atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 4, 37])
+def test_linear_matches_f_linear_for_every_row_count(model_and_weights, num_rows: int) -> None:
+    """The model's matmul (MKL for one or two rows, oneDNN for more on the CPU) against F.linear,
+    with and without a bias, on a row-strided input as well."""
+    model, _ = model_and_weights
+    g = torch.Generator().manual_seed(num_rows)
+    weight = torch.randn(40, CONFIG.hidden_size, generator=g)
+    bias = torch.randn(40, generator=g)
+    x = torch.randn(num_rows, 2 * CONFIG.hidden_size, generator=g)[:, : CONFIG.hidden_size]
+    for b in (None, bias):
+        torch.testing.assert_close(model.linear(x, weight, b), F.linear(x, weight, b), atol=1e-5, rtol=1e-5)
+
+
 def test_transposed_copies_hold_the_same_weights(model_and_weights) -> None:
     model, _ = model_and_weights
     assert len(model.few_rows_layers) == CONFIG.num_layers

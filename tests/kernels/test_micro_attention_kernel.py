@@ -90,6 +90,10 @@ CASES = [
     pytest.param(Case((29, 18), (5, 2), 2, 1, 80, 16, causal=True, kv_start_pos=(16, 3)), id="causal-d80-shard"),
     pytest.param(Case((130, 10, 0), (20, 3, 0), 1, 3, 64, 16, causal=True, config=None), id="causal-default-config"),
     pytest.param(Case((37,), (1,), 3, 3, 64, 16), id="decode-single-seq-partial-block"),
+    # Every key's row is in the batch (a prompt's first chunk, or a shard's own rows): the CPU
+    # reference takes the fused kernel's own causal mask there.
+    pytest.param(Case((24, 40, 9), (24, 40, 9), 1, 3, 64, 16, causal=True, kv_start_pos=(0, 16, 5)),
+                 id="causal-rows-are-the-keys"),
 ]
 
 # Forced split counts on fp32; the automatic choice (None) on every dtype.
