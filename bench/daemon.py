@@ -28,6 +28,8 @@ import math
 import os
 import platform
 import queue
+import statistics
+import subprocess
 import tempfile
 import threading
 import time
@@ -87,6 +89,120 @@ def latency_means(before: dict, after: dict) -> dict[int, dict]:
     return means
 
 
+# The way of one attend request and its result, in order: (event, process); the wire trace's
+# names (``infinite_llm.transport.wire_trace``). Each interval is from one to the next.
+ATTEND_PATH = (
+    ("attend.start", "home"), ("attend.built", "home"), ("req.encoded", "home"), ("req.posted", "home"),
+    ("in.header", "creditor"), ("in.landed", "creditor"),
+    ("in.assembled", "creditor"), ("serve.start", "creditor"), ("serve.planned", "creditor"),
+    ("serve.launched", "creditor"), ("serve.done", "creditor"), ("in.handled", "creditor"),
+    ("reply.encoded", "creditor"), ("reply.posted", "creditor"),
+    ("reply.header", "home"), ("reply.landed", "home"), ("reply.set", "home"),
+    ("attend.resumed", "home"), ("attend.landed", "home"),
+)
+
+
+def attend_breakdown(trace_dir: Path, since: float) -> dict:
+    """Where a decode layer's remote attention goes, from the wire traces of one home and one
+    creditor: the median of each interval of ``ATTEND_PATH`` (us) over the attend requests sent
+    after ``since`` (perf_counter s, the same clock as the daemons'), and of the home's time
+    from a part landing to its next attend request (the merge, the rest of the layer and the
+    next layer's projections)."""
+    processes = []
+    for path in sorted(trace_dir.glob("wire-*.jsonl")):
+        events = [json.loads(line) for line in path.read_text().splitlines()]
+        names = {e[1] for e in events}
+        processes.append(("home" if "attend.start" in names else "creditor" if "serve.start" in names else None, events))
+    home = next((e for role, e in processes if role == "home"), None)
+    creditor = next((e for role, e in processes if role == "creditor"), None)
+    if home is None or creditor is None:
+        return {}
+    # Each attend request, as the times of its path's events: the home's and the creditor's
+    # events follow each other in order within one process; the two join on the message id.
+    by_id: dict[int, dict[str, float]] = {}
+    current: dict[str, float] = {}
+    for t, event, msg_type, msg_id in home:
+        if event == "attend.start":
+            current = {"attend.start": t}
+        elif event == "attend.built" and "attend.start" in current:
+            current[event] = t
+        elif msg_type == "attend_request" and event in ("req.encoded", "req.posted") and "attend.start" in current:
+            current[event] = t
+            by_id[msg_id] = current
+        elif msg_type == "attend_result" and event.startswith("reply.") and msg_id in by_id:
+            current = by_id[msg_id]
+            current[event] = t
+        elif event in ("attend.resumed", "attend.landed") and current:
+            current[event] = t
+    serving: dict[str, float] = {}
+    for t, event, msg_type, msg_id in creditor:
+        if msg_type not in ("attend_request", "attend_result"):
+            continue  # the same ids are other senders' messages
+        if event == "in.header" and msg_id in by_id:
+            serving = by_id[msg_id]
+            serving[event] = t
+        elif event.startswith("serve.") and serving:
+            serving[event] = t
+        elif event.startswith(("in.", "reply.")) and by_id.get(msg_id) is serving:
+            serving[event] = t
+    names = [name for name, _ in ATTEND_PATH]
+    complete = sorted((r for r in by_id.values() if all(n in r for n in names) and r["attend.start"] > since),
+                      key=lambda r: r["attend.start"])
+    if not complete:
+        return {}
+    # Frames of the timed decode that sent a buffer outside their header (UCX then moves it
+    # separately: a rendezvous, not a copy inside the header).
+    separate = {role: sum(1 for t, event, msg_type, _ in events
+                          if event.endswith("separate_buffers") and msg_type.startswith("attend") and t > since)
+                for role, events in (("home", home), ("creditor", creditor))}
+    medians = {f"{a}->{b}": statistics.median(r[b] - r[a] for r in complete) * 1e6 for a, b in zip(names, names[1:])}
+    medians["total"] = statistics.median(r["attend.landed"] - r["attend.start"] for r in complete) * 1e6
+    gaps = [b["attend.start"] - a["attend.landed"] for a, b in zip(complete, complete[1:])]
+    return {"attend_requests": len(complete), "frames_with_separate_buffers": separate, "median_us": medians,
+            "landed_to_next_request_median_us": statistics.median(gaps) * 1e6 if gaps else None}
+
+
+def start_py_spy(cluster: LocalCluster, out_dir: Path, seconds: int) -> list[subprocess.Popen]:
+    """Sample every instance with py-spy for ``seconds``, native frames too (each sample pauses the
+    process briefly: 250 a second)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for inst in cluster:  # every thread of the daemon, what it runs and its CPU time so far
+        pid = str(inst.process.pid)
+        with (out_dir / f"threads-{inst.inst_id}.txt").open("wb") as f:
+            subprocess.run(["ps", "-L", "-o", "tid,comm,pcpu,time", "-p", pid], stdout=f, stderr=subprocess.STDOUT,
+                           timeout=30)
+            subprocess.run(["py-spy", "dump", "--pid", pid], stdout=f, stderr=subprocess.STDOUT, timeout=30)
+    return [subprocess.Popen(["py-spy", "record", "-p", str(inst.process.pid), "-d", str(seconds), "-r", "250",
+                              "--native", "-f", "raw", "-o", str(out_dir / f"py-spy-{inst.inst_id}.txt")],
+                             stdout=(out_dir / f"py-spy-{inst.inst_id}.log").open("wb"), stderr=subprocess.STDOUT)
+            for inst in cluster]
+
+
+def py_spy_summary(path: Path, top: int = 40) -> dict[str, list[tuple[float, str]]]:
+    """Where a py-spy raw profile spent the main thread's samples (the event loop's), as
+    (share, frame): by own time (the innermost frame, native ones included) and by inclusive
+    time of Python functions (a function counted once per sample however deep it recurs; line
+    numbers dropped)."""
+    own: dict[str, int] = {}
+    inclusive: dict[str, int] = {}
+    total = 0
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        frames = stack.split(";")
+        if not any(f.startswith("<module>") for f in frames):
+            continue  # another thread: a progress bar's monitor, an idle executor
+        n = int(count)
+        total += n
+        own[frames[-1]] = own.get(frames[-1], 0) + n
+        for function in {f.rsplit(":", 1)[0] + ")" for f in frames if ".py:" in f}:
+            inclusive[function] = inclusive.get(function, 0) + n
+
+    def ranked(counts: dict[str, int]) -> list[tuple[float, str]]:
+        return [(n / total, frame) for frame, n in sorted(counts.items(), key=lambda kv: -kv[1])[:top]]
+
+    return {"own": ranked(own), "inclusive": ranked(inclusive)}
+
+
 def run_request(cluster: LocalCluster, prompt: str, new_tokens: int, placements: list,
                 on_decode=None) -> list[tuple[float, dict]]:
     """The request's events with their times; ``on_decode()`` is called once it decodes."""
@@ -110,7 +226,8 @@ def instance_devices(device: str, num_instances: int, spread: bool) -> list[str]
 
 def split_case(num_instances: int, context_blocks: int, prompt: str, new_tokens: int, device: str,
                extra_args: list[str], profile_dir: Path | None = None, spread: bool = False,
-               chunk_tokens: int = 128) -> dict:
+               chunk_tokens: int = 128, wire_trace_dir: Path | None = None,
+               py_spy: tuple[Path, int] | None = None) -> dict:
     share = math.ceil(context_blocks / num_instances)
     chunk_blocks = math.ceil(chunk_tokens / BLOCK_SIZE)
     if num_instances == 1:
@@ -119,7 +236,9 @@ def split_case(num_instances: int, context_blocks: int, prompt: str, new_tokens:
         # The home keeps about one share (plus room for a prefill chunk); each creditor takes a share.
         pools = [share + chunk_blocks + 2] + [share + 4] * (num_instances - 1)
     with tempfile.TemporaryDirectory(prefix="infllm-bench-") as root:
-        extra_env = {"INFLLM_PROFILE_DIR": str(profile_dir)} if profile_dir else None
+        extra_env = {"INFLLM_PROFILE_DIR": str(profile_dir)} if profile_dir else {}
+        if wire_trace_dir is not None:
+            extra_env["INFLLM_WIRE_TRACE"] = str(wire_trace_dir)
         cluster = LocalCluster(Path(root), num_instances, pools[0], device=device, pool_blocks_per_instance=pools,
                                extra_args=extra_args, extra_env=extra_env,
                                devices=instance_devices(device, num_instances, spread))
@@ -130,14 +249,31 @@ def split_case(num_instances: int, context_blocks: int, prompt: str, new_tokens:
             placement: list[int] = []
             before: dict = {}
             # The latencies of decode steps alone: the prompt's chunks attend over many rows.
-            rate, tokens = decode_rate(run_request(cluster, prompt, new_tokens, placement,
-                                                   on_decode=lambda: before.update(histogram_totals(cluster))))
+            decoding_since: list[float] = []
+
+            samplers: list[subprocess.Popen] = []
+
+            def on_decode() -> None:
+                decoding_since.append(time.perf_counter())
+                before.update(histogram_totals(cluster))
+                if py_spy is not None:
+                    samplers.extend(start_py_spy(cluster, *py_spy))
+
+            rate, tokens = decode_rate(run_request(cluster, prompt, new_tokens, placement, on_decode=on_decode))
             latencies = latency_means(before, histogram_totals(cluster))
+            for sampler in samplers:
+                sampler.wait(timeout=py_spy[1] + 60)
         finally:
-            cluster.stop()
-    return {"instances": num_instances, "devices": instance_devices(device, num_instances, spread), "pools": pools,
-            "placement": placement, "decode_tokens_per_s": rate,
-            "decode_tokens": tokens, "latencies": latencies}
+            cluster.stop()  # a clean stop: the daemons write their traces
+    row = {"instances": num_instances, "devices": instance_devices(device, num_instances, spread), "pools": pools,
+           "placement": placement, "decode_tokens_per_s": rate,
+           "decode_tokens": tokens, "latencies": latencies}
+    if wire_trace_dir is not None and decoding_since:
+        row["attend_breakdown"] = attend_breakdown(wire_trace_dir, decoding_since[0])
+    if py_spy is not None:
+        row["py_spy"] = {path.stem: py_spy_summary(path) for path in sorted(py_spy[0].glob("py-spy-*.txt"))}
+        row["threads"] = {path.stem: path.read_text() for path in sorted(py_spy[0].glob("threads-*.txt"))}
+    return row
 
 
 async def leader_moves(address: PeerAddress, req_id_of: "queue.Queue[int]", split_blocks: int, num_blocks: int,
@@ -243,6 +379,12 @@ def main() -> None:
     parser.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
     parser.add_argument("--profile-dir", type=Path, default=None,
                         help="profile the daemons of the two-instance case (cProfile) and print where time goes")
+    parser.add_argument("--wire-trace", action="store_true",
+                        help="trace the two-instance case's messages (INFLLM_WIRE_TRACE) and report where a "
+                             "decode layer's remote attention goes")
+    parser.add_argument("--py-spy", type=int, default=None, metavar="SECONDS",
+                        help="sample the two-instance case's daemons with py-spy for SECONDS once the request "
+                             "decodes (ask for enough new tokens) and report where their time goes")
     parser.add_argument("--peer-spin-s", type=float, default=None,
                         help="the instances' --peer-spin-s (default theirs: 0.02 s on a GPU, 0.0005 s on the CPU)")
     parser.add_argument("--mps", action="store_true",
@@ -271,7 +413,10 @@ def main() -> None:
         raise SystemExit("--instances must start with 1 (the anchor)")
     splits = [split_case(n, context_blocks, prompt, args.new_tokens, args.device, extra_args,
                          args.profile_dir if n == 2 else None, args.spread_gpus,
-                         args.max_num_batched_tokens or 128) for n in counts]
+                         args.max_num_batched_tokens or 128,
+                         Path(tempfile.mkdtemp(prefix="infllm-wire-")) if args.wire_trace and n == 2 else None,
+                         (Path(tempfile.mkdtemp(prefix="infllm-py-spy-")), args.py_spy) if args.py_spy and n == 2 else None)
+              for n in counts]
     if args.profile_dir:
         import pstats
 
@@ -295,6 +440,19 @@ def main() -> None:
     print(f"{'instances':>9} {'placement':>12} {'decode tok/s':>13} {'vs one':>7}")
     for r in splits:
         print(f"{r['instances']:>9} {str(r['placement']):>12} {r['decode_tokens_per_s']:>13.2f} {r['vs_one_instance']:>7.3f}")
+    for r in splits:
+        for name, text in r.get("threads", {}).items():
+            print(f"--- {name} at the first decode step\n{text}")
+        for name, summary in r.get("py_spy", {}).items():
+            for kind, frames in summary.items():
+                print(f"--- {name}: {kind} time during decode")
+                for share, frame in frames:
+                    print(f"  {100 * share:5.1f}% {frame[:160]}")
+        if "attend_breakdown" in r:
+            print(f"  {r['instances']} instances: {r['attend_breakdown']['attend_requests']} decode attend requests, "
+                  f"frames with separate buffers {r['attend_breakdown']['frames_with_separate_buffers']}")
+        for interval, us in r.get("attend_breakdown", {}).get("median_us", {}).items():
+            print(f"  {r['instances']} instances, median of a decode attend request: {interval:>32} {us:8.1f} us")
     for r in splits[1:]:
         home = r["latencies"].get(1, {})
         served = [v["attend_serve_mean_s"] for k, v in r["latencies"].items() if k != 1 and "attend_serve_mean_s" in v]

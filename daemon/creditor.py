@@ -1,8 +1,9 @@
 """The creditor's share of a step: attention over the segments this instance holds for others.
 
 An ``AttendRequest`` names, per request, the held segment and how many of its tokens to attend
-over; the keys of a held segment are all older than the home's query rows (only complete,
-earlier blocks are ever moved), so no causal mask applies here. The plan (block tables, lengths)
+over (from that segment on, across the consecutive segments held here); the keys of a held
+segment are all older than the home's query rows (only complete, earlier blocks are ever
+moved), so no causal mask applies here. The plan (block tables, lengths)
 is the same for every layer of a home's step and is kept until that home's next step.
 
 On a GPU the creditor computes on a stream of its own, of the highest priority, and copies a
@@ -19,7 +20,8 @@ import math
 import torch
 
 from infinite_llm.kernels import MicroAttentionPlan, plan_micro_attention, run_micro_attention
-from infinite_llm.transport.messages import AttendRequest, AttendResult
+from infinite_llm.transport import wire_trace
+from infinite_llm.transport.messages import AttendRequest, AttendResult, AttendSlice
 
 from .ledger import CreditorLedger, LedgerError
 
@@ -43,6 +45,12 @@ class CreditorAttention:
         self._plans: dict[int, tuple[int, tuple, MicroAttentionPlan]] = {}  # home -> (step, slices, plan)
         # Lower is higher; torch maps a value past the device's range to its highest priority.
         self.stream = torch.cuda.Stream(kv_pool.device, priority=-16) if kv_pool.is_cuda else None
+        # Pinned host memory for the copies of a staged request (its query in, its result out):
+        # copies from and to pinned memory run on this stream without a sync each, where
+        # pageable ones wait for the stream first. Reused by the next request: every request
+        # ends with this stream synchronised, so no copy of the last one is still in flight.
+        self._pinned_query = torch.empty(0, dtype=torch.uint8)
+        self._pinned_result = torch.empty(0, dtype=torch.uint8)
 
     def _plan(self, request: AttendRequest) -> MicroAttentionPlan:
         cached = self._plans.get(request.home_inst_id)
@@ -51,16 +59,7 @@ class CreditorAttention:
         block_size = self.kv_pool.shape[3]
         tables, lens, starts = [], [], [0]
         for s in request.slices:
-            try:
-                segment = self.ledger.segment(request.home_inst_id, s.req_id, s.segment_id)
-            except LedgerError as exc:
-                raise AttendError(str(exc)) from None
-            if not 0 < s.num_tokens <= len(segment.block_ids) * block_size:
-                raise AttendError(
-                    f"request {s.req_id} segment {s.segment_id}: {s.num_tokens} tokens asked, "
-                    f"{len(segment.block_ids) * block_size} held"
-                )
-            tables.append(segment.block_ids[: -(-s.num_tokens // block_size)])
+            tables.append(self._blocks(request.home_inst_id, s))
             lens.append(s.num_tokens)
             starts.append(starts[-1] + s.num_rows)
         width = max(len(t) for t in tables)
@@ -91,29 +90,85 @@ class CreditorAttention:
         if tuple(request.q.shape) != (num_rows, self.num_heads, self.kv_pool.shape[5]):
             raise AttendError(f"q has shape {list(request.q.shape)}; the slices name {num_rows} rows and this "
                               f"model has {self.num_heads} heads of dim {self.kv_pool.shape[5]}")
+        wire_trace.record("serve.start", AttendRequest.TYPE)
         if self.stream is None:
-            return self._attend(request)
+            result = self._attend(request)
+            wire_trace.record("serve.done", AttendRequest.TYPE)
+            return result
         staged = num_rows * self.num_heads * (self.kv_pool.shape[5] * self.kv_pool.element_size() + 4) <= self.host_staging_bytes
         with torch.cuda.stream(self.stream):
             result = self._attend(request)
-            if staged:  # each copy waits for this stream only
+            if staged:
+                out, lse = self._to_host(result.out, result.lse)
+                wire_trace.record("serve.done", AttendRequest.TYPE)
                 return AttendResult(result.home_inst_id, result.creditor_inst_id, result.step_id, result.layer,
-                                    result.out.cpu(), result.lse.cpu())
+                                    out, lse)
         # A large result stays on the device: complete once this stream is. (The transport then
         # also waits for the current stream before UCX reads it, as for any device buffer.)
         self.stream.synchronize()
+        wire_trace.record("serve.done", AttendRequest.TYPE)
         return result
 
+    def _blocks(self, home_inst_id: int, s: AttendSlice) -> list[int]:
+        """The blocks of a slice's ``num_tokens`` tokens from its first segment on, in token
+        order. A home asks for the tokens of consecutive segments held here in one slice (a
+        long prompt spills a piece per chunk): each segment's id is its first block's index in
+        the request, so the next one starts where the last one's blocks end."""
+        block_size = self.kv_pool.shape[3]
+        if s.num_tokens <= 0:
+            raise AttendError(f"request {s.req_id} segment {s.segment_id}: {s.num_tokens} tokens asked")
+        needed = -(-s.num_tokens // block_size)
+        blocks: list[int] = []
+        segment_id = s.segment_id
+        while len(blocks) < needed:
+            try:
+                segment = self.ledger.segment(home_inst_id, s.req_id, segment_id)
+            except LedgerError as exc:
+                raise AttendError(f"request {s.req_id}: {s.num_tokens} tokens asked from segment {s.segment_id} "
+                                  f"on, {len(blocks) * block_size} held there ({exc})") from None
+            blocks.extend(segment.block_ids)
+            segment_id += len(segment.block_ids)
+        return blocks[:needed]
+
+    def _to_device(self, q: torch.Tensor) -> torch.Tensor:
+        """A query that landed in host memory, on this pool's device: through pinned memory,
+        copied on the current stream (this creditor's) without waiting for it."""
+        nbytes = q.numel() * q.element_size()
+        if self._pinned_query.numel() < nbytes:
+            self._pinned_query = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        staging = self._pinned_query[:nbytes].view(q.dtype).view(q.shape)
+        staging.copy_(q)
+        return staging.to(self.kv_pool.device, non_blocking=True)
+
+    def _to_host(self, out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A small result in host memory, complete: both copies through pinned memory on this
+        creditor's stream, one wait for it, then copies of their own (the pinned buffer is the
+        next request's)."""
+        out_bytes = out.numel() * out.element_size()
+        nbytes = out_bytes + lse.numel() * lse.element_size()
+        if self._pinned_result.numel() < nbytes:
+            self._pinned_result = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        out_host = self._pinned_result[:out_bytes].view(out.dtype).view(out.shape)
+        lse_host = self._pinned_result[out_bytes:nbytes].view(lse.dtype).view(lse.shape)
+        out_host.copy_(out, non_blocking=True)
+        lse_host.copy_(lse, non_blocking=True)
+        self.stream.synchronize()
+        return out_host.clone(), lse_host.clone()
+
     def _attend(self, request: AttendRequest) -> AttendResult:
-        q = torch.as_tensor(request.q).to(self.kv_pool.device)  # on a GPU from host memory if it came inline
+        q = torch.as_tensor(request.q)
+        if q.device != self.kv_pool.device:  # on a GPU: landed in host memory (it came inline)
+            q = self._to_device(q) if self.stream is not None else q.to(self.kv_pool.device)
         if q.dtype != self.kv_pool.dtype:
             q = q.to(self.kv_pool.dtype)
         plan = self._plan(request)
+        wire_trace.record("serve.planned", AttendRequest.TYPE)
         # The partial output in the model's dtype, as the message says: half the bytes of float32
         # (a decode row of Llama-3-8B then fits the 8 KiB that travel inline, 3x faster between
         # two H200s than through CUDA IPC); the home merges in float32.
         state = run_micro_attention(plan, q, self.kv_pool, request.layer, sm_scale=self.sm_scale,
                                     out_dtype=self.kv_pool.dtype)
+        wire_trace.record("serve.launched", AttendRequest.TYPE)
         return AttendResult(request.home_inst_id, request.creditor_inst_id, request.step_id, request.layer,
                             state.out, state.lse)
 

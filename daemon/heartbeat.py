@@ -1,4 +1,5 @@
-"""What an instance tells the gManager each period: pool figures, batch, placement as a diff.
+"""What an instance tells the gManager each period: pool figures, batch, placement as a diff,
+and its remote-attention waits and serving times since the last one.
 
 Pure: :class:`HeartbeatState` turns the instance's current placement into the next ``Heartbeat``
 and learns from the ``HeartbeatReply`` which version the leader holds. The diff is against the
@@ -23,8 +24,11 @@ class HeartbeatState:
     acked: dict[PlacementKey, RequestPlacementEntry] = field(default_factory=dict)
     _sent: dict[int, dict[PlacementKey, RequestPlacementEntry]] = field(default_factory=dict)
 
-    def next(self, pool: PoolFigures, batch_size: int, entries: list[RequestPlacementEntry]) -> Heartbeat:
-        """The heartbeat for the current ``entries`` (every request of this home, per instance)."""
+    def next(self, pool: PoolFigures, batch_size: int, entries: list[RequestPlacementEntry],
+             remote_waits: tuple[int, int] = (0, 0), attend_serves: tuple[int, int] = (0, 0)) -> Heartbeat:
+        """The heartbeat for the current ``entries`` (every request of this home, per instance),
+        with the remote-attention figures since the last one: ``(microseconds summed, count)``
+        of this home's waits for creditors' parts and of its serving of attend requests."""
         current = placement_of(entries)
         self.seq += 1
         self.version += 1
@@ -36,7 +40,9 @@ class HeartbeatState:
         # Versions older than the acknowledged one can never be acknowledged again.
         for old in [v for v in self._sent if v < self.acked_version]:
             del self._sent[old]
-        return Heartbeat(self.inst_id, self.seq, pool, batch_size, base, self.version, upserts, removals)
+        return Heartbeat(self.inst_id, self.seq, pool, batch_size, base, self.version, upserts, removals,
+                         remote_wait_us=remote_waits[0], remote_waits=remote_waits[1],
+                         attend_serve_us=attend_serves[0], attend_serves=attend_serves[1])
 
     def on_reply(self, reply: HeartbeatReply) -> None:
         if reply.needs_full_placement:

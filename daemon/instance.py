@@ -445,7 +445,7 @@ class InstanceDaemon:
                 if device_failed(exc):
                     self._device_failed(exc)
                 raise
-            self.metrics.attend_serve_seconds.observe(time.perf_counter() - started)
+            self.metrics.observe_attend_serve(time.perf_counter() - started)
             return result
         if isinstance(message, TryMoveKV):
             return self._try_move(message)
@@ -672,7 +672,8 @@ class InstanceDaemon:
             self.heartbeats.leader_changed()
         self._leader = leader
         heartbeat = self.heartbeats.next(self._pool_figures(), len(self.engine.scheduler.running),
-                                         self._placement_entries())
+                                         self._placement_entries(), remote_waits=self.metrics.remote_wait_totals.take(),
+                                         attend_serves=self.metrics.attend_serve_totals.take())
         self._heartbeat_task = asyncio.get_running_loop().create_task(self._exchange_heartbeat(leader[1], heartbeat))
 
     async def _exchange_heartbeat(self, leader: PeerAddress, heartbeat: Heartbeat) -> None:

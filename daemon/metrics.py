@@ -11,6 +11,24 @@ MOVE_RESULTS = ("committed", "rejected", "failed", "stale_epoch")
 
 
 @dataclass
+class LatencyTotals:
+    """A latency's sum and count since the last ``take``: what a heartbeat reports."""
+
+    total_us: int = 0
+    count: int = 0
+
+    def add(self, seconds: float) -> None:
+        self.total_us += max(0, round(seconds * 1e6))
+        self.count += 1
+
+    def take(self) -> tuple[int, int]:
+        """(microseconds summed, count) since the last take, and start again."""
+        taken = (self.total_us, self.count)
+        self.total_us = self.count = 0
+        return taken
+
+
+@dataclass
 class InstanceMetrics:
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
 
@@ -41,6 +59,20 @@ class InstanceMetrics:
             "infllm_tokens_per_second", "Output tokens per second over the last interval", registry=r)
         self.requests_finished = Counter(
             "infllm_requests_finished", "Finished requests by reason", ["reason"], registry=r)
+        # The same two latencies as sums since the last heartbeat: the gManager learns the
+        # cluster's remote-attention overhead from them.
+        self.remote_wait_totals = LatencyTotals()
+        self.attend_serve_totals = LatencyTotals()
+
+    def observe_remote_wait(self, seconds: float) -> None:
+        """A home's wait for one layer's remote parts."""
+        self.remote_attention_seconds.observe(seconds)
+        self.remote_wait_totals.add(seconds)
+
+    def observe_attend_serve(self, seconds: float) -> None:
+        """A creditor's time serving one attend request."""
+        self.attend_serve_seconds.observe(seconds)
+        self.attend_serve_totals.add(seconds)
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""

@@ -29,6 +29,7 @@ from infinite_llm.engine.block_manager import OutOfBlocks, Segment, SegmentMove
 from infinite_llm.engine.dist_attention import AttendBatch, RemoteAttention
 from infinite_llm.engine.engine import LLMEngine
 from infinite_llm.kernels import AttentionState
+from infinite_llm.transport import wire_trace
 from infinite_llm.transport.errors import TransportError
 from infinite_llm.transport.interface import PeerAddress, Transport
 from infinite_llm.transport.kv_packing import pack_kv_runs
@@ -164,8 +165,10 @@ class TransportRemoteAttention(RemoteAttention):
         instance computes its own part, before the step's next await."""
         peer = self.peers.by_engine(batch.instance_id)
         started = time.perf_counter()
+        wire_trace.record("attend.start", AttendRequest.TYPE)
         request = AttendRequest(self.peers.own_inst_id, peer.inst_id, batch.step_id, layer, self._slices_of(batch),
                                 q.contiguous())
+        wire_trace.record("attend.built", AttendRequest.TYPE)
         reply = self.transport.request_soon(peer.address, request, timeout_s=self.timeout_s)
         return self._finish(peer, reply, started, q.device)
 
@@ -175,11 +178,14 @@ class TransportRemoteAttention(RemoteAttention):
             result = await reply
         except TransportError as exc:
             raise PeerPartFailed(peer.inst_id, peer.engine_id, exc) from exc
-        self.metrics.remote_attention_seconds.observe(time.perf_counter() - started)
+        self.metrics.observe_remote_wait(time.perf_counter() - started)
         if not isinstance(result, AttendResult):
             raise RuntimeError(f"instance {peer.inst_id} answered an attend request with {type(result).__name__}")
-        out = torch.as_tensor(result.out).to(device=device, dtype=torch.float32)
+        wire_trace.record("attend.resumed", AttendResult.TYPE)
+        # The creditor's dtype is kept: the merge reads it as it is.
+        out = torch.as_tensor(result.out).to(device=device)
         lse = torch.as_tensor(result.lse).to(device=device, dtype=torch.float32)
+        wire_trace.record("attend.landed", AttendResult.TYPE)
         return AttentionState(out, lse)
 
     def end_step(self, step_id: int) -> None:

@@ -24,6 +24,7 @@ from infinite_llm.kernels import (
     AttentionState,
     MicroAttentionPlan,
     merge_attention_states,
+    merge_two_attention_states,
     plan_micro_attention,
     run_micro_attention,
     write_kv,
@@ -138,6 +139,8 @@ class _Placement:
     rows: torch.Tensor  # [num_entry_rows] int64, token rows of the step
     parts: torch.Tensor  # [num_entry_rows] int64
     identity: bool  # rows == arange(num_tokens) and parts == 0: the state is used as it is
+    all_rows: bool  # rows == arange(num_tokens): the instance attends for every row, in order
+    part: int | None  # the part of every row, where they share one
 
 
 @dataclass(frozen=True)
@@ -171,15 +174,30 @@ def build_step_attention(
     for chunk in chunks:
         end = chunk.start + chunk.num_tokens
         part = 0
+        previous: Segment | None = None
         for segment in block_tables[chunk.request_id]:
             num_keys = min(segment.token_end, end) - segment.token_start
             if num_keys <= 0:
                 continue
-            used_blocks = segment.block_ids[: -(-num_keys // block_size)]
-            entries.setdefault(segment.instance_id, []).append(
-                (row, chunk.num_tokens, chunk.start, used_blocks, segment.token_start, num_keys, part, chunk.request_id)
-            )
-            part += 1
+            used_blocks = tuple(segment.block_ids[: -(-num_keys // block_size)])
+            if (previous is not None and previous.instance_id == segment.instance_id
+                    and previous.token_end == segment.token_start
+                    and previous.token_end - previous.token_start == len(previous.block_ids) * block_size):
+                # Consecutive segments on one instance (a long prompt spills a piece per chunk):
+                # one entry over their blocks in order, so the instance attends for the row once
+                # and the row merges one part per instance, not one per segment. A creditor
+                # reads such an entry across the segments it holds (``CreditorAttention``).
+                same_instance = entries[segment.instance_id]
+                r, n, q_start, blocks, kv_start, keys, entry_part, request_id = same_instance[-1]
+                same_instance[-1] = (r, n, q_start, blocks + used_blocks, kv_start, keys + num_keys, entry_part,
+                                     request_id)
+            else:
+                entries.setdefault(segment.instance_id, []).append(
+                    (row, chunk.num_tokens, chunk.start, used_blocks, segment.token_start, num_keys, part,
+                     chunk.request_id)
+                )
+                part += 1
+            previous = segment
         num_parts = max(num_parts, part)
         row += chunk.num_tokens
     num_tokens = row
@@ -199,7 +217,9 @@ def build_step_attention(
         parts = torch.repeat_interleave(torch.tensor([e[6] for e in rows]), q_lens)
         # Segments whose keys all precede their queries (lent, older blocks) need no mask.
         causal = any(e[4] + e[5] - 1 > e[2] for e in rows)
-        identity = num_parts == 1 and len(token_rows) == num_tokens and bool((token_rows == torch.arange(num_tokens)).all())
+        all_rows = len(token_rows) == num_tokens and bool((token_rows == torch.arange(num_tokens)).all())
+        identity = num_parts == 1 and all_rows
+        shared_part = parts[0].item() if len(parts) and bool((parts == parts[0]).all()) else None
         batches[instance_id] = AttendBatch(
             step_id=step_id,
             instance_id=instance_id,
@@ -212,7 +232,8 @@ def build_step_attention(
             max_kv_len=max(e[5] for e in rows),
             entry_keys=tuple((e[7], e[4]) for e in rows),
         )
-        placements[instance_id] = _Placement(token_rows.to(device), parts.to(device), identity)
+        placements[instance_id] = _Placement(token_rows.to(device), parts.to(device), identity, all_rows,
+                                             shared_part)
     if home_instance_id not in batches:
         raise ValueError("every chunk must have its newest tokens on the home instance")
     return StepAttention(
@@ -254,7 +275,7 @@ class DistAttention:
 
     def _rows(self, q: torch.Tensor, instance_id: int) -> torch.Tensor:
         placement = self.step.placements[instance_id]
-        return q if placement.identity else q.index_select(0, placement.rows)
+        return q if placement.all_rows else q.index_select(0, placement.rows)
 
     async def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self._write_at is not None:
@@ -286,6 +307,15 @@ class DistAttention:
         return self._merge(states, q)
 
     def _merge(self, states: dict[int, AttentionState], q: torch.Tensor) -> torch.Tensor:
+        if len(states) == 2 and self.step.num_parts == 2:
+            # The common split decode: every row has one part here and one on a creditor. Merged
+            # where the two lie, in one launch (the general path below zero-fills, scatters and
+            # merges: seven launches, a home's critical path after every remote part).
+            (a, state_a), (b, state_b) = sorted(states.items(),
+                                                key=lambda kv: self.step.placements[kv[0]].part or 0)
+            pa, pb = self.step.placements[a], self.step.placements[b]
+            if pa.all_rows and pb.all_rows and (pa.part, pb.part) == (0, 1):
+                return merge_two_attention_states(state_a, state_b, out_dtype=q.dtype)
         num_tokens, num_heads, head_dim = q.shape
         out_parts = torch.zeros(self.step.num_parts, num_tokens, num_heads, head_dim, dtype=torch.float32, device=q.device)
         lse_parts = torch.full((self.step.num_parts, num_tokens, num_heads), float("-inf"), device=q.device)

@@ -634,6 +634,62 @@ def merge_attention_states(
     return _merge_triton(out_parts, lse_parts.float(), lse_is_log2=lse_is_log2, out_dtype=out_dtype, write_lse=True)
 
 
+def merge_two_attention_states(
+    a: AttentionState,
+    b: AttentionState,
+    *,
+    out_dtype: torch.dtype,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """The merged output of two partial states of the same rows (a home's own part and one
+    creditor's, the common decode case), read where each lies: one launch, no stacking.
+
+    Args:
+        a, b: ``AttentionState(out [num_tokens, num_heads, head_dim], lse [num_tokens, num_heads]
+            float32 natural log)``; the two outs may differ in float dtype, each is contiguous in
+            its last dimension; ``-inf`` marks an empty part.
+        out_dtype: dtype of the merged output.
+
+    Returns:
+        ``[num_tokens, num_heads, head_dim]`` out_dtype: what :func:`merge_attention_states`
+        returns for the parts ``[a, b]``.
+    """
+    if a.out.dim() != 3 or b.out.shape != a.out.shape:
+        raise ValueError(f"the parts' outputs must share one shape [num_tokens, num_heads, head_dim], got "
+                         f"{list(a.out.shape)} and {list(b.out.shape)}")
+    for name, state in (("a", a), ("b", b)):
+        if tuple(state.lse.shape) != tuple(a.out.shape[:2]) or state.lse.dtype != torch.float32:
+            raise ValueError(f"{name}.lse must be float32 {list(a.out.shape[:2])}, got "
+                             f"{state.lse.dtype} {list(state.lse.shape)}")
+        if state.out.dtype not in _ATTENTION_DTYPES:
+            raise ValueError(f"{name}.out dtype must be float16, bfloat16 or float32, got {state.out.dtype}")
+        if state.out.device != a.out.device or state.lse.device != a.out.device:
+            raise ValueError("both parts must be on one device")
+    if out_dtype not in _ATTENTION_DTYPES:
+        raise ValueError(f"out_dtype must be float16, bfloat16 or float32, got {out_dtype}")
+    if _resolve_backend(backend, a.out.device) == "torch":
+        out, _ = merge_attention_states_torch(torch.stack([a.out.float(), b.out.float()]),
+                                              torch.stack([a.lse, b.lse]), False, out_dtype)
+        return out
+    from .triton_kernels import merge_two_states_kernel
+
+    out_a, out_b, lse_a, lse_b = (t if t.stride(-1) == 1 else t.contiguous() for t in (a.out, b.out, a.lse, b.lse))
+    num_tokens, num_heads, head_dim = out_a.shape
+    out = torch.empty(num_tokens, num_heads, head_dim, dtype=out_dtype, device=out_a.device)
+    if num_tokens == 0 or num_heads == 0:
+        return out
+    merge_two_states_kernel[(num_tokens, num_heads)](
+        out_a, lse_a, out_b, lse_b, out,
+        out_a.stride(0), out_a.stride(1), lse_a.stride(0),
+        out_b.stride(0), out_b.stride(1), lse_b.stride(0),
+        out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=max(16, _next_pow2(head_dim)),
+        num_warps=1 if head_dim <= 64 else 2,
+    )
+    return out
+
+
 def _check_same_parts(name: str, parts: list[torch.Tensor]) -> None:
     first = parts[0]
     for i, part in enumerate(parts):

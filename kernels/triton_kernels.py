@@ -235,6 +235,49 @@ def merge_attention_states_kernel(
 
 
 @triton.jit
+def merge_two_states_kernel(
+    out_a_ptr,  # [num_tokens, num_heads, head_dim]
+    lse_a_ptr,  # [num_tokens, num_heads] float32
+    out_b_ptr,  # [num_tokens, num_heads, head_dim], any float dtype
+    lse_b_ptr,  # [num_tokens, num_heads] float32
+    out_ptr,  # [num_tokens, num_heads, head_dim]
+    stride_oa_tok,
+    stride_oa_head,
+    stride_la_tok,
+    stride_ob_tok,
+    stride_ob_head,
+    stride_lb_tok,
+    stride_o_tok,
+    stride_o_head,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+):
+    """One program merges the two parts of one (token, head) row: the home's own part and one
+    creditor's, read where each lies (no stacking). The arithmetic of
+    ``merge_attention_states_kernel`` for two parts, in the same order."""
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_valid = offs_d < HEAD_DIM
+    lse_a = tl.load(lse_a_ptr + tok * stride_la_tok + head).to(tl.float32)
+    lse_b = tl.load(lse_b_ptr + tok * stride_lb_tok + head).to(tl.float32)
+    lse_max = tl.maximum(lse_a, lse_b)
+    safe_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    weight_a = tl.exp(lse_a - safe_max)
+    weight_b = tl.exp(lse_b - safe_max)
+    denom = weight_a + weight_b
+    o_a = tl.load(out_a_ptr + tok * stride_oa_tok + head * stride_oa_head + offs_d, mask=d_valid, other=0.0)
+    o_b = tl.load(out_b_ptr + tok * stride_ob_tok + head * stride_ob_head + offs_d, mask=d_valid, other=0.0)
+    # An empty part's output may be anything (NaN included): it is selected away, not weighted.
+    o_a = tl.where(weight_a > 0.0, o_a.to(tl.float32), 0.0)
+    o_b = tl.where(weight_b > 0.0, o_b.to(tl.float32), 0.0)
+    acc = o_a * weight_a + o_b * weight_b
+    out = acc / tl.where(denom > 0.0, denom, 1.0)
+    tl.store(out_ptr + tok * stride_o_tok + head * stride_o_head + offs_d, out.to(out_ptr.dtype.element_ty),
+             mask=d_valid)
+
+
+@triton.jit
 def write_kv_kernel(
     k_ptr,  # [num_tokens, num_kv_heads, head_dim]
     v_ptr,  # [num_tokens, num_kv_heads, head_dim]

@@ -66,6 +66,7 @@ from infinite_llm.scheduler.drain import (
 from infinite_llm.scheduler.election import CandidateAddresses, Election, LeaderInfo, LocalElection
 from infinite_llm.scheduler.etcd_election import EtcdElection
 from infinite_llm.scheduler.perf_model import PerfModel, load_model
+from infinite_llm.scheduler.remote_overhead import RemoteOverheadWindow
 from infinite_llm.scheduler.policy import (
     ClusterSnapshot,
     InstanceState,
@@ -261,6 +262,9 @@ class GManagerConfig:
     etcd_prefix: str = "/infinite-llm"  # the cluster's keys in etcd, as the instances are configured
     etcd_lease_ttl_s: float = 10.0  # the leader's lease: a dead leader is replaced within this, s
     etcd_request_s: float = 2.0  # one request to etcd, the first connection included, s
+    # The policy's remote-attention overhead is learnt from the heartbeats of this last window
+    # (s; 0 keeps the calibrated one): the instances report their waits for creditors' parts.
+    remote_overhead_window_s: float = 60.0
 
     def __post_init__(self) -> None:
         for name in ("heartbeat_interval_s", "plan_interval_s", "move_timeout_s", "connect_timeout_s", "election_poll_s",
@@ -277,6 +281,8 @@ class GManagerConfig:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.num_creditor_hints < 0:
             raise ValueError(f"num_creditor_hints must be >= 0, got {self.num_creditor_hints}")
+        if not (math.isfinite(self.remote_overhead_window_s) and self.remote_overhead_window_s >= 0):
+            raise ValueError(f"remote_overhead_window_s must be >= 0, got {self.remote_overhead_window_s}")
 
     @property
     def thresholds(self) -> Thresholds:
@@ -344,7 +350,9 @@ class GManager:
     def __init__(self, config: GManagerConfig, model: PerfModel, election: Election,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
-        self.model = model
+        self.model = model  # as calibrated; the policy uses ``model_now`` (with the measured overhead)
+        self.remote_overhead = (RemoteOverheadWindow(config.remote_overhead_window_s)
+                                if config.remote_overhead_window_s > 0 else None)
         self.election = election
         self.clock = clock
         self.view = ClusterView(silent_after_s=config.silent_after_heartbeats * config.heartbeat_interval_s)
@@ -475,6 +483,9 @@ class GManager:
         except HeartbeatRefused as refused:
             log.warning("heartbeat refused: %s", refused)
             raise
+        if self.remote_overhead is not None:
+            self.remote_overhead.add(now_s, message.remote_wait_us, message.remote_waits, message.attend_serve_us,
+                                     message.attend_serves)
         # A draining instance takes no blocks: it is never named as a creditor.
         hints = self.view.creditor_hints(now_s, message.inst_id, self.config.num_creditor_hints + len(self._drains))
         hints = tuple(h for h in hints if h.inst_id not in self._drains)[:self.config.num_creditor_hints]
@@ -482,6 +493,15 @@ class GManager:
                               needs_full_placement=outcome.needs_full_placement, creditors=hints)
 
     # ---- planning and moving ---------------------------------------------------------------
+    def model_now(self, now_s: float) -> PerfModel:
+        """The calibrated model with the remote-attention overhead the instances report, once
+        the window holds enough of it: a move that splits a request is worth what a split
+        request costs on this cluster, not on the calibration run."""
+        measured = self.remote_overhead.estimate_s(now_s) if self.remote_overhead is not None else None
+        if measured is None:
+            return self.model
+        return dataclasses.replace(self.model, remote_overhead_s=measured)
+
     async def _plan_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.plan_interval_s)
@@ -539,7 +559,7 @@ class GManager:
                     dataclasses.replace(i, free_blocks=0) if i.inst_id in self._drains else i
                     for i in snapshot.instances))
             try:
-                planned = plan(snapshot, self.model, self.config.thresholds)
+                planned = plan(snapshot, self.model_now(self.clock()), self.config.thresholds)
             except ValueError as err:
                 raise InconsistentState(f"the heartbeats disagree, no plan until they settle: {err}") from err
             moves = [PlannedMove(*requests[m.req_id], m.src_inst, m.dst_inst, m.num_blocks, m.predicted_gain)
@@ -781,6 +801,10 @@ class GManager:
             "rounds": {"completed": self.stats.num_rounds, "errors": self.stats.num_round_errors,
                        "last_round_s": self.stats.last_round_s, "last_error": self.stats.last_error},
             "moves": dict(self.stats.moves),
+            "remote_overhead_s": {"calibrated": self.model.remote_overhead_s,
+                                  "measured": (self.remote_overhead.estimate_s(now_s)
+                                               if self.remote_overhead is not None else None),
+                                  "window_s": self.config.remote_overhead_window_s},
         }
 
     def instance_status(self, record: InstanceRecord, now_s: float) -> dict[str, Any]:
@@ -941,6 +965,9 @@ def parse_args(argv: list[str] | None = None) -> GManagerConfig:
     p.add_argument("--etcd-prefix", default="/infinite-llm", help="the cluster's keys in etcd")
     p.add_argument("--etcd-lease-ttl-s", type=float, default=10.0, help="the leader's lease, s (at least 2)")
     p.add_argument("--etcd-request-s", type=float, default=2.0, help="one request to etcd, s")
+    p.add_argument("--remote-overhead-window-s", type=float, default=60.0,
+                   help="learn the policy's remote-attention overhead from the heartbeats of this window, s "
+                        "(0: keep the calibrated one)")
     a = p.parse_args(argv)
     return GManagerConfig(
         state_dir=a.state_dir, perf_model_path=a.perf_model, peer_host=a.peer_host, peer_port=a.peer_port,
@@ -950,7 +977,8 @@ def parse_args(argv: list[str] | None = None) -> GManagerConfig:
         creditor_max_used_fraction=a.creditor_max_used_fraction, max_moves_per_round=a.max_moves_per_round,
         move_timeout_s=a.move_timeout_s, election_poll_s=a.election_poll_s,
         etcd_endpoints=tuple(e.strip() for e in a.etcd_endpoints.split(",") if e.strip()),
-        etcd_prefix=a.etcd_prefix, etcd_lease_ttl_s=a.etcd_lease_ttl_s, etcd_request_s=a.etcd_request_s)
+        etcd_prefix=a.etcd_prefix, etcd_lease_ttl_s=a.etcd_lease_ttl_s, etcd_request_s=a.etcd_request_s,
+        remote_overhead_window_s=a.remote_overhead_window_s)
 
 
 def main(argv: list[str] | None = None) -> int:

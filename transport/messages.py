@@ -130,7 +130,7 @@ class Heartbeat:
     """Instance -> gManager, every heartbeat period. The placement part is a diff."""
 
     TYPE: ClassVar[str] = "heartbeat"
-    VERSION: ClassVar[int] = 2  # 2: RequestPlacementEntry.movable
+    VERSION: ClassVar[int] = 3  # 2: RequestPlacementEntry.movable; 3: the remote-attention figures
 
     inst_id: int  # sender
     seq: int  # heartbeat number, increasing per instance life
@@ -140,12 +140,20 @@ class Heartbeat:
     placement_version: int  # version after applying the diff
     placement_upserts: tuple[RequestPlacementEntry, ...]  # entries added or changed
     placement_removals: tuple[PlacementKey, ...]  # entries gone
+    # Since the previous heartbeat: this home's waits for creditors' parts (one per layer with
+    # remote parts), and this creditor's time serving other homes' attend requests.
+    remote_wait_us: int = 0  # the waits summed, microseconds
+    remote_waits: int = 0  # waits, count
+    attend_serve_us: int = 0  # serving times summed, microseconds
+    attend_serves: int = 0  # attend requests served, count
 
     def __post_init__(self) -> None:
         _require(self.placement_version > self.placement_base_version >= 0,
                  "placement_version must exceed placement_base_version >= 0")
         if self.placement_base_version == 0:
             _require(not self.placement_removals, "a full placement has no removals")
+        _require(min(self.remote_wait_us, self.remote_waits, self.attend_serve_us, self.attend_serves) >= 0,
+                 "remote-attention figures must be >= 0")
 
 
 @dataclass(frozen=True)

@@ -107,6 +107,14 @@ def allocate(spec: TensorSpec, device: str) -> torch.Tensor:
     return torch.empty(spec.shape, dtype=_TORCH_DTYPES[spec.dtype], device=device)
 
 
+def host_tensor_from_bytes(spec: TensorSpec, data: bytes | memoryview) -> torch.Tensor:
+    """A host tensor for ``spec`` holding a copy of ``data`` (exactly ``spec.nbytes`` long),
+    writable, in two torch calls."""
+    if spec.nbytes == 0:
+        return torch.empty(spec.shape, dtype=_TORCH_DTYPES[spec.dtype])
+    return torch.frombuffer(bytearray(data), dtype=_TORCH_DTYPES[spec.dtype]).view(spec.shape)
+
+
 def copy_bytes(dst: WireArray, src: WireArray) -> None:
     """Copy the raw bytes of ``src`` into ``dst`` (same byte count): the in-memory wire."""
     dst_bytes = _as_torch_bytes(dst)

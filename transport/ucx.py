@@ -43,7 +43,7 @@ from ucxx._lib.arr import Array
 from ucxx.exceptions import UCXCloseError, UCXError, UCXMessageTruncatedError
 from ucxx.types import Tag, TagMaskFull
 
-from infinite_llm.transport import codec
+from infinite_llm.transport import codec, wire_trace
 from infinite_llm.transport.errors import (
     PeerUnreachable,
     PlacementRefused,
@@ -256,10 +256,14 @@ class UcxTransport:
         timeout_s = self._config.request_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
         frame = self._encode_request(message)
+        wire_trace.record("req.encoded", message.TYPE, frame.msg_id)
+        if frame.frame.buffers:
+            wire_trace.record("req.separate_buffers", message.TYPE, len(frame.frame.buffers))
         reply = asyncio.get_running_loop().create_future()
         connection.pending[frame.msg_id] = reply
         try:
             posted = connection.post_frame(frame.frame)
+            wire_trace.record("req.posted", message.TYPE, frame.msg_id)
         except ConnectionBroken as e:
             connection.pending.pop(frame.msg_id, None)
             self._drop(peer, connection, PeerUnreachable(peer, str(e)))
@@ -394,12 +398,17 @@ class UcxTransport:
             while True:
                 # An outbound connection idles only while nothing is pending.
                 header = await connection.recv_header(self._config.idle_timeout_s)
+                wire_trace.record("reply.header", header.message.TYPE, -1 if header.reply_to is None else header.reply_to)
                 if header.reply_to is None:
                     if isinstance(header.message, ErrorReply):  # the peer refused a frame
                         raise RemoteError(peer, header.message.code, header.message.detail)
                     raise ProtocolError(ErrorCode.INVALID_FIELDS, "a request on a reply path")
-                destinations = self._fresh_destinations(header)
-                await connection.recv_buffers(header, destinations)
+                if self._lands_whole_on_host(header):
+                    destinations = codec.host_tensors_of_inline(header)
+                else:
+                    destinations = self._fresh_destinations(header)
+                    await connection.recv_buffers(header, destinations)
+                wire_trace.record("reply.landed", header.message.TYPE, header.reply_to)
                 reply = codec.assemble(header, destinations)
                 future = connection.pending.pop(header.reply_to, None)
                 if future is None or future.done():
@@ -408,6 +417,7 @@ class UcxTransport:
                     future.set_exception(RemoteError(peer, reply.code, reply.detail))
                 else:
                     future.set_result(reply)
+                wire_trace.record("reply.set", reply.TYPE, header.reply_to)
         except (RemoteError, ProtocolError) as e:
             self._drop(peer, connection, e)
         except ConnectionBroken as e:
@@ -431,6 +441,7 @@ class UcxTransport:
             while True:
                 try:
                     header = await connection.recv_header(self._config.idle_timeout_s)
+                    wire_trace.record("in.header", header.message.TYPE, header.msg_id)
                     if header.reply_to is not None:
                         raise ProtocolError(ErrorCode.INVALID_FIELDS, "a reply on a request path")
                     await self._receive_request(connection, header)
@@ -459,14 +470,19 @@ class UcxTransport:
             except (PlacementRefused, ValueError) as e:
                 refusal = ErrorReply(ErrorCode.PLACEMENT_REFUSED, str(e))
                 destinations = None
-        if destinations is None:  # fresh tensors, or scratch to drain a refused frame into
-            destinations = self._fresh_destinations(header)
-        await connection.recv_buffers(header, destinations)
+        if destinations is None and refusal is None and self._lands_whole_on_host(header):
+            destinations = codec.host_tensors_of_inline(header)
+        else:
+            if destinations is None:  # fresh tensors, or scratch to drain a refused frame into
+                destinations = self._fresh_destinations(header)
+            await connection.recv_buffers(header, destinations)
+        wire_trace.record("in.landed", header.message.TYPE, header.msg_id)
         if refusal is not None:
             if header.wants_reply:
                 await self._reply(connection, header.msg_id, refusal)
             return
         message = codec.assemble(header, destinations)
+        wire_trace.record("in.assembled", header.message.TYPE, header.msg_id)
         self._dispatch(connection, header, message)
 
     def _dispatch(self, connection: _Connection, header: codec.FrameHeader, message: Message) -> None:
@@ -480,6 +496,7 @@ class UcxTransport:
                 outcome = self._handler(message)
             except Exception as e:  # the handler's failure is the requester's to see
                 outcome = _handler_failed(message, e)
+        wire_trace.record("in.handled", message.TYPE, header.msg_id)
         if inspect.isawaitable(outcome):
             self._spawn(self._finish(connection, header, message, outcome))
         elif header.wants_reply:
@@ -493,6 +510,11 @@ class UcxTransport:
             reply = _handler_failed(message, e)
         if header.wants_reply:
             await self._reply(connection, header.msg_id, reply)
+
+    def _lands_whole_on_host(self, header: codec.FrameHeader) -> bool:
+        """Every buffer of the frame came inline and lands in host memory: its tensors are made
+        from the header's bytes (``codec.host_tensors_of_inline``), with nothing to receive."""
+        return all(header.inline) and self._config.landing_device(True) == "cpu"
 
     def _fresh_destinations(self, header: codec.FrameHeader) -> list[object]:
         device = self._config.landing_device(all(header.inline))
@@ -508,10 +530,14 @@ class UcxTransport:
         # The frame owns the reply's buffers (e.g. an attend result's out and lse): it must live
         # until UCX has sent them, or a rendezvous send reads freed memory.
         frame = self._encode_reply(msg_id, reply)
+        wire_trace.record("reply.encoded", reply.TYPE, msg_id)
+        if frame.buffers:
+            wire_trace.record("reply.separate_buffers", reply.TYPE, len(frame.buffers))
         try:
             requests = connection.post_frame(frame)
         except ConnectionBroken:
             return  # the requester is gone; its side reports that
+        wire_trace.record("reply.posted", reply.TYPE, msg_id)
         if not all(r.completed for r in requests):
             self._spawn(self._wait_reply_sent(connection, requests, frame))
 

@@ -61,10 +61,26 @@ def test_unknown_segment_and_too_many_tokens_are_refused() -> None:
     q = torch.randn(1, NUM_HEADS, HEAD_DIM)
     with pytest.raises(AttendError, match="no segment 3 of request 7 of instance 1"):
         creditor.attend(AttendRequest(1, 5, 0, 0, (AttendSlice(7, 0, 1, 3, 4),), q))
-    with pytest.raises(AttendError, match="9 tokens asked, 8 held"):
+    with pytest.raises(AttendError, match="9 tokens asked from segment 0 on, 8 held there"):
         creditor.attend(AttendRequest(1, 5, 0, 0, (AttendSlice(7, 0, 1, 0, 9),), q))
     with pytest.raises(AttendError, match="layer 3 outside"):
         creditor.attend(AttendRequest(1, 5, 0, 3, (AttendSlice(7, 0, 1, 0, 4),), q))
+
+
+def test_a_slice_reads_across_consecutive_segments() -> None:
+    """A long prompt spills a piece per chunk: the home asks for the tokens of consecutive
+    segments in one slice, and the creditor reads them in order as one sequence."""
+    ledger, pool, creditor = make_creditor()
+    first = hold(ledger, home=1, req=7, segment_id=0, num_blocks=2)  # tokens 0..7
+    second = hold(ledger, home=1, req=7, segment_id=2, num_blocks=3)  # tokens 8..19
+    q = torch.randn(1, NUM_HEADS, HEAD_DIM)
+    result = creditor.attend(AttendRequest(1, 5, 0, 1, (AttendSlice(7, 0, 1, 0, 18),), q))
+    out, lse = attention_over(pool, first.block_ids + second.block_ids, 18, 1, q)
+    torch.testing.assert_close(result.out.double(), out, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(result.lse.double(), lse, rtol=1e-4, atol=1e-5)
+    # A gap (no segment starting at block 5) is refused, not read past.
+    with pytest.raises(AttendError, match="21 tokens asked from segment 0 on, 20 held there"):
+        creditor.attend(AttendRequest(1, 5, 1, 1, (AttendSlice(7, 0, 1, 0, 21),), q))
 
 
 def test_queries_of_the_wrong_width_are_refused() -> None:

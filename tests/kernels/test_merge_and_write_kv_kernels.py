@@ -9,7 +9,7 @@ import pytest
 import torch
 from attention_testlib import BACKENDS, NEEDS_INTERPRETER, RELATIVE_TOLERANCE, randn, relative_error
 
-from infinite_llm.kernels import AttentionState, merge_attention_states, write_kv
+from infinite_llm.kernels import AttentionState, merge_attention_states, merge_two_attention_states, write_kv
 
 ALL_DTYPES = [
     pytest.param(torch.float32, id="fp32"),
@@ -218,3 +218,29 @@ def test_merge_and_write_kv_on_cuda_match_reference() -> None:
     on_gpu = pool.cuda()
     write_kv(k.cuda(), v.cuda(), on_gpu, 1, slots.cuda(), backend="triton")
     assert torch.equal(on_gpu.cpu(), want)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype_b", ALL_DTYPES)
+def test_merge_two_states_equals_the_general_merge(backend: str, dtype_b: torch.dtype) -> None:
+    """The home's part (float32) and a creditor's (any dtype), merged where they lie: the same
+    output as ``merge_attention_states`` over the two parts stacked, empty parts included."""
+    out_parts, lse_parts, _ = partial_states(2, 5, 4, 24, torch.float32, seed=7)
+    home = AttentionState(out_parts[0], lse_parts[0])
+    creditor = AttentionState(out_parts[1].to(dtype_b), lse_parts[1])
+    for out_dtype in (torch.float32, torch.bfloat16):
+        got = merge_two_attention_states(home, creditor, out_dtype=out_dtype, backend=backend)
+        stacked = torch.stack([home.out, creditor.out.float()])
+        want = merge_attention_states(stacked, lse_parts, out_dtype=out_dtype, backend=backend).out
+        assert got.dtype == out_dtype and got.shape == home.out.shape
+        assert not torch.isnan(got).any()
+        assert torch.equal(got, want)
+
+
+def test_merge_two_states_refuses_parts_that_disagree() -> None:
+    a = AttentionState(torch.zeros(3, 2, 8), torch.zeros(3, 2))
+    with pytest.raises(ValueError, match="one shape"):
+        merge_two_attention_states(a, AttentionState(torch.zeros(4, 2, 8), torch.zeros(4, 2)), out_dtype=torch.float32)
+    with pytest.raises(ValueError, match="lse must be float32"):
+        merge_two_attention_states(a, AttentionState(torch.zeros(3, 2, 8), torch.zeros(3, 2, dtype=torch.float64)),
+                                   out_dtype=torch.float32)

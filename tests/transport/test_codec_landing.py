@@ -52,3 +52,28 @@ def test_land_inline_refuses_what_check_destinations_refuses():
     strided = torch.empty(2, 2, 4, 16, dtype=torch.bfloat16)[..., :8]  # right size, not contiguous
     with pytest.raises(ValueError, match="contiguous"):
         codec.land_inline(header, [strided, right[1]])
+
+
+def test_host_tensors_of_an_all_inline_frame_hold_its_values() -> None:
+    """Small frames landing on the host: tensors made from the header's bytes, writable, with
+    the sent dtypes, shapes and values (bfloat16 and empty tensors included)."""
+    import torch
+
+    from infinite_llm.transport import codec
+    from infinite_llm.transport.messages import AttendResult
+
+    out = torch.randn(2, 3, 8).to(torch.bfloat16)
+    lse = torch.randn(2, 3)
+    frame = codec.encode(AttendResult(1, 2, 3, 4, out, lse), 9)
+    header = codec.decode_header(bytes(frame.header), codec.FrameLimits())
+    got = codec.host_tensors_of_inline(header)
+    assert [t.dtype for t in got] == [torch.bfloat16, torch.float32]
+    assert torch.equal(got[0], out) and torch.equal(got[1], lse)
+    got[0].zero_()  # writable, and its own memory
+    assert header.inline_bytes.tobytes() == bytes(frame.header)[-len(header.inline_bytes):]
+    message = codec.assemble(header, got)
+    assert message.out is got[0]
+
+    empty = codec.encode(AttendResult(1, 2, 3, 4, torch.zeros(0, 3, 8), torch.zeros(0, 3)), 10)
+    empty_header = codec.decode_header(bytes(empty.header), codec.FrameLimits())
+    assert [tuple(t.shape) for t in codec.host_tensors_of_inline(empty_header)] == [(0, 3, 8), (0, 3)]
