@@ -448,7 +448,7 @@ def main() -> None:
                 print(f"--- {name}: {kind} time during decode")
                 for share, frame in frames:
                     print(f"  {100 * share:5.1f}% {frame[:160]}")
-        if "attend_breakdown" in r:
+        if r.get("attend_breakdown"):
             print(f"  {r['instances']} instances: {r['attend_breakdown']['attend_requests']} decode attend requests, "
                   f"frames with separate buffers {r['attend_breakdown']['frames_with_separate_buffers']}")
         for interval, us in r.get("attend_breakdown", {}).get("median_us", {}).items():

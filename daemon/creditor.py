@@ -145,23 +145,24 @@ class CreditorAttention:
         creditor's stream, one wait for it, then copies of their own (the pinned buffer is the
         next request's)."""
         out_bytes = out.numel() * out.element_size()
-        nbytes = out_bytes + lse.numel() * lse.element_size()
+        lse_start = -(-out_bytes // 16) * 16  # aligned for lse's float32 whatever out's size
+        nbytes = lse_start + lse.numel() * lse.element_size()
         if self._pinned_result.numel() < nbytes:
             self._pinned_result = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         out_host = self._pinned_result[:out_bytes].view(out.dtype).view(out.shape)
-        lse_host = self._pinned_result[out_bytes:nbytes].view(lse.dtype).view(lse.shape)
+        lse_host = self._pinned_result[lse_start:nbytes].view(lse.dtype).view(lse.shape)
         out_host.copy_(out, non_blocking=True)
         lse_host.copy_(lse, non_blocking=True)
         self.stream.synchronize()
         return out_host.clone(), lse_host.clone()
 
     def _attend(self, request: AttendRequest) -> AttendResult:
+        plan = self._plan(request)  # first: a refused request leaves no copy in flight
         q = torch.as_tensor(request.q)
         if q.device != self.kv_pool.device:  # on a GPU: landed in host memory (it came inline)
             q = self._to_device(q) if self.stream is not None else q.to(self.kv_pool.device)
         if q.dtype != self.kv_pool.dtype:
             q = q.to(self.kv_pool.dtype)
-        plan = self._plan(request)
         wire_trace.record("serve.planned", AttendRequest.TYPE)
         # The partial output in the model's dtype, as the message says: half the bytes of float32
         # (a decode row of Llama-3-8B then fits the 8 KiB that travel inline, 3x faster between

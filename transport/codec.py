@@ -478,6 +478,10 @@ def host_tensors_of_inline(header: FrameHeader) -> list[WireArray]:
     each torch call costs several microseconds on the CPU and tens on a GPU host."""
     if not all(header.inline):
         raise ValueError("a buffer of this frame arrives separately")
+    if sum(spec.nbytes for spec in header.specs) != len(header.inline_bytes):
+        raise ProtocolError(ErrorCode.LENGTH_MISMATCH,
+                            f"{len(header.inline_bytes)} inline bytes for buffers of "
+                            f"{sum(spec.nbytes for spec in header.specs)}")
     tensors: list[WireArray] = []
     offset = 0
     for spec in header.specs:

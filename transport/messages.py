@@ -110,8 +110,8 @@ class AttendSlice:
     req_id: int  # request id
     row_start: int  # first row of this request in the message's q, rows
     num_rows: int  # rows of this request, 1 for decode, more for chunked prefill
-    segment_id: int  # the segment (run of this request's blocks) held by the creditor
-    num_tokens: int  # tokens of the segment to attend over, from its start
+    segment_id: int  # the first segment (run of this request's blocks) held by the creditor
+    num_tokens: int  # tokens to attend over from that segment's start, on across the consecutive segments held there
 
 
 @dataclass(frozen=True)
@@ -140,8 +140,9 @@ class Heartbeat:
     placement_version: int  # version after applying the diff
     placement_upserts: tuple[RequestPlacementEntry, ...]  # entries added or changed
     placement_removals: tuple[PlacementKey, ...]  # entries gone
-    # Since the previous heartbeat: this home's waits for creditors' parts (one per layer with
-    # remote parts), and this creditor's time serving other homes' attend requests.
+    # Since the previous heartbeat: this home's waits for creditors' parts (one per creditor and
+    # layer, from sending the query to resuming with the reply), and this creditor's time
+    # serving other homes' attend requests.
     remote_wait_us: int = 0  # the waits summed, microseconds
     remote_waits: int = 0  # waits, count
     attend_serve_us: int = 0  # serving times summed, microseconds
@@ -172,7 +173,7 @@ class AttendRequest:
     """Home -> creditor: one layer's query rows of every request of this home it holds."""
 
     TYPE: ClassVar[str] = "attend_request"
-    VERSION: ClassVar[int] = 1
+    VERSION: ClassVar[int] = 2  # 2: a slice may span consecutive held segments
     TENSORS: ClassVar[tuple[str, ...]] = ("q",)
 
     home_inst_id: int  # sender

@@ -34,7 +34,8 @@ def test_old_heartbeats_leave_the_window_and_figures_are_checked() -> None:
     window.add(5.0, wait_us=1000, waits=1, serve_us=0, serves=0)
     assert window.estimate_s(5.0) == pytest.approx(5e-3)
     assert window.estimate_s(12.0) == pytest.approx(1e-3)  # the first left at t > 10
-    assert window.estimate_s(30.0) is None
+    assert window.estimate_s(30.0) == pytest.approx(1e-3)  # nothing in the window: the last estimate
+    assert RemoteOverheadWindow(window_s=10.0).estimate_s(0.0) is None  # never measured
     window.add(40.0, wait_us=100, waits=1, serve_us=900, serves=1)
     assert window.estimate_s(40.0) == 0.0  # never below zero
     with pytest.raises(ValueError):
@@ -81,8 +82,8 @@ def test_the_gmanager_plans_with_the_overhead_its_instances_report(tmp_path) -> 
     assert model.remote_overhead_s == pytest.approx(2e-3)
     assert dataclasses.replace(model, remote_overhead_s=calibrated.remote_overhead_s) == calibrated
     assert gm.status()["remote_overhead_s"]["measured"] == pytest.approx(2e-3)
-    now[0] = 100.0  # the figures aged out: the calibrated model again
-    assert gm.model_now(100.0) is calibrated
+    now[0] = 100.0  # the figures aged out (no request split since): the measured figure holds
+    assert gm.model_now(100.0).remote_overhead_s == pytest.approx(2e-3)
 
     off = GManager(dataclasses.replace(config, remote_overhead_window_s=0.0), calibrated, HeldElection(tmp_path))
     assert off.remote_overhead is None and off.model_now(0.0) is calibrated

@@ -77,3 +77,19 @@ def test_host_tensors_of_an_all_inline_frame_hold_its_values() -> None:
     empty = codec.encode(AttendResult(1, 2, 3, 4, torch.zeros(0, 3, 8), torch.zeros(0, 3)), 10)
     empty_header = codec.decode_header(bytes(empty.header), codec.FrameLimits())
     assert [tuple(t.shape) for t in codec.host_tensors_of_inline(empty_header)] == [(0, 3, 8), (0, 3)]
+
+
+def test_host_tensors_of_inline_refuse_bytes_that_disagree_with_the_specs() -> None:
+    import dataclasses
+
+    import pytest
+    import torch
+
+    from infinite_llm.transport import codec
+    from infinite_llm.transport.messages import AttendResult
+
+    frame = codec.encode(AttendResult(1, 2, 3, 4, torch.zeros(1, 2, 4), torch.zeros(1, 2)), 1)
+    header = codec.decode_header(bytes(frame.header), codec.FrameLimits())
+    short = dataclasses.replace(header, inline_bytes=header.inline_bytes[:-4])
+    with pytest.raises(codec.ProtocolError):
+        codec.host_tensors_of_inline(short)
