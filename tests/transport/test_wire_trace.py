@@ -8,8 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-from infinite_llm.transport import wire_trace
-
 RECORDING_PROCESS = """
 from infinite_llm.transport import wire_trace
 assert wire_trace.enabled()
@@ -18,11 +16,18 @@ wire_trace.record("req.posted", "attend_request", 7)
 """
 
 
-def test_off_unless_the_environment_names_a_directory() -> None:
-    if "INFLLM_WIRE_TRACE" not in os.environ:
-        assert not wire_trace.enabled()
-        wire_trace.record("in.header", "echo", 1)  # a no-op
-        assert wire_trace.write() is None
+SILENT_PROCESS = """
+from infinite_llm.transport import wire_trace
+assert not wire_trace.enabled()
+wire_trace.record("in.header", "echo", 1)  # a no-op
+assert wire_trace.write() is None
+"""
+
+
+def test_off_unless_the_environment_names_a_directory(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "INFLLM_WIRE_TRACE"}
+    subprocess.run([sys.executable, "-c", SILENT_PROCESS], env=env, check=True, timeout=120, cwd=tmp_path)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_process_writes_its_events_in_order_at_exit(tmp_path: Path) -> None:
