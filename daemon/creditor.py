@@ -3,8 +3,8 @@
 An ``AttendRequest`` names, per request, the held segment and how many of its tokens to attend
 over (from that segment on, across the consecutive segments held here); the keys of a held
 segment are all older than the home's query rows (only complete, earlier blocks are ever
-moved), so no causal mask applies here. The plan (block tables, lengths)
-is the same for every layer of a home's step and is kept until that home's next step.
+moved), so no causal mask applies here. The plan (block tables, lengths) is the same for every
+layer of a home's step and is kept until that home's next step.
 
 On a GPU the creditor computes on a stream of its own, of the highest priority, and copies a
 small result to the host there: the attend request is served while this instance's own step
@@ -91,22 +91,22 @@ class CreditorAttention:
             raise AttendError(f"q has shape {list(request.q.shape)}; the slices name {num_rows} rows and this "
                               f"model has {self.num_heads} heads of dim {self.kv_pool.shape[5]}")
         wire_trace.record("serve.start", AttendRequest.TYPE)
-        if self.stream is None:
-            result = self._attend(request)
-            wire_trace.record("serve.done", AttendRequest.TYPE)
-            return result
+        result = self._attend(request) if self.stream is None else self._attend_on_stream(request, num_rows)
+        wire_trace.record("serve.done", AttendRequest.TYPE)
+        return result
+
+    def _attend_on_stream(self, request: AttendRequest, num_rows: int) -> AttendResult:
+        """``_attend`` on this creditor's stream, the result complete when it returns."""
         staged = num_rows * self.num_heads * (self.kv_pool.shape[5] * self.kv_pool.element_size() + 4) <= self.host_staging_bytes
         with torch.cuda.stream(self.stream):
             result = self._attend(request)
             if staged:
                 out, lse = self._to_host(result.out, result.lse)
-                wire_trace.record("serve.done", AttendRequest.TYPE)
                 return AttendResult(result.home_inst_id, result.creditor_inst_id, result.step_id, result.layer,
                                     out, lse)
         # A large result stays on the device: complete once this stream is. (The transport then
         # also waits for the current stream before UCX reads it, as for any device buffer.)
         self.stream.synchronize()
-        wire_trace.record("serve.done", AttendRequest.TYPE)
         return result
 
     def _blocks(self, home_inst_id: int, s: AttendSlice) -> list[int]:

@@ -311,11 +311,10 @@ class DistAttention:
             # The common split decode: every row has one part here and one on a creditor. Merged
             # where the two lie, in one launch (the general path below zero-fills, scatters and
             # merges: seven launches, a home's critical path after every remote part).
-            (a, state_a), (b, state_b) = sorted(states.items(),
-                                                key=lambda kv: self.step.placements[kv[0]].part or 0)
-            pa, pb = self.step.placements[a], self.step.placements[b]
-            if pa.all_rows and pb.all_rows and (pa.part, pb.part) == (0, 1):
-                return merge_two_attention_states(state_a, state_b, out_dtype=q.dtype)
+            by_part = {self.step.placements[i].part: state for i, state in states.items()
+                       if self.step.placements[i].all_rows}
+            if by_part.keys() == {0, 1}:
+                return merge_two_attention_states(by_part[0], by_part[1], out_dtype=q.dtype)
         num_tokens, num_heads, head_dim = q.shape
         out_parts = torch.zeros(self.step.num_parts, num_tokens, num_heads, head_dim, dtype=torch.float32, device=q.device)
         lse_parts = torch.full((self.step.num_parts, num_tokens, num_heads), float("-inf"), device=q.device)

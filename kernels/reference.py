@@ -199,7 +199,7 @@ def _attend_rows(
         key_pos = kv_start + torch.arange(num_keys, device=q.device)
         # A prompt's first chunk: row i is at key i's position. The fused kernel's own causal
         # mask (row i sees keys <= i) is then this mask exactly, with nothing to build per layer.
-        square_causal = fused and num_rows == num_keys and torch.equal(q_pos, key_pos)
+        square_causal = fused and num_rows == num_keys and bool((q_pos == key_pos).all())
         if not square_causal:
             visible = key_pos[None, :] <= q_pos[:, None]  # [num_rows, num_keys]
     if num_keys == 0:

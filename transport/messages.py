@@ -111,7 +111,8 @@ class AttendSlice:
     row_start: int  # first row of this request in the message's q, rows
     num_rows: int  # rows of this request, 1 for decode, more for chunked prefill
     segment_id: int  # the first segment (run of this request's blocks) held by the creditor
-    num_tokens: int  # tokens to attend over from that segment's start, on across the consecutive segments held there
+    # Tokens to attend over from that segment's start, on across the consecutive segments held there.
+    num_tokens: int
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -57,14 +59,9 @@ def test_land_inline_refuses_what_check_destinations_refuses():
 def test_host_tensors_of_an_all_inline_frame_hold_its_values() -> None:
     """Small frames landing on the host: tensors made from the header's bytes, writable, with
     the sent dtypes, shapes and values (bfloat16 and empty tensors included)."""
-    import torch
-
-    from infinite_llm.transport import codec
-    from infinite_llm.transport.messages import AttendResult
-
     out = torch.randn(2, 3, 8).to(torch.bfloat16)
     lse = torch.randn(2, 3)
-    frame = codec.encode(AttendResult(1, 2, 3, 4, out, lse), 9)
+    frame = codec.encode(m.AttendResult(1, 2, 3, 4, out, lse), 9)
     header = codec.decode_header(bytes(frame.header), codec.FrameLimits())
     got = codec.host_tensors_of_inline(header)
     assert [t.dtype for t in got] == [torch.bfloat16, torch.float32]
@@ -74,21 +71,13 @@ def test_host_tensors_of_an_all_inline_frame_hold_its_values() -> None:
     message = codec.assemble(header, got)
     assert message.out is got[0]
 
-    empty = codec.encode(AttendResult(1, 2, 3, 4, torch.zeros(0, 3, 8), torch.zeros(0, 3)), 10)
+    empty = codec.encode(m.AttendResult(1, 2, 3, 4, torch.zeros(0, 3, 8), torch.zeros(0, 3)), 10)
     empty_header = codec.decode_header(bytes(empty.header), codec.FrameLimits())
     assert [tuple(t.shape) for t in codec.host_tensors_of_inline(empty_header)] == [(0, 3, 8), (0, 3)]
 
 
 def test_host_tensors_of_inline_refuse_bytes_that_disagree_with_the_specs() -> None:
-    import dataclasses
-
-    import pytest
-    import torch
-
-    from infinite_llm.transport import codec
-    from infinite_llm.transport.messages import AttendResult
-
-    frame = codec.encode(AttendResult(1, 2, 3, 4, torch.zeros(1, 2, 4), torch.zeros(1, 2)), 1)
+    frame = codec.encode(m.AttendResult(1, 2, 3, 4, torch.zeros(1, 2, 4), torch.zeros(1, 2)), 1)
     header = codec.decode_header(bytes(frame.header), codec.FrameLimits())
     short = dataclasses.replace(header, inline_bytes=header.inline_bytes[:-4])
     with pytest.raises(codec.ProtocolError):
