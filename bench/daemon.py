@@ -396,6 +396,8 @@ def main() -> None:
                         help="the instances' prefill chunk (default: the local cluster's)")
     parser.add_argument("--model", default=None,
                         help="GGUF file or Hugging Face folder (default: the embedded SmolLM2-135M)")
+    parser.add_argument("--creditor-cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                        help="the instances' setting (default: theirs, on)")
     args = parser.parse_args()
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     if args.device == "cpu":
@@ -408,6 +410,8 @@ def main() -> None:
     extra_args += ["--peer-spin-s", str(args.peer_spin_s)] if args.peer_spin_s is not None else []
     if args.max_num_batched_tokens:
         extra_args += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    if args.creditor_cuda_graphs is not None:
+        extra_args += ["--creditor-cuda-graphs" if args.creditor_cuda_graphs else "--no-creditor-cuda-graphs"]
     counts = [int(n) for n in args.instances.split(",")]
     if counts[0] != 1:
         raise SystemExit("--instances must start with 1 (the anchor)")
@@ -434,6 +438,7 @@ def main() -> None:
               "cuda_mps": args.mps, "spread_gpus": args.spread_gpus, "peer_spin_s": args.peer_spin_s, "context_blocks": context_blocks, "new_tokens": args.new_tokens, "splits": splits, "moves": moves}
     suffix = (f"-{Path(args.model).name}" if args.model else "") + ("-mps" if args.mps else "")
     suffix += (f"-x{torch.cuda.device_count()}-{context_blocks * BLOCK_SIZE // 1024}k" if args.spread_gpus else "") + (f"-spin{args.peer_spin_s:g}" if args.peer_spin_s is not None else "")
+    suffix += "-eager-creditor" if args.creditor_cuda_graphs is False else ""
     out = Path(args.out_dir) / f"daemon-{gpu}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")

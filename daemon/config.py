@@ -73,6 +73,9 @@ class InstanceConfig:
     # False: a static instance (vLLM-style): it admits only what its own pool holds, never
     # spills its requests' KV to peers, lends them nothing and refuses moves.
     share_kv: bool = True
+    # On a GPU, serve peers' small attend requests (decode rows) from a CUDA graph per layer once
+    # a layer has been served eagerly: one replay instead of several kernel launches.
+    creditor_cuda_graphs: bool = True
     http_host: str = "127.0.0.1"  # OpenAI-compatible API and /metrics
     http_port: int | None = 8000  # 0: any free port; None: no TCP API
     socket_path: Path = Path("/run/infinite-llm/infinited.sock")  # local admin API
@@ -106,8 +109,9 @@ class InstanceConfig:
         _check_int("split_decode_interval", self.split_decode_interval, minimum=1)
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, minimum=self.block_size)
         _check_int("peer_port", self.peer_port, minimum=0, maximum=65535)
-        if not isinstance(self.share_kv, bool):
-            raise ConfigError(f"share_kv must be true or false, got {self.share_kv!r}")
+        for name in ("share_kv", "creditor_cuda_graphs"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.peer_spin_s is not None and (isinstance(self.peer_spin_s, bool) or not isinstance(self.peer_spin_s, (int, float))
                                              or not 0 <= self.peer_spin_s <= 1):
             raise ConfigError(f"peer_spin_s must be a number of seconds in [0, 1], got {self.peer_spin_s!r}")

@@ -11,11 +11,21 @@ small result to the host there: the attend request is served while this instance
 still runs on the default stream (its kernels queue behind nothing of that step), and the
 transport, which would stage a small device result through the host on the current stream,
 does not wait for that step either.
+
+A decode step asks for the same rows over the same held segments at every layer and every
+step, so a GPU creditor serves such a request from a CUDA graph per layer once it has served that
+layer of the plan eagerly: the query's copy in, the attention and its split merge, and the
+result's copy out are one replay instead of a handful of launches, each of which costs more
+host time than the GPU spends on a decode row. A plan is kept while the request names the same
+slices over the same held segments (the ledger's objects, compared by identity: a freed, moved
+or re-committed segment is a new object), and its graphs go with it.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,18 +33,41 @@ from infinite_llm.kernels import MicroAttentionPlan, plan_micro_attention, run_m
 from infinite_llm.transport import wire_trace
 from infinite_llm.transport.messages import AttendRequest, AttendResult, AttendSlice
 
-from .ledger import CreditorLedger, LedgerError
+from .ledger import CreditorLedger, HeldSegment, LedgerError
+
+log = logging.getLogger(__name__)
 
 
 class AttendError(ValueError):
     """An attend request that does not match what this instance holds."""
 
 
+@dataclass
+class _LayerGraph:
+    """One layer's attention of a plan, captured: reads ``q_dev``, writes ``result_dev``."""
+
+    graph: torch.cuda.CUDAGraph
+    q_dev: torch.Tensor  # [num_rows, num_heads, head_dim], the pool's dtype
+    result_dev: torch.Tensor  # uint8: out [num_rows, num_heads, head_dim] then lse [num_rows, num_heads] float32
+
+
+@dataclass
+class _ServePlan:
+    """What serving one home's request needs, kept until the request changes."""
+
+    slices: tuple[AttendSlice, ...]
+    segments: tuple[HeldSegment, ...]  # the ledger's segments the plan reads, in slice order
+    plan: MicroAttentionPlan
+    eager_layers: set[int] = field(default_factory=set)  # layers served once without a graph
+    graphs: dict[int, _LayerGraph] = field(default_factory=dict)
+    graph_pool: tuple | None = None  # the memory pool the plan's graphs share
+
+
 class CreditorAttention:
     """Serves ``AttendRequest`` messages from the pool and the ledger of one instance."""
 
     def __init__(self, ledger: CreditorLedger, kv_pool: torch.Tensor, num_heads: int,
-                 host_staging_bytes: int = 0) -> None:
+                 host_staging_bytes: int = 0, cuda_graphs: bool = True) -> None:
         self.ledger = ledger
         # Results of at most this many bytes are returned in host memory (on a GPU): the
         # transport's inline limit for device buffers, which it would stage the same way.
@@ -42,7 +75,7 @@ class CreditorAttention:
         self.kv_pool = kv_pool
         self.num_heads = num_heads
         self.sm_scale = 1.0 / math.sqrt(kv_pool.shape[-1])
-        self._plans: dict[int, tuple[int, tuple, MicroAttentionPlan]] = {}  # home -> (step, slices, plan)
+        self._plans: dict[int, _ServePlan] = {}  # home -> its last request's plan
         # Lower is higher; torch maps a value past the device's range to its highest priority.
         self.stream = torch.cuda.Stream(kv_pool.device, priority=-16) if kv_pool.is_cuda else None
         # Pinned host memory for the copies of a staged request (its query in, its result out):
@@ -51,20 +84,37 @@ class CreditorAttention:
         # ends with this stream synchronised, so no copy of the last one is still in flight.
         self._pinned_query = torch.empty(0, dtype=torch.uint8)
         self._pinned_result = torch.empty(0, dtype=torch.uint8)
+        self.cuda_graphs = cuda_graphs and self.stream is not None
+        self.graph_replays = 0  # requests served from a graph
+        self.graph_captures = 0
 
-    def _plan(self, request: AttendRequest) -> MicroAttentionPlan:
-        cached = self._plans.get(request.home_inst_id)
-        if cached is not None and cached[0] == request.step_id and cached[1] == request.slices:
-            return cached[2]
+    @property
+    def num_graphs(self) -> int:
+        """Graphs held now, over every home's plan."""
+        return sum(len(p.graphs) for p in self._plans.values())
+
+    def _plan(self, request: AttendRequest) -> _ServePlan:
+        """The home's kept plan when the request names the same slices over the same held
+        segments, else a new one (which replaces it, graphs and all)."""
+        segments = tuple(seg for s in request.slices for seg in self._segments(request.home_inst_id, s))
+        kept = self._plans.get(request.home_inst_id)
+        if (kept is not None and kept.slices == request.slices and len(kept.segments) == len(segments)
+                and all(a is b for a, b in zip(kept.segments, segments))):
+            return kept
         block_size = self.kv_pool.shape[3]
         tables, lens, starts = [], [], [0]
+        held = iter(segments)
         for s in request.slices:
-            tables.append(self._blocks(request.home_inst_id, s))
+            needed = -(-s.num_tokens // block_size)
+            blocks: list[int] = []
+            while len(blocks) < needed:
+                blocks.extend(next(held).block_ids)
+            tables.append(blocks[:needed])
             lens.append(s.num_tokens)
             starts.append(starts[-1] + s.num_rows)
         width = max(len(t) for t in tables)
         device = self.kv_pool.device
-        block_tables = torch.tensor([list(t) + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device)
+        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device)
         plan = plan_micro_attention(
             block_tables,
             torch.tensor(lens, dtype=torch.int32, device=device),
@@ -74,8 +124,9 @@ class CreditorAttention:
             max_query_len=max(s.num_rows for s in request.slices), max_kv_len=max(lens),
             check_bounds=False,  # block ids come from this instance's own ledger
         )
-        self._plans[request.home_inst_id] = (request.step_id, request.slices, plan)
-        return plan
+        serve_plan = _ServePlan(request.slices, segments, plan)
+        self._plans[request.home_inst_id] = serve_plan
+        return serve_plan
 
     def attend(self, request: AttendRequest) -> AttendResult:
         """Partial attention of the request's rows over the held segments.
@@ -91,17 +142,32 @@ class CreditorAttention:
             raise AttendError(f"q has shape {list(request.q.shape)}; the slices name {num_rows} rows and this "
                               f"model has {self.num_heads} heads of dim {self.kv_pool.shape[5]}")
         wire_trace.record("serve.start", AttendRequest.TYPE)
-        result = self._attend(request) if self.stream is None else self._attend_on_stream(request, num_rows)
+        serve_plan = self._plan(request)  # first: a refused request leaves no copy in flight
+        if self.stream is None:
+            result = self._attend(request, serve_plan)
+        else:
+            result = self._attend_on_stream(request, serve_plan, num_rows)
         wire_trace.record("serve.done", AttendRequest.TYPE)
         return result
 
-    def _attend_on_stream(self, request: AttendRequest, num_rows: int) -> AttendResult:
-        """``_attend`` on this creditor's stream, the result complete when it returns."""
-        staged = num_rows * self.num_heads * (self.kv_pool.shape[5] * self.kv_pool.element_size() + 4) <= self.host_staging_bytes
+    def _attend_on_stream(self, request: AttendRequest, serve_plan: _ServePlan, num_rows: int) -> AttendResult:
+        """``_attend`` on this creditor's stream, the result complete when it returns; a small
+        request from a layer's graph once that layer of the plan has run eagerly."""
+        staged = self._result_nbytes(num_rows) <= self.host_staging_bytes
+        q = torch.as_tensor(request.q)
+        if staged and self.cuda_graphs and not q.is_cuda:
+            graph = serve_plan.graphs.get(request.layer)
+            if graph is None and request.layer in serve_plan.eager_layers:
+                graph = self._capture(serve_plan, request.layer, q)
+            if graph is not None:
+                out, lse = self._replay(graph, q)
+                return AttendResult(request.home_inst_id, request.creditor_inst_id, request.step_id, request.layer,
+                                    out, lse)
         with torch.cuda.stream(self.stream):
-            result = self._attend(request)
+            result = self._attend(request, serve_plan)
             if staged:
                 out, lse = self._to_host(result.out, result.lse)
+                serve_plan.eager_layers.add(request.layer)
                 return AttendResult(result.home_inst_id, result.creditor_inst_id, result.step_id, result.layer,
                                     out, lse)
         # A large result stays on the device: complete once this stream is. (The transport then
@@ -109,34 +175,109 @@ class CreditorAttention:
         self.stream.synchronize()
         return result
 
-    def _blocks(self, home_inst_id: int, s: AttendSlice) -> list[int]:
-        """The blocks of a slice's ``num_tokens`` tokens from its first segment on, in token
-        order. A home asks for the tokens of consecutive segments held here in one slice (a
-        long prompt spills a piece per chunk): each segment's id is its first block's index in
-        the request, so the next one starts where the last one's blocks end."""
+    def _result_layout(self, num_rows: int) -> tuple[int, int, int]:
+        """Where a result of ``num_rows`` lies in one buffer: (out's bytes, lse's offset, total
+        bytes); lse is aligned for its float32 whatever out's size."""
+        out_bytes = num_rows * self.num_heads * self.kv_pool.shape[5] * self.kv_pool.element_size()
+        lse_start = -(-out_bytes // 16) * 16
+        return out_bytes, lse_start, lse_start + num_rows * self.num_heads * 4
+
+    def _result_nbytes(self, num_rows: int) -> int:
+        return self._result_layout(num_rows)[2]
+
+    def _capture(self, serve_plan: _ServePlan, layer: int, q: torch.Tensor) -> _LayerGraph | None:
+        """One layer's attention of the plan as a graph that reads ``q_dev`` and writes
+        ``result_dev`` (out then lse, as ``_result_layout`` places them). None, and no graphs from
+        then on, when capturing fails: the eager path serves the same requests."""
+        device = self.kv_pool.device
+        num_rows = q.shape[0]
+        out_bytes, lse_start, nbytes = self._result_layout(num_rows)
+        q_dev = torch.empty(q.shape, dtype=self.kv_pool.dtype, device=device)
+        result_dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        out_dev = result_dev[:out_bytes].view(self.kv_pool.dtype).view(q.shape)
+        lse_dev = result_dev[lse_start:].view(torch.float32).view(num_rows, self.num_heads)
+        if serve_plan.graph_pool is None:
+            serve_plan.graph_pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.stream(self.stream):
+                # thread_local: the engine's thread may call into CUDA meanwhile. (No
+                # torch.cuda.graph(): it collects garbage and synchronises the device first.)
+                graph.capture_begin(pool=serve_plan.graph_pool, capture_error_mode="thread_local")
+                try:
+                    state = run_micro_attention(serve_plan.plan, q_dev, self.kv_pool, layer,
+                                                sm_scale=self.sm_scale, out_dtype=self.kv_pool.dtype)
+                    out_dev.copy_(state.out)
+                    lse_dev.copy_(state.lse)
+                finally:
+                    graph.capture_end()
+        except Exception as exc:  # noqa: BLE001  (serving goes on, eagerly)
+            log.warning("creditor: capturing layer %d's attention failed, serving eagerly from now on: %s", layer, exc)
+            self.cuda_graphs = False
+            return None
+        captured = _LayerGraph(graph, q_dev, result_dev)
+        serve_plan.graphs[layer] = captured
+        self.graph_captures += 1
+        return captured
+
+    def _replay(self, captured: _LayerGraph, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A host query through a layer's graph: the result in host memory, complete."""
+        num_rows = q.shape[0]
+        out_bytes, lse_start, nbytes = self._result_layout(num_rows)
+        staging = self._pinned(q.numel() * self.kv_pool.element_size(), "query")
+        staging = staging.view(self.kv_pool.dtype).view(q.shape)
+        staging.copy_(q)
+        result_host = self._pinned(nbytes, "result")
+        wire_trace.record("serve.planned", AttendRequest.TYPE)
+        with torch.cuda.stream(self.stream):
+            captured.q_dev.copy_(staging, non_blocking=True)
+            captured.graph.replay()
+            result_host.copy_(captured.result_dev, non_blocking=True)
+        wire_trace.record("serve.launched", AttendRequest.TYPE)
+        self.stream.synchronize()
+        self.graph_replays += 1
+        out = result_host[:out_bytes].view(self.kv_pool.dtype).view(q.shape).clone()
+        lse = result_host[lse_start:].view(torch.float32).view(num_rows, self.num_heads).clone()
+        return out, lse
+
+    def _pinned(self, nbytes: int, which: str) -> torch.Tensor:
+        """The first ``nbytes`` of the pinned buffer for queries or results, grown as needed.
+        Reused by the next request: every request ends with this creditor's stream
+        synchronised, so no copy of the last one is still in flight."""
+        name = "_pinned_query" if which == "query" else "_pinned_result"
+        buffer = getattr(self, name)
+        if buffer.numel() < nbytes:
+            buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            setattr(self, name, buffer)
+        return buffer[:nbytes]
+
+    def _segments(self, home_inst_id: int, s: AttendSlice) -> list[HeldSegment]:
+        """The held segments that a slice's ``num_tokens`` tokens lie in, from its first segment
+        on, in token order. A home asks for the tokens of consecutive segments held here in one
+        slice (a long prompt spills a piece per chunk): each segment's id is its first block's
+        index in the request, so the next one starts where the last one's blocks end."""
         block_size = self.kv_pool.shape[3]
         if s.num_tokens <= 0:
             raise AttendError(f"request {s.req_id} segment {s.segment_id}: {s.num_tokens} tokens asked")
         needed = -(-s.num_tokens // block_size)
-        blocks: list[int] = []
+        segments: list[HeldSegment] = []
+        found = 0
         segment_id = s.segment_id
-        while len(blocks) < needed:
+        while found < needed:
             try:
                 segment = self.ledger.segment(home_inst_id, s.req_id, segment_id)
             except LedgerError as exc:
                 raise AttendError(f"request {s.req_id}: {s.num_tokens} tokens asked from segment {s.segment_id} "
-                                  f"on, {len(blocks) * block_size} held there ({exc})") from None
-            blocks.extend(segment.block_ids)
+                                  f"on, {found * block_size} held there ({exc})") from None
+            segments.append(segment)
+            found += len(segment.block_ids)
             segment_id += len(segment.block_ids)
-        return blocks[:needed]
+        return segments
 
     def _to_device(self, q: torch.Tensor) -> torch.Tensor:
         """A query that landed in host memory, on this pool's device: through pinned memory,
         copied on the current stream (this creditor's) without waiting for it."""
-        nbytes = q.numel() * q.element_size()
-        if self._pinned_query.numel() < nbytes:
-            self._pinned_query = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        staging = self._pinned_query[:nbytes].view(q.dtype).view(q.shape)
+        staging = self._pinned(q.numel() * q.element_size(), "query").view(q.dtype).view(q.shape)
         staging.copy_(q)
         return staging.to(self.kv_pool.device, non_blocking=True)
 
@@ -144,20 +285,16 @@ class CreditorAttention:
         """A small result in host memory, complete: both copies through pinned memory on this
         creditor's stream, one wait for it, then copies of their own (the pinned buffer is the
         next request's)."""
-        out_bytes = out.numel() * out.element_size()
-        lse_start = -(-out_bytes // 16) * 16  # aligned for lse's float32 whatever out's size
-        nbytes = lse_start + lse.numel() * lse.element_size()
-        if self._pinned_result.numel() < nbytes:
-            self._pinned_result = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        out_host = self._pinned_result[:out_bytes].view(out.dtype).view(out.shape)
-        lse_host = self._pinned_result[lse_start:nbytes].view(lse.dtype).view(lse.shape)
+        out_bytes, lse_start, nbytes = self._result_layout(out.shape[0])
+        result_host = self._pinned(nbytes, "result")
+        out_host = result_host[:out_bytes].view(out.dtype).view(out.shape)
+        lse_host = result_host[lse_start:].view(lse.dtype).view(lse.shape)
         out_host.copy_(out, non_blocking=True)
         lse_host.copy_(lse, non_blocking=True)
         self.stream.synchronize()
         return out_host.clone(), lse_host.clone()
 
-    def _attend(self, request: AttendRequest) -> AttendResult:
-        plan = self._plan(request)  # first: a refused request leaves no copy in flight
+    def _attend(self, request: AttendRequest, serve_plan: _ServePlan) -> AttendResult:
         q = torch.as_tensor(request.q)
         if q.device != self.kv_pool.device:  # on a GPU: landed in host memory (it came inline)
             q = self._to_device(q) if self.stream is not None else q.to(self.kv_pool.device)
@@ -167,7 +304,7 @@ class CreditorAttention:
         # The partial output in the model's dtype, as the message says: half the bytes of float32
         # (a decode row of Llama-3-8B then fits the 8 KiB that travel inline, 3x faster between
         # two H200s than through CUDA IPC); the home merges in float32.
-        state = run_micro_attention(plan, q, self.kv_pool, request.layer, sm_scale=self.sm_scale,
+        state = run_micro_attention(serve_plan.plan, q, self.kv_pool, request.layer, sm_scale=self.sm_scale,
                                     out_dtype=self.kv_pool.dtype)
         wire_trace.record("serve.launched", AttendRequest.TYPE)
         return AttendResult(request.home_inst_id, request.creditor_inst_id, request.step_id, request.layer,

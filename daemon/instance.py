@@ -282,7 +282,8 @@ class InstanceDaemon:
         self.ledger = CreditorLedger(bm.reserve_home_blocks, bm.release_home_blocks,
                                      reservation_ttl_s=c.timeouts.reservation_s)
         self.creditor = CreditorAttention(self.ledger, self.pool, mc.num_heads,
-                                           host_staging_bytes=transport_config.limits.inline_cuda_limit_bytes)
+                                           host_staging_bytes=transport_config.limits.inline_cuda_limit_bytes,
+                                           cuda_graphs=c.creditor_cuda_graphs)
         self.block_nbytes = self.pool[0].numel() * self.pool.element_size()
         await self.transport.start(self._handle, self._place)
 

@@ -37,6 +37,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict]
                         help="how long a wait on a peer spins before it sleeps, s (default 0.02 on a GPU, 0.0005 on the CPU)")
     parser.add_argument("--share-kv", action=argparse.BooleanOptionalAction, dest="share_kv",
                         help="spill KV to peers and lend them blocks (default); --no-share-kv: a static instance")
+    parser.add_argument("--creditor-cuda-graphs", action=argparse.BooleanOptionalAction, dest="creditor_cuda_graphs",
+                        help="serve peers' decode rows from a CUDA graph per layer (default, on a GPU)")
     parser.add_argument("--http-host", dest="http_host")
     parser.add_argument("--http-port", type=int, dest="http_port")
     parser.add_argument("--socket-path", dest="socket_path")

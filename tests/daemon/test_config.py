@@ -143,3 +143,17 @@ def test_split_decode_interval_from_flags_and_its_bounds() -> None:
     for bad in (0, 1.5, True):
         with pytest.raises(ConfigError, match="split_decode_interval"):
             load_config(None, {"split_decode_interval": bad})
+
+
+def test_creditor_cuda_graphs_from_toml_and_flags(tmp_path: Path) -> None:
+    from infinite_llm.daemon.main import parse_args
+
+    assert load_config().creditor_cuda_graphs is True
+    path = tmp_path / "infinited.toml"
+    path.write_text("creditor_cuda_graphs = false\n")
+    assert load_config(path).creditor_cuda_graphs is False
+    assert load_config(path, parse_args(["--creditor-cuda-graphs"])[1]).creditor_cuda_graphs is True
+    assert load_config(None, parse_args(["--no-creditor-cuda-graphs"])[1]).creditor_cuda_graphs is False
+    path.write_text("creditor_cuda_graphs = 1\n")
+    with pytest.raises(ConfigError, match="creditor_cuda_graphs must be true or false, got 1"):
+        load_config(path)

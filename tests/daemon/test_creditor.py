@@ -111,3 +111,67 @@ def test_on_a_gpu_the_creditor_serves_beside_a_busy_default_stream(host_staging_
     torch.testing.assert_close(result.out.cpu().double(), out, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(result.lse.cpu().double(), lse, rtol=1e-4, atol=1e-5)
     torch.cuda.synchronize()
+
+
+def test_the_plan_is_kept_across_steps_until_a_segment_changes() -> None:
+    """A decode step asks for the same slices at every layer and step: the plan is kept. A
+    segment freed and committed again (other blocks, other keys) is a new plan, read right."""
+    ledger, pool, creditor = make_creditor(num_blocks=16)
+    first = hold(ledger, home=1, req=7, segment_id=0, num_blocks=3)
+    slices = (AttendSlice(7, 0, 1, 0, 11),)
+    q = torch.randn(1, NUM_HEADS, HEAD_DIM)
+    creditor.attend(AttendRequest(1, 5, step_id=0, layer=0, slices=slices, q=q))
+    kept = creditor._plans[1]
+    result = creditor.attend(AttendRequest(1, 5, step_id=1, layer=2, slices=slices, q=q))
+    assert creditor._plans[1] is kept
+    out, lse = attention_over(pool, first.block_ids, 11, 2, q)
+    torch.testing.assert_close(result.out.double(), out, rtol=1e-4, atol=1e-5)
+
+    hold(ledger, home=1, req=8, segment_id=0, num_blocks=2)  # so that the next commit gets other blocks
+    ledger.free_segment(1, 7, 0)
+    again = hold(ledger, home=1, req=7, segment_id=0, num_blocks=3)
+    assert set(again.block_ids) != set(first.block_ids)
+    result = creditor.attend(AttendRequest(1, 5, step_id=2, layer=2, slices=slices, q=q))
+    assert creditor._plans[1] is not kept
+    out, lse = attention_over(pool, again.block_ids, 11, 2, q)
+    torch.testing.assert_close(result.out.double(), out, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(result.lse.double(), lse, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_decode_rows_are_served_from_a_graph_per_layer() -> None:
+    """Each layer of a plan runs eagerly once, then from its graph: the same figures as the
+    float64 reference at every step, a new query each time; a changed segment drops the graphs
+    and is read from its new blocks."""
+    ledger, pool, _ = make_creditor(num_blocks=96)
+    pool = pool.cuda()
+    creditor = CreditorAttention(ledger, pool, NUM_HEADS, host_staging_bytes=1 << 16)
+    first = hold(ledger, home=1, req=7, segment_id=0, num_blocks=30)
+    second = hold(ledger, home=1, req=7, segment_id=30, num_blocks=20)
+    blocks = first.block_ids + second.block_ids
+    slices = (AttendSlice(7, 0, 2, 0, 190),)
+    for step in range(3):
+        for layer in range(NUM_LAYERS):
+            q = torch.randn(2, NUM_HEADS, HEAD_DIM)
+            result = creditor.attend(AttendRequest(1, 5, step, layer, slices, q))
+            assert not result.out.is_cuda
+            out, lse = attention_over(pool.cpu(), blocks, 190, layer, q)
+            torch.testing.assert_close(result.out.double(), out, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(result.lse.double(), lse, rtol=1e-4, atol=1e-5)
+    assert creditor.graph_captures == NUM_LAYERS
+    assert creditor.graph_replays == 2 * NUM_LAYERS
+    assert creditor.num_graphs == NUM_LAYERS
+
+    ledger.free_segment(1, 7, 30)
+    moved = hold(ledger, home=1, req=7, segment_id=30, num_blocks=20)
+    q = torch.randn(2, NUM_HEADS, HEAD_DIM)
+    result = creditor.attend(AttendRequest(1, 5, 3, 1, slices, q))
+    assert creditor.num_graphs == 0
+    out, lse = attention_over(pool.cpu(), first.block_ids + moved.block_ids, 190, 1, q)
+    torch.testing.assert_close(result.out.double(), out, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(result.lse.double(), lse, rtol=1e-4, atol=1e-5)
+
+    eager = CreditorAttention(ledger, pool, NUM_HEADS, host_staging_bytes=1 << 16, cuda_graphs=False)
+    for step in range(3):
+        eager.attend(AttendRequest(1, 5, step, 0, slices, q))
+    assert eager.graph_replays == 0 and eager.num_graphs == 0
