@@ -21,6 +21,7 @@ received, and the receiver can place the buffers (``KVBlocks`` straight into res
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import struct
 import typing
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 import orjson
+import torch
 
 from infinite_llm.transport import messages as messages_module
 from infinite_llm.transport.errors import ProtocolError
@@ -40,6 +42,7 @@ from infinite_llm.transport.messages import (
 )
 from infinite_llm.transport.tensors import (
     DTYPE_ITEMSIZE,
+    TORCH_DTYPE_NAMES,
     TensorSpec,
     host_tensor_from_bytes,
     is_cuda,
@@ -135,34 +138,143 @@ def _fields_of(cls: type) -> tuple[_Field, ...]:
     )
 
 
-_SCHEMAS: dict[type, tuple[_Field, ...]] = {}
-_FIELD_NAMES: dict[type, frozenset[str]] = {}
+# A field's encoder turns its value into JSON-ready data (None: the value as it is); its
+# decoder checks the JSON data and returns the value, or raises ProtocolError. Both are built
+# once per type from the schema: a generic walk of the schema per message cost more than
+# orjson itself on a small message's round trip.
+_Encoder = typing.Callable[[object], object]
+_Decoder = typing.Callable[[object], object]
+
+
+@dataclass(frozen=True)
+class _TypePlan:
+    """How one message type (or record) crosses the wire."""
+
+    fields: tuple[_Field, ...]
+    plain: tuple[tuple[str, _Encoder | None, _Decoder], ...]  # non-tensor fields, in order
+    tensors: tuple[tuple[str, bool], ...]  # tensor fields in buffer order: (name, a tuple of them)
+    names: frozenset[str]
+
+
+_PLANS: dict[type, _TypePlan] = {}
+
+
+def _plan_of(cls: type) -> _TypePlan:
+    plan = _PLANS.get(cls)
+    if plan is None:
+        fields = _fields_of(cls)
+        plan = _PLANS[cls] = _TypePlan(
+            fields=fields,
+            plain=tuple((f.name, _encoder_of(f), _decoder_of(f)) for f in fields if f.kind not in ("tensor", "tensors")),
+            tensors=tuple((f.name, f.kind == "tensors") for f in fields if f.kind in ("tensor", "tensors")),
+            names=frozenset(f.name for f in fields),
+        )
+    return plan
 
 
 def _schema(cls: type) -> tuple[_Field, ...]:
-    schema = _SCHEMAS.get(cls)
-    if schema is None:
-        schema = _SCHEMAS[cls] = _fields_of(cls)
-        _FIELD_NAMES[cls] = frozenset(f.name for f in schema)
-    return schema
+    return _plan_of(cls).fields
+
+
+def _encoder_of(field: _Field) -> _Encoder | None:
+    kind = field.kind
+    if kind in ("int", "bool", "str"):
+        return None
+    if kind == "enum":
+        return _enum_value
+    if kind == "record":
+        parts = tuple((f.name, _encoder_of(f)) for f in _schema(field.type_))
+
+        def encode_record(value: object) -> list:
+            return [getattr(value, name) if enc is None else enc(getattr(value, name)) for name, enc in parts]
+        return encode_record
+    item = _encoder_of(field.item)
+    if item is None:
+        return list
+    return lambda value: [item(v) for v in value]  # tuple
+
+
+def _enum_value(value: StrEnum) -> str:
+    return value.value
+
+
+def _bad(field: _Field, raw: object) -> ProtocolError:
+    return ProtocolError(ErrorCode.INVALID_FIELDS, f"{field.name}: bad {field.kind} {raw!r:.80}")
+
+
+def _decoder_of(field: _Field) -> _Decoder:
+    kind = field.kind
+    if kind == "int":
+        def decode_int(raw: object) -> int:
+            if type(raw) is int and -_MAX_INT - 1 <= raw <= _MAX_INT:
+                return raw
+            raise _bad(field, raw)
+        return decode_int
+    if kind in ("bool", "str"):
+        wanted = bool if kind == "bool" else str
+
+        def decode_exact(raw: object) -> object:
+            if type(raw) is wanted:
+                return raw
+            raise _bad(field, raw)
+        return decode_exact
+    if kind == "enum":
+        members = field.type_._value2member_map_
+        enum_cls = field.type_
+
+        def decode_enum(raw: object) -> StrEnum:
+            if type(raw) is str and raw in members:
+                return enum_cls(raw)
+            raise _bad(field, raw)
+        return decode_enum
+    if kind == "record":
+        record_cls = field.type_
+        decoders = tuple(_decoder_of(f) for f in _schema(record_cls))
+        count = len(decoders)
+
+        def decode_record(raw: object) -> object:
+            if type(raw) is list and len(raw) == count:
+                values = [dec(v) for dec, v in zip(decoders, raw)]
+                try:
+                    return record_cls(*values)  # a record's fields are its schema, in order
+                except (ValueError, TypeError) as e:
+                    raise ProtocolError(ErrorCode.INVALID_FIELDS, f"{field.name}: {e}") from None
+            raise _bad(field, raw)
+        return decode_record
+    item = _decoder_of(field.item)  # tuple
+
+    def decode_tuple(raw: object) -> tuple:
+        if type(raw) is list:
+            return tuple(item(v) for v in raw)
+        raise _bad(field, raw)
+    return decode_tuple
 
 
 for _cls in MESSAGE_TYPES.values():  # every type's schema is checked at import
-    _schema(_cls)
+    _plan_of(_cls)
 
 
 # --- encoding ------------------------------------------------------------------------------
 
 
-def _encode_value(field: _Field, value: object) -> object:
-    kind = field.kind
-    if kind in ("int", "bool", "str"):
-        return value
-    if kind == "enum":
-        return value.value
-    if kind == "record":
-        return [_encode_value(f, getattr(value, f.name)) for f in _schema(field.type_)]
-    return [_encode_value(field.item, v) for v in value]  # tuple
+def _spec_entry(array: WireArray) -> list:
+    """``[dtype name, shape]`` of a tensor, as the header carries it."""
+    if isinstance(array, torch.Tensor):
+        name = TORCH_DTYPE_NAMES.get(array.dtype)
+        if name is None:
+            raise ValueError(f"dtype {array.dtype} cannot travel on the wire")
+        return [name, list(array.shape)]
+    spec = spec_of(array)
+    return [spec.dtype, list(spec.shape)]
+
+
+def _inline_host_bytes(array: WireArray, nbytes: int) -> bytes:
+    """The bytes of a host array, copied once (a torch tensor straight from its memory)."""
+    if isinstance(array, torch.Tensor):
+        if not array.is_contiguous():
+            raise ValueError("tensor must be contiguous")
+        return ctypes.string_at(array.data_ptr(), nbytes) if nbytes else b""
+    return bytes(wire_view(array))
 
 
 def encode(
@@ -181,21 +293,19 @@ def encode(
     the current stream of their devices: UCX's copies run on streams of its own, which would
     not otherwise wait for the kernels that wrote those buffers."""
     cls = type(message)
-    fields: dict[str, object] = {}
+    plan = _plan_of(cls)
+    fields = {name: getattr(message, name) if enc is None else enc(getattr(message, name))
+              for name, enc, _dec in plan.plain}
     tensor_specs: dict[str, object] = {}
     arrays: list[WireArray] = []
-    for field in _schema(cls):
-        value = getattr(message, field.name)
-        if field.kind == "tensor":
-            spec = spec_of(value)
-            tensor_specs[field.name] = [spec.dtype, list(spec.shape)]
-            arrays.append(value)
-        elif field.kind == "tensors":
-            specs = [spec_of(v) for v in value]
-            tensor_specs[field.name] = [[s.dtype, list(s.shape)] for s in specs]
+    for name, group in plan.tensors:
+        value = getattr(message, name)
+        if group:
+            tensor_specs[name] = [_spec_entry(v) for v in value]
             arrays.extend(value)
         else:
-            fields[field.name] = _encode_value(field, value)
+            tensor_specs[name] = _spec_entry(value)
+            arrays.append(value)
 
     buffer_table: list[list[int]] = []
     inline_parts: list[bytes] = []
@@ -203,20 +313,23 @@ def encode(
     inline_total = inline_host = inline_cuda = 0
     posted_device_arrays: list[WireArray] = []
     for array in arrays:
-        nbytes = nbytes_of(array)
-        on_device = is_cuda(array)
+        if isinstance(array, torch.Tensor):
+            nbytes, on_device = array.nbytes, array.is_cuda
+        else:
+            nbytes, on_device = nbytes_of(array), is_cuda(array)
         if on_device:
             inline = inline_cuda + nbytes <= inline_cuda_limit_bytes
         else:
             inline = inline_host + nbytes <= inline_limit_bytes
         buffer_table.append([nbytes, int(inline)])
         if inline:
-            inline_parts.append(_host_bytes(wire_view(array)) if on_device else bytes(wire_view(array)))
-            inline_total += nbytes
             if on_device:
+                inline_parts.append(_host_bytes(wire_view(array)))
                 inline_cuda += nbytes
             else:
+                inline_parts.append(_inline_host_bytes(array, nbytes))
                 inline_host += nbytes
+            inline_total += nbytes
         elif nbytes > 0:  # an empty buffer is never sent
             wire_buffers.append(wire_view(array))
             if on_device:
@@ -296,25 +409,21 @@ def decode_header(data: bytes | memoryview, limits: FrameLimits) -> FrameHeader:
     if len(table) > limits.max_buffers:
         raise ProtocolError(ErrorCode.TOO_MANY_BUFFERS, f"{len(table)} buffers")
 
-    kwargs: dict[str, object] = {}
-    specs: list[TensorSpec] = []
-    schema = _schema(cls)
-    if fields.keys() | tensor_fields.keys() != _FIELD_NAMES[cls] or not fields.keys().isdisjoint(tensor_fields):
+    plan = _plan_of(cls)
+    if fields.keys() | tensor_fields.keys() != plan.names or not fields.keys().isdisjoint(tensor_fields):
         raise ProtocolError(ErrorCode.INVALID_FIELDS, f"fields of {cls.TYPE} do not match")
-    for field in schema:
-        if field.kind == "tensor":
-            spec = _decode_spec(tensor_fields[field.name])
-            specs.append(spec)
-            kwargs[field.name] = spec
-        elif field.kind == "tensors":
-            raw = tensor_fields[field.name]
-            if not isinstance(raw, list):
-                raise ProtocolError(ErrorCode.INVALID_FIELDS, f"{field.name}: not a list")
-            group = tuple(_decode_spec(r) for r in raw)
-            specs.extend(group)
-            kwargs[field.name] = group
+    kwargs = {name: dec(fields[name]) for name, _enc, dec in plan.plain}
+    specs: list[TensorSpec] = []
+    for name, group in plan.tensors:
+        if group:
+            raw = tensor_fields[name]
+            if type(raw) is not list:
+                raise ProtocolError(ErrorCode.INVALID_FIELDS, f"{name}: not a list")
+            kwargs[name] = value = tuple(_decode_spec(r) for r in raw)
+            specs.extend(value)
         else:
-            kwargs[field.name] = _decode_value(field, fields[field.name])
+            kwargs[name] = spec = _decode_spec(tensor_fields[name])
+            specs.append(spec)
 
     inline = _check_buffer_table(table, specs, inline_len, limits)
     try:
@@ -369,43 +478,15 @@ def _is_int(value: object) -> bool:
 
 
 def _decode_spec(raw: object) -> TensorSpec:
-    if not (isinstance(raw, list) and len(raw) == 2 and type(raw[0]) is str
-            and raw[0] in DTYPE_ITEMSIZE
-            and isinstance(raw[1], list) and len(raw[1]) <= _MAX_DIMS
-            and all(_is_int(d) and d >= 0 for d in raw[1])):
-        raise ProtocolError(ErrorCode.INVALID_FIELDS, f"bad tensor spec {raw!r:.80}")
-    spec = TensorSpec(dtype=raw[0], shape=tuple(raw[1]))
-    if spec.nbytes > _MAX_INT:
-        raise ProtocolError(ErrorCode.BUFFER_TOO_LARGE, f"tensor of shape {spec.shape}")
-    return spec
-
-
-def _decode_value(field: _Field, raw: object) -> object:
-    kind = field.kind
-    if kind == "int":
-        if _is_int(raw):
-            return raw
-    elif kind == "bool":
-        if type(raw) is bool:
-            return raw
-    elif kind == "str":
-        if type(raw) is str:
-            return raw
-    elif kind == "enum":
-        if type(raw) is str and raw in field.type_._value2member_map_:
-            return field.type_(raw)
-    elif kind == "record":
-        schema = _schema(field.type_)
-        if isinstance(raw, list) and len(raw) == len(schema):
-            values = {f.name: _decode_value(f, v) for f, v in zip(schema, raw)}
-            try:
-                return field.type_(**values)
-            except (ValueError, TypeError) as e:
-                raise ProtocolError(ErrorCode.INVALID_FIELDS, f"{field.name}: {e}") from None
-    elif kind == "tuple":
-        if isinstance(raw, list):
-            return tuple(_decode_value(field.item, v) for v in raw)
-    raise ProtocolError(ErrorCode.INVALID_FIELDS, f"{field.name}: bad {kind} {raw!r:.80}")
+    if type(raw) is list and len(raw) == 2:
+        dtype, shape = raw
+        if (type(dtype) is str and dtype in DTYPE_ITEMSIZE and type(shape) is list and len(shape) <= _MAX_DIMS
+                and all(type(d) is int and 0 <= d <= _MAX_INT for d in shape)):
+            spec = TensorSpec(dtype=dtype, shape=tuple(shape))
+            if spec.nbytes > _MAX_INT:
+                raise ProtocolError(ErrorCode.BUFFER_TOO_LARGE, f"tensor of shape {spec.shape}")
+            return spec
+    raise ProtocolError(ErrorCode.INVALID_FIELDS, f"bad tensor spec {raw!r:.80}")
 
 
 # --- receiving the buffers -----------------------------------------------------------------
@@ -472,40 +553,50 @@ def land_inline(header: FrameHeader, destinations: typing.Sequence[WireArray]) -
 
 def host_tensors_of_inline(header: FrameHeader) -> list[WireArray]:
     """The tensors of a frame whose buffers all came inline, in host memory, made from the
-    header's bytes: the receive path of small frames landing on the host. Two torch calls a
-    tensor, where allocating a destination and landing into it (``land_inline``) take about
-    eight; on a decode layer's critical path, with the caches cold after the step's own work,
-    each torch call costs several microseconds on the CPU and tens on a GPU host."""
+    header's bytes: the receive path of small frames landing on the host. One copy of the
+    inline bytes and two torch calls a tensor, where allocating a destination and landing into
+    it (``land_inline``) take about eight; on a decode layer's critical path, with the caches
+    cold after the step's own work, each torch call costs several microseconds on the CPU and
+    tens on a GPU host."""
     if not all(header.inline):
         raise ValueError("a buffer of this frame arrives separately")
-    if sum(spec.nbytes for spec in header.specs) != len(header.inline_bytes):
+    sizes = [spec.nbytes for spec in header.specs]
+    if sum(sizes) != len(header.inline_bytes):
         raise ProtocolError(ErrorCode.LENGTH_MISMATCH,
-                            f"{len(header.inline_bytes)} inline bytes for buffers of "
-                            f"{sum(spec.nbytes for spec in header.specs)}")
+                            f"{len(header.inline_bytes)} inline bytes for buffers of {sum(sizes)}")
+    data = bytearray(header.inline_bytes)  # writable, and the tensors' own
     tensors: list[WireArray] = []
     offset = 0
-    for spec in header.specs:
-        tensors.append(host_tensor_from_bytes(spec, header.inline_bytes[offset:offset + spec.nbytes]))
-        offset += spec.nbytes
+    for spec, nbytes in zip(header.specs, sizes):
+        # Inline buffers lie back to back: one that starts off a 16-byte boundary gets memory
+        # of its own, so that no tensor is misaligned for its dtype's vector loads.
+        if offset % 16:
+            tensors.append(host_tensor_from_bytes(spec, bytes(data[offset:offset + nbytes])))
+        else:
+            tensors.append(host_tensor_from_bytes(spec, data, offset))
+        offset += nbytes
     return tensors
 
 
 def assemble(header: FrameHeader, destinations: typing.Sequence[WireArray]) -> Message:
-    """The message with its tensors, once every destination holds its bytes."""
-    tensor_values: dict[str, object] = {}
-    position = 0
-    for field in _schema(type(header.message)):
-        if field.kind == "tensor":
-            tensor_values[field.name] = destinations[position]
-            position += 1
-        elif field.kind == "tensors":
-            count = len(getattr(header.message, field.name))
-            tensor_values[field.name] = tuple(destinations[position:position + count])
-            position += count
-    if not tensor_values:
-        return header.message
-    try:
-        return dataclasses.replace(header.message, **tensor_values)
-    except (ValueError, TypeError) as e:
-        raise ProtocolError(ErrorCode.INVALID_FIELDS, str(e)) from None
+    """The message with its tensors, once every destination holds its bytes.
 
+    The message's own checks ran in ``decode_header`` on the tensors' specs, whose dtypes and
+    shapes the destinations have: the message is not built and checked a second time."""
+    message = header.message
+    plan = _plan_of(type(message))
+    if not plan.tensors:
+        return message
+    values = dict(message.__dict__)
+    position = 0
+    for name, group in plan.tensors:
+        if group:
+            count = len(values[name])
+            values[name] = tuple(destinations[position:position + count])
+            position += count
+        else:
+            values[name] = destinations[position]
+            position += 1
+    assembled = object.__new__(type(message))
+    assembled.__dict__.update(values)
+    return assembled

@@ -7,6 +7,7 @@ device, so UCX moves it GPU-to-GPU; nothing here copies.
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 from dataclasses import dataclass
@@ -34,17 +35,17 @@ class TensorSpec:
     dtype: str  # a key of DTYPE_ITEMSIZE
     shape: tuple[int, ...]  # elements per dimension
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         return DTYPE_ITEMSIZE[self.dtype] * math.prod(self.shape)
 
 
-_TORCH_DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in _TORCH_DTYPES.items()}
+TORCH_DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in _TORCH_DTYPES.items()}
 
 
 def dtype_name(dtype: object) -> str:
     """The wire name of a numpy, cupy or torch dtype."""
-    name = _TORCH_DTYPE_NAMES.get(dtype) if isinstance(dtype, torch.dtype) else None
+    name = TORCH_DTYPE_NAMES.get(dtype) if isinstance(dtype, torch.dtype) else None
     return name or getattr(dtype, "name", None) or str(dtype).removeprefix("torch.")
 
 
@@ -107,12 +108,17 @@ def allocate(spec: TensorSpec, device: str) -> torch.Tensor:
     return torch.empty(spec.shape, dtype=_TORCH_DTYPES[spec.dtype], device=device)
 
 
-def host_tensor_from_bytes(spec: TensorSpec, data: bytes | memoryview) -> torch.Tensor:
-    """A host tensor for ``spec`` holding a copy of ``data`` (exactly ``spec.nbytes`` long),
-    writable, in two torch calls."""
+def host_tensor_from_bytes(spec: TensorSpec, data: bytes | memoryview | bytearray, offset: int = 0) -> torch.Tensor:
+    """A host tensor for ``spec`` from ``spec.nbytes`` bytes of ``data`` at ``offset``: a view
+    of ``data`` where it is a bytearray (writable memory the caller hands over), else of a copy
+    of those bytes; in two torch calls."""
     if spec.nbytes == 0:
         return torch.empty(spec.shape, dtype=_TORCH_DTYPES[spec.dtype])
-    return torch.frombuffer(bytearray(data), dtype=_TORCH_DTYPES[spec.dtype]).view(spec.shape)
+    if not isinstance(data, bytearray):
+        data, offset = bytearray(data[offset:offset + spec.nbytes]), 0
+    dtype = _TORCH_DTYPES[spec.dtype]
+    return torch.frombuffer(data, dtype=dtype, count=spec.nbytes // DTYPE_ITEMSIZE[spec.dtype],
+                            offset=offset).view(spec.shape)
 
 
 def copy_bytes(dst: WireArray, src: WireArray) -> None:

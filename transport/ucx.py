@@ -82,6 +82,7 @@ class _Connection:
 
     def __post_init__(self) -> None:
         self.header_buffer = np.zeros(self.config.limits.max_header_bytes, dtype=np.uint8)
+        self._header_array = Array(self.header_buffer)  # made once: every header lands here
         # The tags ucxx agreed with the peer when it connected (its Endpoint.send/recv use the
         # same); requests are posted on the UCX endpoint directly and awaited through
         # UcxProgress, since ucxx's own await busy-loops the event loop.
@@ -144,7 +145,7 @@ class _Connection:
         buf = self.header_buffer
         try:
             self._check_open()
-            request = self._post_recv(buf)
+            request = self._ucx_endpoint.tag_recv(self._header_array, self._recv_tag, TagMaskFull)
             await self.progress.wait(request, time.monotonic() + timeout_s)
         except UCXMessageTruncatedError:
             raise ProtocolError(ErrorCode.OVERSIZED_FRAME,

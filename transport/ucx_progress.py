@@ -12,6 +12,11 @@ that is already on its way arrives within that), then arms the worker and lets t
 sleep until the worker's epoll fd reports an event. An idle transport costs no CPU, and a
 process that sleeps is woken by the kernel as soon as a message arrives.
 
+The worker is armed only while a request sleeps here: an armed worker makes the fd readable at
+the next event, and the event loop then runs a progress of its own for each message that a
+spinning wait has already seen (on the development CPU a 1 KiB round trip took 72 us with the
+worker armed after every wait, 63 us without).
+
 ucxx must run in ``blocking`` progress mode (it creates the epoll fd and no progress thread):
 all progress then happens on the event loop's thread, here.
 """
@@ -65,7 +70,8 @@ class UcxProgress:
                 if now >= spin_until:
                     await self._sleep(request, deadline)
                     break
-        self._arm()
+        if self._sleepers:  # the spin's progress may have taken the event they sleep on
+            self._arm()
         request.check_error()
 
     async def _sleep(self, request, deadline: float | None) -> None:
@@ -110,7 +116,8 @@ class UcxProgress:
     def _on_event(self) -> None:
         self._worker.progress()
         self._wake_completed()
-        self._arm()
+        if self._sleepers:
+            self._arm()
 
     def poke(self) -> None:
         """Progress now and wake what completed (e.g. after an endpoint was aborted)."""

@@ -82,3 +82,33 @@ def test_host_tensors_of_inline_refuse_bytes_that_disagree_with_the_specs() -> N
     short = dataclasses.replace(header, inline_bytes=header.inline_bytes[:-4])
     with pytest.raises(codec.ProtocolError):
         codec.host_tensors_of_inline(short)
+
+
+def test_host_tensors_of_inline_keep_every_tensor_aligned() -> None:
+    """Inline buffers lie back to back; a tensor whose bytes start off a 16-byte boundary (after
+    a 3-element uint8 run here) still gets aligned memory of its own, and the right values."""
+    runs = (m.BlockRun(dst_block_id=0, num_blocks=3), m.BlockRun(dst_block_id=9, num_blocks=2))
+    data = (torch.tensor([1, 2, 3], dtype=torch.uint8), torch.randn(2, 5))
+    frame = codec.encode(m.KVBlocks(move_id=1, reservation_id=2, runs=runs, runs_data=data), 3)
+    header = codec.decode_header(bytes(frame.header), codec.FrameLimits())
+    got = codec.host_tensors_of_inline(header)
+    assert torch.equal(got[0], data[0]) and torch.equal(got[1], data[1])
+    assert all(t.data_ptr() % 16 == 0 for t in got)
+    got[1].mul_(2)  # writable
+    assert torch.equal(got[1], 2 * data[1])
+
+
+def test_an_assembled_message_is_the_decoded_one_with_its_tensors() -> None:
+    """``assemble`` does not build and check the message again: the same field values, the
+    tensors in place of the specs, and still frozen."""
+    q = torch.randn(2, 3, 8)
+    slices = (m.AttendSlice(7, 0, 1, 0, 16), m.AttendSlice(8, 1, 1, 4, 32))
+    frame = codec.encode(m.AttendRequest(1, 2, 3, 4, slices, q), 5)
+    header = codec.decode_header(bytes(frame.header), codec.FrameLimits())
+    message = codec.assemble(header, codec.host_tensors_of_inline(header))
+    assert type(message) is m.AttendRequest and message.slices == slices
+    assert (message.home_inst_id, message.creditor_inst_id, message.step_id, message.layer) == (1, 2, 3, 4)
+    assert torch.equal(message.q, q)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        message.layer = 0  # type: ignore[misc]
+    assert header.message.q == codec.TensorSpec("float32", (2, 3, 8))  # the header's is left as it was
