@@ -51,3 +51,11 @@ def test_example_config_loads() -> None:
     config = load_config(UNITS / "etc" / "infinited.toml.example")
     assert config.timeouts.drain_s < 660  # under the unit's TimeoutStopSec
     assert config.admin_group == "infinite-llm-admin"
+
+
+def test_the_instance_unit_gives_triton_a_persistent_writable_cache() -> None:
+    """Under ProtectSystem=strict and ProtectHome, Triton's default cache (in the home) cannot be
+    written: the unit points it into its own CacheDirectory."""
+    text = (UNITS / "infinited@.service").read_text()
+    assert "ProtectSystem=strict" in text and "CacheDirectory=infinite-llm" in text
+    assert "Environment=TRITON_CACHE_DIR=/var/cache/infinite-llm/triton" in text

@@ -79,6 +79,11 @@ class _Connection:
     header_buffer: np.ndarray = field(init=False)
     pending: dict[int, asyncio.Future] = field(default_factory=dict)  # msg_id -> reply
     broken: bool = False
+    # Replies posted but not yet sent, with their UCX requests and the time.monotonic() by which
+    # they must be: a frame owns the memory UCX reads, so it is kept until then. Looked at when
+    # the next reply is posted, instead of a task awaiting each one (a task per reply cost more
+    # than a small reply's round trip has to spare).
+    unsent: list[tuple[list, codec.EncodedFrame, float]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.header_buffer = np.zeros(self.config.limits.max_header_bytes, dtype=np.uint8)
@@ -134,6 +139,29 @@ class _Connection:
             if isinstance(e, (UCXError, TimeoutError)):
                 raise ConnectionBroken(f"{self.label}: send failed: {e!r}") from e
             raise
+
+    def keep_until_sent(self, requests: list, frame: codec.EncodedFrame) -> None:
+        """Keep a posted frame until UCX has sent it; drop the kept frames that are sent. A
+        failed send, or one past the frame timeout, breaks the connection, as awaiting it
+        would (``wait_sent``)."""
+        now = time.monotonic()
+        still = []
+        for entry in self.unsent:
+            sent = all(r.completed for r in entry[0])
+            if not sent and now < entry[2]:
+                still.append(entry)
+                continue
+            try:
+                if not sent:
+                    raise TimeoutError("a reply not sent within the frame timeout")
+                for request in entry[0]:
+                    request.check_error()
+            except (UCXError, TimeoutError) as e:
+                log.warning("%s: reply not sent: %r", self.label, e)
+                self.abort()
+                still.append(entry)  # UCX may still read it while it cancels
+        still.append((requests, frame, now + self.config.frame_timeout_s))
+        self.unsent = still
 
     async def send_frame(self, frame: codec.EncodedFrame, deadline: float | None = None) -> None:
         """Send one frame whole (see ``post_frame`` and ``wait_sent``)."""
@@ -289,9 +317,11 @@ class UcxTransport:
             connection.pending[frame.msg_id] = reply
         try:
             if posted is None:
-                await connection.send_frame(frame.frame, deadline)
-            else:
+                posted = connection.post_frame(frame.frame)
+            if frame.frame.buffers:
                 await connection.wait_sent(posted, deadline)
+            # A header alone is not awaited: its reply says it arrived, and a failed send breaks
+            # the connection, which fails this reply. ``frame`` and ``posted`` live until then.
             # One timer on the reply rather than asyncio.timeout around the whole request:
             # on a round trip of tens of microseconds the latter's cost shows.
             timer = loop.call_at(loop.time() + max(0.0, deadline - time.monotonic()), _expire, reply)
@@ -540,14 +570,7 @@ class UcxTransport:
             return  # the requester is gone; its side reports that
         wire_trace.record("reply.posted", reply.TYPE, msg_id)
         if not all(r.completed for r in requests):
-            self._spawn(self._wait_reply_sent(connection, requests, frame))
-
-    async def _wait_reply_sent(self, connection: _Connection, requests: list, frame: codec.EncodedFrame) -> None:
-        try:
-            await connection.wait_sent(requests)  # ``frame`` stays referenced until then
-        except ConnectionBroken:
-            pass
-        del frame
+            connection.keep_until_sent(requests, frame)
 
     async def _reply(self, connection: _Connection, msg_id: int, reply: Message) -> None:
         try:
