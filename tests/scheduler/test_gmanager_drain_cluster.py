@@ -27,7 +27,9 @@ POOLS = [40, 40, 64]
 LONG_PROMPT = passkey_prompt(75)
 LONG_TOKENS = 120
 SHORT_PROMPT = passkey_prompt(10, key_item=3)  # about 10 blocks, on instance 2
-SHORT_TOKENS = 64
+# Long enough to be decoding still when the drain of instance 3 is asked for: its blocks are
+# what leaves instance 2 short of room for what instance 3 holds.
+SHORT_TOKENS = 200
 
 
 def decoding_request(instance, min_tokens: int) -> dict | None:
@@ -81,6 +83,7 @@ def test_drain_moves_lent_segments_and_requests_away_with_unchanged_outputs(clus
     assert all(m["dst_inst_id"] == 3 for m in moves if m["kind"] == "held")  # never back to the home
 
     # Instance 3 holds more for instance 1 than instance 2 has free: refused, nothing moved.
+    assert decoding_request(cluster[2], short_len), "instance 2's request ended before the drain of 3"
     code, refused = gmanager.request("POST", "/v1/drain", {"instance_id": 3})
     assert code == 409 and "drain refused, nothing moved" in refused["error"], refused
     assert gmanager.status()["moves"] == {}
