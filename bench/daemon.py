@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from infinite_llm.daemon.config import parse_cpu_list
 from infinite_llm.daemon.local_cluster import LocalCluster, passkey_prompt
 from infinite_llm.transport.interface import PeerAddress, TransportConfig
 from infinite_llm.transport.messages import Echo, MoveKV
@@ -217,6 +218,36 @@ def run_request(cluster: LocalCluster, prompt: str, new_tokens: int, placements:
     return events
 
 
+def core_cpus() -> list[str]:
+    """The CPUs of each physical core this process may use (its hardware threads, as a list
+    for ``--cpu-affinity``), leaving out CPU 0's core (where the system's own work tends to
+    land) when there are others."""
+    allowed = os.sched_getaffinity(0)
+    cores: list[str] = []
+    for cpu in sorted(allowed):
+        try:
+            siblings = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text().strip()
+        except OSError:
+            siblings = str(cpu)
+        own = ",".join(str(c) for c in parse_cpu_list(siblings) if c in allowed)
+        if own not in cores:
+            cores.append(own)
+    return cores[1:] if len(cores) > 1 else cores
+
+
+def cpu_args(instance_cpus: str | None, num_instances: int) -> list[list[str]] | None:
+    """Each instance's ``--cpu-affinity`` from ``--instance-cpus`` (None: no pinning)."""
+    if instance_cpus is None:
+        return None
+    if instance_cpus == "auto":
+        cpus = core_cpus()
+    else:
+        cpus = instance_cpus.split(";")
+    if len(cpus) < num_instances:
+        raise SystemExit(f"--instance-cpus gives CPUs for {len(cpus)} instances, {num_instances} wanted")
+    return [["--cpu-affinity", cpus[i]] for i in range(num_instances)]
+
+
 def instance_devices(device: str, num_instances: int, spread: bool) -> list[str]:
     """Every instance on ``device``, or with ``spread`` instance i on GPU i mod the GPU count."""
     if not spread:
@@ -227,7 +258,7 @@ def instance_devices(device: str, num_instances: int, spread: bool) -> list[str]
 def split_case(num_instances: int, context_blocks: int, prompt: str, new_tokens: int, device: str,
                extra_args: list[str], profile_dir: Path | None = None, spread: bool = False,
                chunk_tokens: int = 128, wire_trace_dir: Path | None = None,
-               py_spy: tuple[Path, int] | None = None) -> dict:
+               py_spy: tuple[Path, int] | None = None, instance_cpus: str | None = None) -> dict:
     share = math.ceil(context_blocks / num_instances)
     chunk_blocks = math.ceil(chunk_tokens / BLOCK_SIZE)
     if num_instances == 1:
@@ -241,7 +272,8 @@ def split_case(num_instances: int, context_blocks: int, prompt: str, new_tokens:
             extra_env["INFLLM_WIRE_TRACE"] = str(wire_trace_dir)
         cluster = LocalCluster(Path(root), num_instances, pools[0], device=device, pool_blocks_per_instance=pools,
                                extra_args=extra_args, extra_env=extra_env,
-                               devices=instance_devices(device, num_instances, spread))
+                               devices=instance_devices(device, num_instances, spread),
+                               instance_args=cpu_args(instance_cpus, num_instances))
         try:
             cluster.wait_ready()
             run_request(cluster, prompt, 4, [])  # warm-up
@@ -345,14 +377,16 @@ def split_run(cluster: LocalCluster, prompt: str, new_tokens: int, split_blocks:
 
 
 def move_case(context_blocks: int, prompt: str, new_tokens: int, blocks_per_move: int, device: str,
-              extra_args: list[str], spread: bool = False, chunk_blocks: int = 8) -> dict:
+              extra_args: list[str], spread: bool = False, chunk_blocks: int = 8,
+              instance_cpus: str | None = None) -> dict:
     """Decode with the request's KV split half and half, without and with moves back to back:
     the cost of the moves alone. (The request alone, all at home, is reported beside.)"""
     pools = [context_blocks + 64 + chunk_blocks, context_blocks + 64]
     split_blocks = context_blocks // 2
     with tempfile.TemporaryDirectory(prefix="infllm-bench-") as root:
         cluster = LocalCluster(Path(root), 2, pools[0], device=device, pool_blocks_per_instance=pools,
-                               extra_args=extra_args, devices=instance_devices(device, 2, spread))
+                               extra_args=extra_args, devices=instance_devices(device, 2, spread),
+                               instance_args=cpu_args(instance_cpus, 2))
         try:
             cluster.wait_ready()
             run_request(cluster, prompt, 4, [])  # warm-up
@@ -396,6 +430,9 @@ def main() -> None:
                         help="the instances' prefill chunk (default: the local cluster's)")
     parser.add_argument("--model", default=None,
                         help="GGUF file or Hugging Face folder (default: the embedded SmolLM2-135M)")
+    parser.add_argument("--instance-cpus", default=None,
+                        help='each instance on CPUs of its own: "auto" (one CPU per physical core, CPU 0 left '
+                             'out) or lists per instance separated by ";" ("2;4-5")')
     parser.add_argument("--creditor-cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                         help="the instances' setting (default: theirs, on)")
     args = parser.parse_args()
@@ -419,7 +456,8 @@ def main() -> None:
                          args.profile_dir if n == 2 else None, args.spread_gpus,
                          args.max_num_batched_tokens or 128,
                          Path(tempfile.mkdtemp(prefix="infllm-wire-")) if args.wire_trace and n == 2 else None,
-                         (Path(tempfile.mkdtemp(prefix="infllm-py-spy-")), args.py_spy) if args.py_spy and n == 2 else None)
+                         (Path(tempfile.mkdtemp(prefix="infllm-py-spy-")), args.py_spy) if args.py_spy and n == 2 else None,
+                         args.instance_cpus)
               for n in counts]
     if args.profile_dir:
         import pstats
@@ -431,14 +469,15 @@ def main() -> None:
         row["vs_one_instance"] = row["decode_tokens_per_s"] / splits[0]["decode_tokens_per_s"]
     moves = [] if args.no_moves else [
         move_case(context_blocks, prompt, args.new_tokens, k, args.device, extra_args, args.spread_gpus,
-                  math.ceil((args.max_num_batched_tokens or 128) / BLOCK_SIZE)) for k in (1, 2)]
+                  math.ceil((args.max_num_batched_tokens or 128) / BLOCK_SIZE), args.instance_cpus) for k in (1, 2)]
 
     gpu = torch.cuda.get_device_name().replace(" ", "-") if args.device.startswith("cuda") else "cpu"
-    report = {"device": gpu, "machine": platform.node(), "torch": torch.__version__, "model": args.model or "SmolLM2-135M-Instruct",
+    report = {"device": gpu, "machine": platform.node(), "instance_cpus": args.instance_cpus, "torch": torch.__version__, "model": args.model or "SmolLM2-135M-Instruct",
               "cuda_mps": args.mps, "spread_gpus": args.spread_gpus, "peer_spin_s": args.peer_spin_s, "context_blocks": context_blocks, "new_tokens": args.new_tokens, "splits": splits, "moves": moves}
     suffix = (f"-{Path(args.model).name}" if args.model else "") + ("-mps" if args.mps else "")
     suffix += (f"-x{torch.cuda.device_count()}-{context_blocks * BLOCK_SIZE // 1024}k" if args.spread_gpus else "") + (f"-spin{args.peer_spin_s:g}" if args.peer_spin_s is not None else "")
     suffix += "-eager-creditor" if args.creditor_cuda_graphs is False else ""
+    suffix += "-pinned" if args.instance_cpus else ""
     out = Path(args.out_dir) / f"daemon-{gpu}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")

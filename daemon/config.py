@@ -73,6 +73,10 @@ class InstanceConfig:
     # False: a static instance (vLLM-style): it admits only what its own pool holds, never
     # spills its requests' KV to peers, lends them nothing and refuses moves.
     share_kv: bool = True
+    # The CPUs this instance runs on ("0-7,32-39" or a list of ids; empty: those it was started
+    # with). An instance's event loop is on every remote-attention round trip: a core of its own,
+    # on its GPU's NUMA node, keeps the loop's code and data warm.
+    cpu_affinity: tuple[int, ...] = ()
     # On a GPU, serve peers' small attend requests (decode rows) from a CUDA graph per layer once
     # a layer has been served eagerly: one replay instead of several kernel launches.
     creditor_cuda_graphs: bool = True
@@ -109,6 +113,8 @@ class InstanceConfig:
         _check_int("split_decode_interval", self.split_decode_interval, minimum=1)
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, minimum=self.block_size)
         _check_int("peer_port", self.peer_port, minimum=0, maximum=65535)
+        if any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in self.cpu_affinity):
+            raise ConfigError(f"cpu_affinity must list CPU ids >= 0, got {self.cpu_affinity!r}")
         for name in ("share_kv", "creditor_cuda_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
@@ -155,10 +161,29 @@ def _check_int(name: str, value: object, *, minimum: int, maximum: int | None = 
         raise ConfigError(f"{name} must be {bound}, got {value}")
 
 
+def parse_cpu_list(text: str) -> tuple[int, ...]:
+    """CPU ids from a list in the kernel's notation: ``"0-3,8,10-11"``."""
+    cpus: list[int] = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        first, _, last = part.partition("-")
+        try:
+            low, high = int(first), int(last or first)
+        except ValueError:
+            raise ConfigError(f"cpu_affinity: {part!r} is not a CPU id or a range like 0-3") from None
+        if low < 0 or high < low:
+            raise ConfigError(f"cpu_affinity: {part!r} is not a CPU id or a range like 0-3")
+        cpus.extend(range(low, high + 1))
+    return tuple(sorted(set(cpus)))
+
+
 def _coerce(name: str, value: Any, annotation: str) -> Any:
     """Turn TOML values into the field's type where TOML has no such type (paths, tuples)."""
     if value is None:
         return None
+    if name == "cpu_affinity" and isinstance(value, str):
+        return parse_cpu_list(value)
     if "Path" in annotation:
         if not isinstance(value, (str, Path)):
             raise ConfigError(f"{name} must be a path string, got {value!r}")

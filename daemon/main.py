@@ -37,6 +37,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict]
                         help="how long a wait on a peer spins before it sleeps, s (default 0.02 on a GPU, 0.0005 on the CPU)")
     parser.add_argument("--share-kv", action=argparse.BooleanOptionalAction, dest="share_kv",
                         help="spill KV to peers and lend them blocks (default); --no-share-kv: a static instance")
+    parser.add_argument("--cpu-affinity", dest="cpu_affinity",
+                        help='CPUs this instance runs on, e.g. "0-7,32-39" (default: those it was started with)')
     parser.add_argument("--creditor-cuda-graphs", action=argparse.BooleanOptionalAction, dest="creditor_cuda_graphs",
                         help="serve peers' decode rows from a CUDA graph per layer (default, on a GPU)")
     parser.add_argument("--http-host", dest="http_host")
@@ -67,6 +69,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"infinited: {exc}", file=sys.stderr)
         return 2
+    if config.cpu_affinity:
+        allowed = os.sched_getaffinity(0)
+        if not set(config.cpu_affinity) <= allowed:
+            print(f"infinited: cpu_affinity {list(config.cpu_affinity)} names CPUs outside those this process may "
+                  f"use ({sorted(allowed)})", file=sys.stderr)
+            return 2
+        os.sched_setaffinity(0, config.cpu_affinity)  # threads started from here on inherit it
     try:
         import uvloop
     except ImportError:  # uvloop is an optimisation; asyncio's loop serves too

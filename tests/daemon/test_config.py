@@ -157,3 +157,46 @@ def test_creditor_cuda_graphs_from_toml_and_flags(tmp_path: Path) -> None:
     path.write_text("creditor_cuda_graphs = 1\n")
     with pytest.raises(ConfigError, match="creditor_cuda_graphs must be true or false, got 1"):
         load_config(path)
+
+
+def test_cpu_affinity_from_toml_and_flags(tmp_path: Path) -> None:
+    from infinite_llm.daemon.main import parse_args
+
+    assert load_config().cpu_affinity == ()
+    path = tmp_path / "infinited.toml"
+    path.write_text('cpu_affinity = "0-3,8,10-11"\n')
+    assert load_config(path).cpu_affinity == (0, 1, 2, 3, 8, 10, 11)
+    path.write_text("cpu_affinity = [5, 1]\n")
+    assert load_config(path).cpu_affinity == (5, 1)
+    assert load_config(None, parse_args(["--cpu-affinity", "2-3"])[1]).cpu_affinity == (2, 3)
+    for bad, message in (('"3-1"', "'3-1' is not a CPU id or a range"), ('"x"', "'x' is not a CPU id"),
+                         ("[-1]", "cpu_affinity must list CPU ids >= 0")):
+        path.write_text(f"cpu_affinity = {bad}\n")
+        with pytest.raises(ConfigError, match=message):
+            load_config(path)
+
+
+def test_the_daemon_runs_on_its_cpus_and_refuses_cpus_it_may_not_use(monkeypatch, capsys) -> None:
+    import os
+
+    from infinite_llm.daemon import main as daemon_main
+
+    seen: list[set[int]] = []
+
+    class Recorder:
+        def __init__(self, config) -> None:
+            pass
+
+        async def run(self) -> None:
+            seen.append(os.sched_getaffinity(0))
+
+    monkeypatch.setattr(daemon_main, "InstanceDaemon", Recorder)
+    allowed = os.sched_getaffinity(0)
+    first = min(allowed)
+    try:
+        assert daemon_main.main(["--cpu-affinity", str(first)]) == 0
+        assert seen == [{first}]
+    finally:
+        os.sched_setaffinity(0, allowed)
+    assert daemon_main.main(["--cpu-affinity", str(max(allowed) + 1)]) == 2
+    assert "names CPUs outside those this process may use" in capsys.readouterr().err
