@@ -110,19 +110,24 @@ def test_peer_spin_defaults_by_device_and_can_be_set(tmp_path: Path) -> None:
         load_config(None, {"peer_spin_s": True})
 
 
-def test_share_kv_from_toml_and_flags(tmp_path: Path) -> None:
+@pytest.mark.parametrize("name", ["share_kv", "creditor_cuda_graphs"])
+def test_switches_from_toml_and_flags(tmp_path: Path, name: str) -> None:
+    """On/off settings: true by default, from the file, overridden by --x / --no-x; a value
+    that is not a TOML boolean is refused."""
     from infinite_llm.daemon.main import parse_args
 
-    assert load_config().share_kv is True
+    flag = "--" + name.replace("_", "-")
+    assert getattr(load_config(), name) is True
     path = tmp_path / "infinited.toml"
-    path.write_text("share_kv = false\n")
-    assert load_config(path).share_kv is False
-    assert load_config(path, parse_args(["--share-kv"])[1]).share_kv is True
-    assert load_config(None, parse_args(["--no-share-kv"])[1]).share_kv is False
-    assert load_config(path, parse_args([])[1]).share_kv is False  # no flag: the file holds
-    path.write_text('share_kv = "no"\n')
-    with pytest.raises(ConfigError, match="share_kv must be true or false"):
-        load_config(path)
+    path.write_text(f"{name} = false\n")
+    assert getattr(load_config(path), name) is False
+    assert getattr(load_config(path, parse_args([flag])[1]), name) is True
+    assert getattr(load_config(None, parse_args([flag.replace("--", "--no-")])[1]), name) is False
+    assert getattr(load_config(path, parse_args([])[1]), name) is False  # no flag: the file holds
+    for bad in ('"no"', "1"):
+        path.write_text(f"{name} = {bad}\n")
+        with pytest.raises(ConfigError, match=f"{name} must be true or false"):
+            load_config(path)
 
 
 def test_queue_bypass_limit_from_flags_and_its_bounds() -> None:
@@ -143,20 +148,6 @@ def test_split_decode_interval_from_flags_and_its_bounds() -> None:
     for bad in (0, 1.5, True):
         with pytest.raises(ConfigError, match="split_decode_interval"):
             load_config(None, {"split_decode_interval": bad})
-
-
-def test_creditor_cuda_graphs_from_toml_and_flags(tmp_path: Path) -> None:
-    from infinite_llm.daemon.main import parse_args
-
-    assert load_config().creditor_cuda_graphs is True
-    path = tmp_path / "infinited.toml"
-    path.write_text("creditor_cuda_graphs = false\n")
-    assert load_config(path).creditor_cuda_graphs is False
-    assert load_config(path, parse_args(["--creditor-cuda-graphs"])[1]).creditor_cuda_graphs is True
-    assert load_config(None, parse_args(["--no-creditor-cuda-graphs"])[1]).creditor_cuda_graphs is False
-    path.write_text("creditor_cuda_graphs = 1\n")
-    with pytest.raises(ConfigError, match="creditor_cuda_graphs must be true or false, got 1"):
-        load_config(path)
 
 
 def test_cpu_affinity_from_toml_and_flags(tmp_path: Path) -> None:
