@@ -142,10 +142,15 @@ class CreditorAttention:
             raise AttendError(f"q has shape {list(request.q.shape)}; the slices name {num_rows} rows and this "
                               f"model has {self.num_heads} heads of dim {self.kv_pool.shape[5]}")
         wire_trace.record("serve.start", AttendRequest.TYPE)
-        serve_plan = self._plan(request)  # first: a refused request leaves no copy in flight
         if self.stream is None:
+            serve_plan = self._plan(request)  # first: a refused request leaves no copy in flight
             result = self._attend(request, serve_plan)
         else:
+            # The plan's tensors are made, and a multi-row plan's tiles computed, on this
+            # creditor's stream: ahead of its attention, and behind nothing of this instance's
+            # own step.
+            with torch.cuda.stream(self.stream):
+                serve_plan = self._plan(request)
             result = self._attend_on_stream(request, serve_plan, num_rows)
         wire_trace.record("serve.done", AttendRequest.TYPE)
         return result

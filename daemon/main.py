@@ -76,6 +76,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"use ({sorted(allowed)})", file=sys.stderr)
             return 2
         os.sched_setaffinity(0, config.cpu_affinity)  # threads started from here on inherit it
+        # torch sized its CPU thread pool when it was imported, from all the CPUs then allowed.
+        import torch
+
+        torch.set_num_threads(len(set(config.cpu_affinity)))
     try:
         import uvloop
     except ImportError:  # uvloop is an optimisation; asyncio's loop serves too

@@ -153,7 +153,8 @@ class _TypePlan:
     fields: tuple[_Field, ...]
     plain: tuple[tuple[str, _Encoder | None, _Decoder], ...]  # non-tensor fields, in order
     tensors: tuple[tuple[str, bool], ...]  # tensor fields in buffer order: (name, a tuple of them)
-    names: frozenset[str]
+    plain_names: frozenset[str]  # the header's "f" keys
+    tensor_names: frozenset[str]  # the header's "x" keys
 
 
 _PLANS: dict[type, _TypePlan] = {}
@@ -167,7 +168,8 @@ def _plan_of(cls: type) -> _TypePlan:
             fields=fields,
             plain=tuple((f.name, _encoder_of(f), _decoder_of(f)) for f in fields if f.kind not in ("tensor", "tensors")),
             tensors=tuple((f.name, f.kind == "tensors") for f in fields if f.kind in ("tensor", "tensors")),
-            names=frozenset(f.name for f in fields),
+            plain_names=frozenset(f.name for f in fields if f.kind not in ("tensor", "tensors")),
+            tensor_names=frozenset(f.name for f in fields if f.kind in ("tensor", "tensors")),
         )
     return plan
 
@@ -271,6 +273,8 @@ def _spec_entry(array: WireArray) -> list:
 def _inline_host_bytes(array: WireArray, nbytes: int) -> bytes:
     """The bytes of a host array, copied once (a torch tensor straight from its memory)."""
     if isinstance(array, torch.Tensor):
+        if array.device.type != "cpu":
+            raise ValueError(f"cannot send a tensor on {array.device}")
         if not array.is_contiguous():
             raise ValueError("tensor must be contiguous")
         return ctypes.string_at(array.data_ptr(), nbytes) if nbytes else b""
@@ -410,7 +414,8 @@ def decode_header(data: bytes | memoryview, limits: FrameLimits) -> FrameHeader:
         raise ProtocolError(ErrorCode.TOO_MANY_BUFFERS, f"{len(table)} buffers")
 
     plan = _plan_of(cls)
-    if fields.keys() | tensor_fields.keys() != plan.names or not fields.keys().isdisjoint(tensor_fields):
+    # Each field under its own key: a plain field under "x" or a tensor under "f" is refused.
+    if fields.keys() != plan.plain_names or tensor_fields.keys() != plan.tensor_names:
         raise ProtocolError(ErrorCode.INVALID_FIELDS, f"fields of {cls.TYPE} do not match")
     kwargs = {name: dec(fields[name]) for name, _enc, dec in plan.plain}
     specs: list[TensorSpec] = []
@@ -581,8 +586,9 @@ def host_tensors_of_inline(header: FrameHeader) -> list[WireArray]:
 def assemble(header: FrameHeader, destinations: typing.Sequence[WireArray]) -> Message:
     """The message with its tensors, once every destination holds its bytes.
 
-    The message's own checks ran in ``decode_header`` on the tensors' specs, whose dtypes and
-    shapes the destinations have: the message is not built and checked a second time."""
+    The message is not built a second time (``dataclasses.replace`` would): its fields are
+    taken over as decoded and its own checks run once more on the destinations, which a
+    placer may have shaped otherwise than the specs."""
     message = header.message
     plan = _plan_of(type(message))
     if not plan.tensors:
@@ -599,4 +605,10 @@ def assemble(header: FrameHeader, destinations: typing.Sequence[WireArray]) -> M
             position += 1
     assembled = object.__new__(type(message))
     assembled.__dict__.update(values)
+    check = getattr(assembled, "__post_init__", None)
+    if check is not None:
+        try:
+            check()
+        except (ValueError, TypeError) as e:
+            raise ProtocolError(ErrorCode.INVALID_FIELDS, str(e)) from None
     return assembled

@@ -79,10 +79,11 @@ class _Connection:
     header_buffer: np.ndarray = field(init=False)
     pending: dict[int, asyncio.Future] = field(default_factory=dict)  # msg_id -> reply
     broken: bool = False
-    # Replies posted but not yet sent, with their UCX requests and the time.monotonic() by which
-    # they must be: a frame owns the memory UCX reads, so it is kept until then. Looked at when
-    # the next reply is posted, instead of a task awaiting each one (a task per reply cost more
-    # than a small reply's round trip has to spare).
+    # Frames posted but not yet sent (replies, and requests whose wait ended first), with their
+    # UCX requests and the time.monotonic() by which they must be: a frame owns the memory UCX
+    # reads, so it is kept until then. Looked at when a frame is posted or one arrives, instead
+    # of a task awaiting each one (a task per reply cost more than a small reply's round trip
+    # has to spare).
     unsent: list[tuple[list, codec.EncodedFrame, float]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -141,26 +142,32 @@ class _Connection:
             raise
 
     def keep_until_sent(self, requests: list, frame: codec.EncodedFrame) -> None:
-        """Keep a posted frame until UCX has sent it; drop the kept frames that are sent. A
-        failed send, or one past the frame timeout, breaks the connection, as awaiting it
-        would (``wait_sent``)."""
+        """Keep a posted frame until UCX has sent it (and look at those kept before)."""
+        self.sweep_unsent()
+        self.unsent.append((requests, frame, time.monotonic() + self.config.frame_timeout_s))
+
+    def sweep_unsent(self) -> None:
+        """Drop the kept frames that UCX has sent. A failed send, or one past the frame
+        timeout, breaks the connection, as awaiting it would (``wait_sent``)."""
+        if not self.unsent:
+            return
         now = time.monotonic()
         still = []
         for entry in self.unsent:
-            sent = all(r.completed for r in entry[0])
-            if not sent and now < entry[2]:
-                still.append(entry)
+            requests, _frame, deadline = entry
+            if all(r.completed for r in requests):  # UCX reads it no more, sent or not
+                try:
+                    for request in requests:
+                        request.check_error()
+                except UCXError as e:
+                    if not self.broken:
+                        log.warning("%s: a frame was not sent: %r", self.label, e)
+                        self.abort()
                 continue
-            try:
-                if not sent:
-                    raise TimeoutError("a reply not sent within the frame timeout")
-                for request in entry[0]:
-                    request.check_error()
-            except (UCXError, TimeoutError) as e:
-                log.warning("%s: reply not sent: %r", self.label, e)
+            if now >= deadline and not self.broken:
+                log.warning("%s: a frame not sent within the frame timeout", self.label)
                 self.abort()
-                still.append(entry)  # UCX may still read it while it cancels
-        still.append((requests, frame, now + self.config.frame_timeout_s))
+            still.append(entry)  # until UCX is done with it (an abort cancels it)
         self.unsent = still
 
     async def send_frame(self, frame: codec.EncodedFrame, deadline: float | None = None) -> None:
@@ -181,6 +188,7 @@ class _Connection:
         except (UCXError, TimeoutError) as e:
             self.abort()
             raise ConnectionBroken(f"{self.label}: receive failed: {e!r}") from e
+        self.sweep_unsent()  # frames kept until sent are looked at with each frame that comes
         length = codec.frame_length(buf[:codec.PREAMBLE.size])
         if length > buf.nbytes:
             raise ProtocolError(ErrorCode.OVERSIZED_FRAME, f"header of {length} bytes announced")
@@ -336,6 +344,8 @@ class UcxTransport:
         finally:
             if timer is not None:
                 timer.cancel()
+            if posted is not None and not all(r.completed for r in posted):
+                connection.keep_until_sent(posted, frame.frame)  # a timeout or a cancel: UCX may still read it
             connection.pending.pop(frame.msg_id, None)
             if reply.done() and not reply.cancelled():
                 reply.exception()  # failed with its connection while this request raised

@@ -181,13 +181,17 @@ def test_the_daemon_runs_on_its_cpus_and_refuses_cpus_it_may_not_use(monkeypatch
         async def run(self) -> None:
             seen.append(os.sched_getaffinity(0))
 
+    import torch
+
     monkeypatch.setattr(daemon_main, "InstanceDaemon", Recorder)
-    allowed = os.sched_getaffinity(0)
+    allowed, threads = os.sched_getaffinity(0), torch.get_num_threads()
     first = min(allowed)
     try:
         assert daemon_main.main(["--cpu-affinity", str(first)]) == 0
         assert seen == [{first}]
+        assert torch.get_num_threads() == 1  # torch's CPU pool fits the CPUs given
     finally:
         os.sched_setaffinity(0, allowed)
+        torch.set_num_threads(threads)
     assert daemon_main.main(["--cpu-affinity", str(max(allowed) + 1)]) == 2
     assert "names CPUs outside those this process may use" in capsys.readouterr().err

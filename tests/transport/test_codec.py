@@ -194,6 +194,11 @@ def test_a_valid_hand_made_frame_decodes():
                  "f": {"epoch": 1, "move_id": 1, "home_inst_id": 1, "req_id": 1,
                        "src_inst_id": 2, "dst_inst_id": 2, "num_blocks": 1},
                  "x": {}, "b": []}), m.ErrorCode.INVALID_FIELDS),
+    # A plain field under "x" and a tensor under "f": every name is there, under the wrong key.
+    (frame_with({"t": "attend_result", "v": 1, "id": 1, "re": None,
+                 "f": {"home_inst_id": 1, "creditor_inst_id": 2, "step_id": 0, "out": ["float32", [1, 1, 1]]},
+                 "x": {"layer": 0, "lse": ["float32", [1, 1]]}, "b": [[4, 1], [4, 1]]}, b"abcdefgh"),
+     m.ErrorCode.INVALID_FIELDS),
 ])
 def test_malformed_headers_are_refused(data: bytes, code: m.ErrorCode):
     assert refusal_code(data) == code

@@ -112,3 +112,19 @@ def test_an_assembled_message_is_the_decoded_one_with_its_tensors() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         message.layer = 0  # type: ignore[misc]
     assert header.message.q == codec.TensorSpec("float32", (2, 3, 8))  # the header's is left as it was
+
+
+def test_a_placer_that_shapes_a_buffer_otherwise_gets_a_protocol_error() -> None:
+    """The message's own checks run on the destinations too: a placement of the right byte
+    count but of a shape the message refuses is a ProtocolError, not a message that breaks
+    its own rules."""
+    runs = (m.BlockRun(dst_block_id=0, num_blocks=2),)
+    frame = codec.encode(m.KVBlocks(1, 2, runs, (torch.zeros(2, 8),)), 3, inline_limit_bytes=0)
+    header = codec.decode_header(bytes(frame.header), codec.FrameLimits())
+    with pytest.raises(codec.ProtocolError, match="num_blocks blocks in its first dimension"):
+        codec.assemble(header, [torch.zeros(4, 4)])  # 64 bytes, as sent, but 4 blocks
+
+
+def test_a_tensor_off_the_cpu_and_the_gpu_is_refused_on_send() -> None:
+    with pytest.raises(ValueError, match="cannot send a tensor on meta"):
+        codec.encode(m.Echo(torch.empty(4, device="meta")), 1)

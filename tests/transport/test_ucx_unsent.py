@@ -76,3 +76,16 @@ def test_a_reply_not_sent_within_the_frame_timeout_breaks_the_connection(monkeyp
     on_a_loop(lambda: conn.keep_until_sent([FakeRequest()], frame(b"c")))
     assert conn.broken
     assert [f.header for _, f, _ in conn.unsent] == [b"a", b"b", b"c"]  # kept while UCX cancels
+
+
+def test_frames_of_a_broken_connection_go_once_ucx_is_done_with_them() -> None:
+    conn = connection()
+    failed, cancelled = FakeRequest(), FakeRequest()
+    conn.keep_until_sent([failed], frame(b"a"))
+    conn.keep_until_sent([cancelled], frame(b"b"))
+    failed.completed, failed.error = True, UCXError("peer gone")
+    on_a_loop(conn.sweep_unsent)
+    assert conn.broken and [f.header for _, f, _ in conn.unsent] == [b"b"]
+    cancelled.completed, cancelled.error = True, UCXError("cancelled")
+    conn.sweep_unsent()
+    assert conn.unsent == [] and conn.endpoint.aborted == [True]  # broken once, not again
