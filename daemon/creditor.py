@@ -3,8 +3,9 @@
 An ``AttendRequest`` names, per request, the held segment and how many of its tokens to attend
 over (from that segment on, across the consecutive segments held here); the keys of a held
 segment are all older than the home's query rows (only complete, earlier blocks are ever
-moved), so no causal mask applies here. The plan (block tables, lengths) is the same for every
-layer of a home's step and is kept until that home's next step.
+moved), so no causal mask applies here. The plan (block tables, lengths, key splits) is the
+same for every layer of a home's step, and for its next steps while it asks for the same rows
+over the same segments (see below).
 
 On a GPU the creditor computes on a stream of its own, of the highest priority, and copies a
 small result to the host there: the attend request is served while this instance's own step
