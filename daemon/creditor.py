@@ -83,8 +83,7 @@ class CreditorAttention:
         # copies from and to pinned memory run on this stream without a sync each, where
         # pageable ones wait for the stream first. Reused by the next request: every request
         # ends with this stream synchronised, so no copy of the last one is still in flight.
-        self._pinned_query = torch.empty(0, dtype=torch.uint8)
-        self._pinned_result = torch.empty(0, dtype=torch.uint8)
+        self._pinned: dict[str, torch.Tensor] = {}  # "query", "result" -> uint8 buffer
         self.cuda_graphs = cuda_graphs and self.stream is not None
         self.graph_replays = 0  # requests served from a graph
         self.graph_captures = 0
@@ -159,7 +158,7 @@ class CreditorAttention:
     def _attend_on_stream(self, request: AttendRequest, serve_plan: _ServePlan, num_rows: int) -> AttendResult:
         """``_attend`` on this creditor's stream, the result complete when it returns; a small
         request from a layer's graph once that layer of the plan has run eagerly."""
-        staged = self._result_nbytes(num_rows) <= self.host_staging_bytes
+        staged = self._result_layout(num_rows)[2] <= self.host_staging_bytes
         q = torch.as_tensor(request.q)
         if staged and self.cuda_graphs and not q.is_cuda:
             graph = serve_plan.graphs.get(request.layer)
@@ -188,20 +187,21 @@ class CreditorAttention:
         lse_start = -(-out_bytes // 16) * 16
         return out_bytes, lse_start, lse_start + num_rows * self.num_heads * 4
 
-    def _result_nbytes(self, num_rows: int) -> int:
-        return self._result_layout(num_rows)[2]
+    def _result_views(self, buffer: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``out [num_rows, num_heads, head_dim]`` (the pool's dtype) and ``lse [num_rows,
+        num_heads]`` float32 as views of a uint8 ``buffer`` laid out by ``_result_layout``."""
+        out_bytes, lse_start, nbytes = self._result_layout(num_rows)
+        out = buffer[:out_bytes].view(self.kv_pool.dtype).view(num_rows, self.num_heads, self.kv_pool.shape[5])
+        return out, buffer[lse_start:nbytes].view(torch.float32).view(num_rows, self.num_heads)
 
     def _capture(self, serve_plan: _ServePlan, layer: int, q: torch.Tensor) -> _LayerGraph | None:
         """One layer's attention of the plan as a graph that reads ``q_dev`` and writes
         ``result_dev`` (out then lse, as ``_result_layout`` places them). None, and no graphs from
         then on, when capturing fails: the eager path serves the same requests."""
         device = self.kv_pool.device
-        num_rows = q.shape[0]
-        out_bytes, lse_start, nbytes = self._result_layout(num_rows)
         q_dev = torch.empty(q.shape, dtype=self.kv_pool.dtype, device=device)
-        result_dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        out_dev = result_dev[:out_bytes].view(self.kv_pool.dtype).view(q.shape)
-        lse_dev = result_dev[lse_start:].view(torch.float32).view(num_rows, self.num_heads)
+        result_dev = torch.empty(self._result_layout(q.shape[0])[2], dtype=torch.uint8, device=device)
+        out_dev, lse_dev = self._result_views(result_dev, q.shape[0])
         if serve_plan.graph_pool is None:
             serve_plan.graph_pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
@@ -228,12 +228,8 @@ class CreditorAttention:
 
     def _replay(self, captured: _LayerGraph, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A host query through a layer's graph: the result in host memory, complete."""
-        num_rows = q.shape[0]
-        out_bytes, lse_start, nbytes = self._result_layout(num_rows)
-        staging = self._pinned(q.numel() * self.kv_pool.element_size(), "query")
-        staging = staging.view(self.kv_pool.dtype).view(q.shape)
-        staging.copy_(q)
-        result_host = self._pinned(nbytes, "result")
+        staging = self._staged_query(q, self.kv_pool.dtype)
+        result_host = self._pinned_buffer("result", captured.result_dev.numel())
         wire_trace.record("serve.planned", AttendRequest.TYPE)
         with torch.cuda.stream(self.stream):
             captured.q_dev.copy_(staging, non_blocking=True)
@@ -242,20 +238,24 @@ class CreditorAttention:
         wire_trace.record("serve.launched", AttendRequest.TYPE)
         self.stream.synchronize()
         self.graph_replays += 1
-        out = result_host[:out_bytes].view(self.kv_pool.dtype).view(q.shape).clone()
-        lse = result_host[lse_start:].view(torch.float32).view(num_rows, self.num_heads).clone()
-        return out, lse
+        out, lse = self._result_views(result_host, q.shape[0])
+        return out.clone(), lse.clone()
 
-    def _pinned(self, nbytes: int, which: str) -> torch.Tensor:
+    def _pinned_buffer(self, which: str, nbytes: int) -> torch.Tensor:
         """The first ``nbytes`` of the pinned buffer for queries or results, grown as needed.
         Reused by the next request: every request ends with this creditor's stream
         synchronised, so no copy of the last one is still in flight."""
-        name = "_pinned_query" if which == "query" else "_pinned_result"
-        buffer = getattr(self, name)
-        if buffer.numel() < nbytes:
-            buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-            setattr(self, name, buffer)
+        buffer = self._pinned.get(which)
+        if buffer is None or buffer.numel() < nbytes:
+            buffer = self._pinned[which] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         return buffer[:nbytes]
+
+    def _staged_query(self, q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``q`` copied (as ``dtype``) into the pinned query buffer, for a copy to the device
+        that waits for nothing."""
+        staging = self._pinned_buffer("query", q.numel() * dtype.itemsize).view(dtype).view(q.shape)
+        staging.copy_(q)
+        return staging
 
     def _segments(self, home_inst_id: int, s: AttendSlice) -> list[HeldSegment]:
         """The held segments that a slice's ``num_tokens`` tokens lie in, from its first segment
@@ -283,18 +283,14 @@ class CreditorAttention:
     def _to_device(self, q: torch.Tensor) -> torch.Tensor:
         """A query that landed in host memory, on this pool's device: through pinned memory,
         copied on the current stream (this creditor's) without waiting for it."""
-        staging = self._pinned(q.numel() * q.element_size(), "query").view(q.dtype).view(q.shape)
-        staging.copy_(q)
-        return staging.to(self.kv_pool.device, non_blocking=True)
+        return self._staged_query(q, q.dtype).to(self.kv_pool.device, non_blocking=True)
 
     def _to_host(self, out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A small result in host memory, complete: both copies through pinned memory on this
         creditor's stream, one wait for it, then copies of their own (the pinned buffer is the
         next request's)."""
-        out_bytes, lse_start, nbytes = self._result_layout(out.shape[0])
-        result_host = self._pinned(nbytes, "result")
-        out_host = result_host[:out_bytes].view(out.dtype).view(out.shape)
-        lse_host = result_host[lse_start:].view(lse.dtype).view(lse.shape)
+        result_host = self._pinned_buffer("result", self._result_layout(out.shape[0])[2])
+        out_host, lse_host = self._result_views(result_host, out.shape[0])
         out_host.copy_(out, non_blocking=True)
         lse_host.copy_(lse, non_blocking=True)
         self.stream.synchronize()

@@ -104,8 +104,8 @@ class _Connection:
     def _post_send(self, buffer):
         return self._ucx_endpoint.tag_send(Array(buffer), self._send_tag)
 
-    def _post_recv(self, buffer):
-        return self._ucx_endpoint.tag_recv(Array(buffer), self._recv_tag, TagMaskFull)
+    def _post_recv(self, array: Array):
+        return self._ucx_endpoint.tag_recv(array, self._recv_tag, TagMaskFull)
 
     def post_frame(self, frame: codec.EncodedFrame) -> list:
         """Post one frame's messages; returns their UCX requests (small frames are often sent
@@ -180,7 +180,7 @@ class _Connection:
         buf = self.header_buffer
         try:
             self._check_open()
-            request = self._ucx_endpoint.tag_recv(self._header_array, self._recv_tag, TagMaskFull)
+            request = self._post_recv(self._header_array)
             await self.progress.wait(request, time.monotonic() + timeout_s)
         except UCXMessageTruncatedError:
             raise ProtocolError(ErrorCode.OVERSIZED_FRAME,
@@ -202,7 +202,7 @@ class _Connection:
             return
         try:
             self._check_open()
-            requests = [self._post_recv(v) for v in views]
+            requests = [self._post_recv(Array(v)) for v in views]
             deadline = time.monotonic() + self.config.frame_timeout_s
             for request in requests:
                 await self.progress.wait(request, deadline)
@@ -232,6 +232,8 @@ class UcxTransport:
 
     def __init__(self, config: TransportConfig | None = None) -> None:
         self._config = config or TransportConfig()
+        # Where an all-inline frame lands is a setting: looked up once, not per frame.
+        self._inline_lands_on_host = self._config.landing_device(True) == "cpu"
         self._handler: MessageHandler | None = None
         self._placer: BufferPlacer | None = None
         self._listener: ucxx._lib_async.Listener | None = None
@@ -555,7 +557,7 @@ class UcxTransport:
     def _lands_whole_on_host(self, header: codec.FrameHeader) -> bool:
         """Every buffer of the frame came inline and lands in host memory: its tensors are made
         from the header's bytes (``codec.host_tensors_of_inline``), with nothing to receive."""
-        return all(header.inline) and self._config.landing_device(True) == "cpu"
+        return self._inline_lands_on_host and all(header.inline)
 
     def _fresh_destinations(self, header: codec.FrameHeader) -> list[object]:
         device = self._config.landing_device(all(header.inline))

@@ -47,8 +47,8 @@ class UcxProgress:
         # this one also wakes the requests that sleep here, and arms the worker again. It is
         # watched only while a request sleeps: a fired fd stays readable until the worker is
         # armed, and arming while nothing sleeps is what this saves.
-        loop.add_reader(self._fd, self._on_event)
-        self._watching = True
+        self._watching = False
+        self._watch(True)
         self._tick = loop.call_later(SAFETY_TICK_S, self._on_tick)
 
     async def wait(self, request, deadline: float | None = None) -> None:
@@ -84,9 +84,7 @@ class UcxProgress:
         future = loop.create_future()
         entry = (request, future)
         self._sleepers.append(entry)
-        if not self._watching:
-            self._loop.add_reader(self._fd, self._on_event)
-            self._watching = True
+        self._watch(True)
         timer = None
         if deadline is not None:
             timer = loop.call_at(loop.time() + max(0.0, deadline - time.monotonic()), _expire, future)
@@ -126,9 +124,8 @@ class UcxProgress:
         self._wake_completed()
         if self._sleepers:
             self._arm()
-        elif self._watching:  # nothing sleeps: stop watching the fd rather than arm it
-            self._loop.remove_reader(self._fd)
-            self._watching = False
+        else:  # nothing sleeps: stop watching the fd rather than arm it
+            self._watch(False)
 
     def poke(self) -> None:
         """Progress now and wake what completed (e.g. after an endpoint was aborted)."""
@@ -142,9 +139,15 @@ class UcxProgress:
         if self._tick is not None:
             self._tick.cancel()
             self._tick = None
-        if self._watching:
+        self._watch(False)
+
+    def _watch(self, on: bool) -> None:
+        """Watch the worker's fd from the event loop, or stop."""
+        if on and not self._watching:
+            self._loop.add_reader(self._fd, self._on_event)
+        elif not on and self._watching:
             self._loop.remove_reader(self._fd)
-            self._watching = False
+        self._watching = on
 
 
 def _expire(future: asyncio.Future) -> None:
