@@ -33,7 +33,6 @@ import subprocess
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import torch
@@ -56,17 +55,9 @@ def decode_rate(events: list[tuple[float, dict]]) -> tuple[float, int]:
 def histogram_totals(cluster: LocalCluster) -> dict[int, dict[str, float]]:
     """Per instance, from /metrics: the sums (s), counts and cumulative buckets of the home's
     remote-attention wait and of the creditor's attend serving time."""
-    totals: dict[int, dict[str, float]] = {}
-    for inst in cluster:
-        with urllib.request.urlopen(f"http://127.0.0.1:{inst.http_port}/metrics", timeout=10) as response:
-            text = response.read().decode()
-        values: dict[str, float] = {}
-        for line in text.splitlines():
-            name, _, value = line.partition(" ")
-            if name.startswith(("infllm_remote_attention_seconds_", "infllm_attend_serve_seconds_")):
-                values[name] = float(value)
-        totals[inst.inst_id] = values
-    return totals
+    return {inst.inst_id: {name: value for name, value in inst.metrics().items()
+                           if name.startswith(("infllm_remote_attention_seconds_", "infllm_attend_serve_seconds_"))}
+            for inst in cluster}
 
 
 def latency_means(before: dict, after: dict) -> dict[int, dict]:
@@ -358,6 +349,7 @@ def split_run(cluster: LocalCluster, prompt: str, new_tokens: int, split_blocks:
     leader_thread = threading.Thread(target=lambda: asyncio.run(leader_moves(
         address, req_id_of, split_blocks, blocks_per_move, ready, stop, dst=2, result=result)))
     leader_thread.start()
+    creditor_before = creditor_counts(cluster[2])
     if not ready.wait(120):
         raise RuntimeError("the benchmark's leader transport did not start")
     for event in cluster[1].stream(prompt, max_tokens=new_tokens, ignore_eos=True):
@@ -373,16 +365,32 @@ def split_run(cluster: LocalCluster, prompt: str, new_tokens: int, split_blocks:
         raise RuntimeError(f"only {len(after)} steps after the split: ask for more new tokens")
     rate, tokens = decode_rate(after)
     done, failed = result["moves"]
-    return {"tokens_per_s": rate, "steps": tokens, "moves_committed": done, "moves_failed": failed}
+    time.sleep(1.2)  # the creditor's metrics are brought up to date once a second
+    creditor = {name: count - creditor_before[name] for name, count in creditor_counts(cluster[2]).items()}
+    return {"tokens_per_s": rate, "steps": tokens, "moves_committed": done, "moves_failed": failed,
+            "creditor": creditor}
+
+
+def creditor_counts(inst) -> dict[str, float]:
+    """What the instance's creditor did so far: plans made new or retargeted, graph replays and
+    captures, attend requests served."""
+    metrics = inst.metrics()
+    return {"plans_new": metrics.get('infllm_attend_plans_total{kind="new"}', 0.0),
+            "plans_retargeted": metrics.get('infllm_attend_plans_total{kind="retargeted"}', 0.0),
+            "graph_replays": metrics.get("infllm_attend_graph_replays_total", 0.0),
+            "graph_captures": metrics.get("infllm_attend_graph_captures_total", 0.0),
+            "attend_served": metrics.get("infllm_attend_serve_seconds_count", 0.0)}
 
 
 def move_case(context_blocks: int, prompt: str, new_tokens: int, blocks_per_move: int, device: str,
               extra_args: list[str], spread: bool = False, chunk_blocks: int = 8,
-              instance_cpus: str | None = None) -> dict:
-    """Decode with the request's KV split half and half, without and with moves back to back:
-    the cost of the moves alone. (The request alone, all at home, is reported beside.)"""
+              instance_cpus: str | None = None, repeats: int = 1) -> dict:
+    """Decode with the request's KV split half and half, without and with moves back to back
+    (``repeats`` pairs, alternated on one cluster): the cost of the moves alone, from the sums of
+    the rates. (The request alone, all at home, is reported beside.)"""
     pools = [context_blocks + 64 + chunk_blocks, context_blocks + 64]
     split_blocks = context_blocks // 2
+    without, moving = [], []
     with tempfile.TemporaryDirectory(prefix="infllm-bench-") as root:
         cluster = LocalCluster(Path(root), 2, pools[0], device=device, pool_blocks_per_instance=pools,
                                extra_args=extra_args, devices=instance_devices(device, 2, spread),
@@ -391,18 +399,30 @@ def move_case(context_blocks: int, prompt: str, new_tokens: int, blocks_per_move
             cluster.wait_ready()
             run_request(cluster, prompt, 4, [])  # warm-up
             local, _ = decode_rate(run_request(cluster, prompt, new_tokens, []))
+            # The first split request compiles and captures what only a split uses (the home's
+            # merge, the creditor's kernels and graphs): a warm-up too, with its moves.
             time.sleep(2.5)
-            split = split_run(cluster, prompt, new_tokens, split_blocks, 0)
-            time.sleep(2.5)  # the creditor frees the first request's segments
-            moving = split_run(cluster, prompt, new_tokens, split_blocks, blocks_per_move)
+            split_run(cluster, prompt, 12, split_blocks, blocks_per_move)
+            for _ in range(repeats):
+                time.sleep(2.5)  # the creditor frees the last request's segments
+                without.append(split_run(cluster, prompt, new_tokens, split_blocks, 0))
+                time.sleep(2.5)
+                moving.append(split_run(cluster, prompt, new_tokens, split_blocks, blocks_per_move))
         finally:
             cluster.stop()
-    return {"tokens_per_move": blocks_per_move * BLOCK_SIZE, "split_blocks": split_blocks,
-            "decode_tokens_per_s_local": local, "decode_tokens_per_s_without": split["tokens_per_s"],
-            "decode_tokens_per_s_with": moving["tokens_per_s"],
-            "throughput_cost": 1 - moving["tokens_per_s"] / split["tokens_per_s"],
-            "moves_committed": moving["moves_committed"], "moves_failed": moving["moves_failed"],
-            "decode_steps": moving["steps"], "moves_per_step": moving["moves_committed"] / max(1, moving["steps"])}
+    rate_without = sum(r["tokens_per_s"] for r in without) / repeats
+    rate_with = sum(r["tokens_per_s"] for r in moving) / repeats
+    committed = sum(r["moves_committed"] for r in moving)
+    steps = sum(r["steps"] for r in moving)
+    return {"tokens_per_move": blocks_per_move * BLOCK_SIZE, "split_blocks": split_blocks, "repeats": repeats,
+            "decode_tokens_per_s_local": local, "decode_tokens_per_s_without": rate_without,
+            "decode_tokens_per_s_with": rate_with, "throughput_cost": 1 - rate_with / rate_without,
+            "runs_tokens_per_s_without": [r["tokens_per_s"] for r in without],
+            "runs_tokens_per_s_with": [r["tokens_per_s"] for r in moving],
+            "moves_committed": committed, "moves_failed": sum(r["moves_failed"] for r in moving),
+            "decode_steps": steps, "moves_per_step": committed / max(1, steps),
+            "creditor_without": {k: sum(r["creditor"][k] for r in without) for k in without[0]["creditor"]},
+            "creditor_with": {k: sum(r["creditor"][k] for r in moving) for k in moving[0]["creditor"]}}
 
 
 def main() -> None:
@@ -426,6 +446,10 @@ def main() -> None:
     parser.add_argument("--spread-gpus", action="store_true", help="instance i on GPU i mod the GPU count")
     parser.add_argument("--instances", default="1,2,3", help="the split cases, comma-separated")
     parser.add_argument("--no-moves", action="store_true", help="skip the cases of moves during decode")
+    parser.add_argument("--moves-only", action="store_true", help="only the cases of moves during decode")
+    parser.add_argument("--move-repeats", type=int, default=1,
+                        help="runs without and with moves, alternated, per case of moves")
+    parser.add_argument("--move-tokens", default="16,32", help="the cases of moves: tokens a move, comma-separated")
     parser.add_argument("--max-num-batched-tokens", type=int, default=0,
                         help="the instances' prefill chunk (default: the local cluster's)")
     parser.add_argument("--model", default=None,
@@ -449,8 +473,15 @@ def main() -> None:
         extra_args += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     if args.creditor_cuda_graphs is not None:
         extra_args += ["--creditor-cuda-graphs" if args.creditor_cuda_graphs else "--no-creditor-cuda-graphs"]
-    counts = [int(n) for n in args.instances.split(",")]
-    if counts[0] != 1:
+    counts = [] if args.moves_only else [int(n) for n in args.instances.split(",")]
+    move_blocks = []
+    for tokens in args.move_tokens.split(","):
+        if int(tokens) <= 0 or int(tokens) % BLOCK_SIZE:
+            raise SystemExit(f"--move-tokens: {tokens} is not a positive multiple of the block size ({BLOCK_SIZE})")
+        move_blocks.append(int(tokens) // BLOCK_SIZE)
+    if args.move_repeats < 1:
+        raise SystemExit("--move-repeats must be at least 1")
+    if counts and counts[0] != 1:
         raise SystemExit("--instances must start with 1 (the anchor)")
     splits = [split_case(n, context_blocks, prompt, args.new_tokens, args.device, extra_args,
                          args.profile_dir if n == 2 else None, args.spread_gpus,
@@ -469,7 +500,8 @@ def main() -> None:
         row["vs_one_instance"] = row["decode_tokens_per_s"] / splits[0]["decode_tokens_per_s"]
     moves = [] if args.no_moves else [
         move_case(context_blocks, prompt, args.new_tokens, k, args.device, extra_args, args.spread_gpus,
-                  math.ceil((args.max_num_batched_tokens or 128) / BLOCK_SIZE), args.instance_cpus) for k in (1, 2)]
+                  math.ceil((args.max_num_batched_tokens or 128) / BLOCK_SIZE), args.instance_cpus, args.move_repeats)
+        for k in move_blocks]
 
     gpu = torch.cuda.get_device_name().replace(" ", "-") if args.device.startswith("cuda") else "cpu"
     report = {"device": gpu, "machine": platform.node(), "instance_cpus": args.instance_cpus, "torch": torch.__version__, "model": args.model or "SmolLM2-135M-Instruct",
@@ -478,6 +510,7 @@ def main() -> None:
     suffix += (f"-x{torch.cuda.device_count()}-{context_blocks * BLOCK_SIZE // 1024}k" if args.spread_gpus else "") + (f"-spin{args.peer_spin_s:g}" if args.peer_spin_s is not None else "")
     suffix += "-eager-creditor" if args.creditor_cuda_graphs is False else ""
     suffix += "-pinned" if args.instance_cpus else ""
+    suffix += "-moves" if args.moves_only else ""
     out = Path(args.out_dir) / f"daemon-{gpu}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
@@ -509,6 +542,9 @@ def main() -> None:
     for r in moves:
         print(f"{r['tokens_per_move']:>6} {r['decode_tokens_per_s_local']:>12.2f} {r['decode_tokens_per_s_without']:>14.2f} "
               f"{r['decode_tokens_per_s_with']:>11.2f} {100 * r['throughput_cost']:>6.1f}% {r['moves_per_step']:>10.2f}")
+        print(f"       runs without {[round(x, 2) for x in r['runs_tokens_per_s_without']]}, "
+              f"with {[round(x, 2) for x in r['runs_tokens_per_s_with']]}")
+        print(f"       creditor without moves {r['creditor_without']}\n       creditor with moves {r['creditor_with']}")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,12 @@ result's copy out are one replay instead of a handful of launches, each of which
 host time than the GPU spends on a decode row. A plan is kept while the request names the same
 slices over the same held segments (the ledger's objects, compared by identity: a freed, moved
 or re-committed segment is a new object), and its graphs go with it.
+
+KV moved here while the request decodes changes its slices every step or two, and a new plan
+would then serve eagerly and capture again each time. So a plan is made with room: its block
+tables are wider, and its key splits sized for more keys, than the request needs. A request
+whose slices have the same rows and fit that room is served by the kept plan, its block
+tables and key counts written in place (the kernels read both when they run, graphs included).
 """
 
 from __future__ import annotations
@@ -37,6 +43,9 @@ from infinite_llm.transport.messages import AttendRequest, AttendResult, AttendS
 from .ledger import CreditorLedger, HeldSegment, LedgerError
 
 log = logging.getLogger(__name__)
+
+# The least room a plan has for keys moved here after it was made, in blocks.
+PLAN_ROOM_BLOCKS = 16
 
 
 class AttendError(ValueError):
@@ -59,6 +68,10 @@ class _ServePlan:
     slices: tuple[AttendSlice, ...]
     segments: tuple[HeldSegment, ...]  # the ledger's segments the plan reads, in slice order
     plan: MicroAttentionPlan
+    # The longest slice's keys may change within [min_tokens, max_tokens] and this plan still
+    # serves it (the splits sized for max_tokens are then neither too few nor too thin).
+    min_tokens: int
+    max_tokens: int
     eager_layers: set[int] = field(default_factory=set)  # layers served once without a graph
     graphs: dict[int, _LayerGraph] = field(default_factory=dict)
     graph_pool: tuple | None = None  # the memory pool the plan's graphs share
@@ -87,6 +100,8 @@ class CreditorAttention:
         self.cuda_graphs = cuda_graphs and self.stream is not None
         self.graph_replays = 0  # requests served from a graph
         self.graph_captures = 0
+        self.plans_made = 0
+        self.plan_retargets = 0  # requests served by a kept plan over other slices
 
     @property
     def num_graphs(self) -> int:
@@ -95,16 +110,66 @@ class CreditorAttention:
 
     def _plan(self, request: AttendRequest) -> _ServePlan:
         """The home's kept plan when the request names the same slices over the same held
-        segments, else a new one (which replaces it, graphs and all)."""
+        segments, or the same rows over keys that fit its room (its tables then rewritten in
+        place); else a new one (which replaces it, graphs and all)."""
         segments = tuple(seg for s in request.slices for seg in self._segments(request.home_inst_id, s))
         kept = self._plans.get(request.home_inst_id)
-        if (kept is not None and kept.slices == request.slices and len(kept.segments) == len(segments)
-                and all(a is b for a, b in zip(kept.segments, segments))):
-            return kept
+        if kept is not None:
+            if (kept.slices == request.slices and len(kept.segments) == len(segments)
+                    and all(a is b for a, b in zip(kept.segments, segments))):
+                return kept
+            if self._retarget(kept, request.slices, segments):
+                return kept
+        tables, lens, starts = self._block_tables(request.slices, segments)
+        block_size = self.kv_pool.shape[3]
+        longest = max(lens)
+        # Room for the KV that moves here (or away) while the request decodes: an eighth of the
+        # keys, at least PLAN_ROOM_BLOCKS blocks, either way.
+        needed_blocks = -(-longest // block_size)
+        margin_blocks = max(PLAN_ROOM_BLOCKS, needed_blocks // 8)
+        room_blocks = needed_blocks + margin_blocks
+        device = self.kv_pool.device
+        block_tables = torch.tensor([t + [0] * (room_blocks - len(t)) for t in tables], dtype=torch.int32,
+                                    device=device)
+        plan = plan_micro_attention(
+            block_tables,
+            torch.tensor(lens, dtype=torch.int32, device=device),
+            torch.tensor(starts, dtype=torch.int32, device=device),
+            num_heads=self.num_heads, num_kv_heads=self.kv_pool.shape[4], head_dim=self.kv_pool.shape[5],
+            block_size=block_size, num_blocks=self.kv_pool.shape[0],
+            max_query_len=max(s.num_rows for s in request.slices), max_kv_len=room_blocks * block_size,
+            check_bounds=False,  # block ids come from this instance's own ledger
+        )
+        serve_plan = _ServePlan(request.slices, segments, plan,
+                                min_tokens=(needed_blocks - margin_blocks) * block_size,
+                                max_tokens=room_blocks * block_size)
+        self._plans[request.home_inst_id] = serve_plan
+        self.plans_made += 1
+        return serve_plan
+
+    def _retarget(self, kept: _ServePlan, slices: tuple[AttendSlice, ...], segments: tuple[HeldSegment, ...]) -> bool:
+        """Point ``kept`` at new slices and segments when they have its rows and their longest
+        fits its room. No request is in flight on the plan's tensors: each ends with them read."""
+        if len(slices) != len(kept.slices) or any(a.num_rows != b.num_rows for a, b in zip(slices, kept.slices)):
+            return False
+        longest = max(s.num_tokens for s in slices)
+        if not kept.min_tokens <= longest <= kept.max_tokens:
+            return False
+        tables, lens, _ = self._block_tables(slices, segments)
+        width = kept.plan.block_tables.shape[1]
+        kept.plan.block_tables.copy_(torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32))
+        kept.plan.kv_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        kept.slices, kept.segments = slices, segments
+        self.plan_retargets += 1
+        return True
+
+    def _block_tables(self, slices: tuple[AttendSlice, ...],
+                      segments: tuple[HeldSegment, ...]) -> tuple[list[list[int]], list[int], list[int]]:
+        """Per slice its blocks (from its segments, in order) and keys; the rows' start offsets."""
         block_size = self.kv_pool.shape[3]
         tables, lens, starts = [], [], [0]
         held = iter(segments)
-        for s in request.slices:
+        for s in slices:
             needed = -(-s.num_tokens // block_size)
             blocks: list[int] = []
             while len(blocks) < needed:
@@ -112,21 +177,7 @@ class CreditorAttention:
             tables.append(blocks[:needed])
             lens.append(s.num_tokens)
             starts.append(starts[-1] + s.num_rows)
-        width = max(len(t) for t in tables)
-        device = self.kv_pool.device
-        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device)
-        plan = plan_micro_attention(
-            block_tables,
-            torch.tensor(lens, dtype=torch.int32, device=device),
-            torch.tensor(starts, dtype=torch.int32, device=device),
-            num_heads=self.num_heads, num_kv_heads=self.kv_pool.shape[4], head_dim=self.kv_pool.shape[5],
-            block_size=block_size, num_blocks=self.kv_pool.shape[0],
-            max_query_len=max(s.num_rows for s in request.slices), max_kv_len=max(lens),
-            check_bounds=False,  # block ids come from this instance's own ledger
-        )
-        serve_plan = _ServePlan(request.slices, segments, plan)
-        self._plans[request.home_inst_id] = serve_plan
-        return serve_plan
+        return tables, lens, starts
 
     def attend(self, request: AttendRequest) -> AttendResult:
         """Partial attention of the request's rows over the held segments.

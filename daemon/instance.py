@@ -747,6 +747,11 @@ class InstanceDaemon:
         m.kv_usage_ratio.set(1 - bm.num_free_blocks(self.engine.home_instance_id) / total)
         m.kv_blocks_lent.set(self.ledger.num_blocks_held + self.ledger.num_blocks_reserved)
         m.kv_blocks_borrowed.set(self._num_blocks_borrowed())
+        c = self.creditor
+        m.count_up_to(m.attend_plans.labels(kind="new"), c.plans_made, "plans_made")
+        m.count_up_to(m.attend_plans.labels(kind="retargeted"), c.plan_retargets, "plan_retargets")
+        m.count_up_to(m.attend_graph_replays, c.graph_replays, "graph_replays")
+        m.count_up_to(m.attend_graph_captures, c.graph_captures, "graph_captures")
         self._tokens_window = [(t, n) for t, n in self._tokens_window if now - t <= 10.0]
         span = now - self._tokens_window[0][0] if len(self._tokens_window) > 1 else 0.0
         m.tokens_per_second.set(sum(n for _, n in self._tokens_window[1:]) / span if span > 0 else 0.0)

@@ -69,6 +69,14 @@ class Instance:
         assert code == 200, body
         return body
 
+    def metrics(self) -> dict[str, float]:
+        """``/metrics`` as {sample name with its labels: value}, e.g.
+        ``'infllm_kv_moves_total{result="committed"}'``."""
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as response:
+            text = response.read().decode()
+        samples = (line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+        return {name: float(value) for name, value in samples}
+
     def generate(self, prompt: str | list[int], **params: Any) -> tuple[list[int], str]:
         """Greedy unless params say otherwise; returns (token ids, text)."""
         code, lines = self.local("POST", "/v1/generate", {"prompt": prompt, "params": {"temperature": 0, **params}},

@@ -53,6 +53,14 @@ class InstanceMetrics:
         self.attend_serve_seconds = Histogram(
             "infllm_attend_serve_seconds", "Serving one attend request for another instance (compute), seconds",
             buckets=(2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1), registry=r)
+        self.attend_plans = Counter(
+            "infllm_attend_plans", "Attend plans this creditor made, by kind: new, or a kept one over moved KV",
+            ["kind"], registry=r)
+        self.attend_graph_replays = Counter(
+            "infllm_attend_graph_replays", "Attend requests served from a CUDA graph", registry=r)
+        self.attend_graph_captures = Counter(
+            "infllm_attend_graph_captures", "CUDA graphs captured for attend requests", registry=r)
+        self._counted: dict[str, float] = {}  # totals kept elsewhere, as last added here
         self.prompt_tokens = Counter("infllm_prompt_tokens", "Prompt tokens prefilled", registry=r)
         self.generated_tokens = Counter("infllm_generated_tokens", "Output tokens generated", registry=r)
         self.tokens_per_second = Gauge(
@@ -73,6 +81,11 @@ class InstanceMetrics:
         """A creditor's time serving one attend request."""
         self.attend_serve_seconds.observe(seconds)
         self.attend_serve_totals.add(seconds)
+
+    def count_up_to(self, counter, total: float, key: str) -> None:
+        """Add to ``counter`` what a running ``total`` kept elsewhere gained since the last call."""
+        counter.inc(max(0.0, total - self._counted.get(key, 0.0)))
+        self._counted[key] = total
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""

@@ -74,6 +74,18 @@ def test_long_prompt_spills_over_all_three_and_matches_one_instance(cluster, ref
     assert tokens == reference_tokens(reference_engine, LONG_PROMPT, 24)
     assert "green" in text  # box 42 is green
 
+    # The creditors served the home's layers and say so in their metrics (updated each tick).
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not all(
+            cluster[i].metrics().get('infllm_attend_plans_total{kind="new"}', 0) for i in (2, 3)):
+        time.sleep(0.2)
+    for i in (2, 3):
+        metrics = cluster[i].metrics()
+        assert metrics['infllm_attend_plans_total{kind="new"}'] >= 1
+        assert metrics["infllm_attend_serve_seconds_count"] >= 30  # one request a layer, at least
+        assert metrics["infllm_kv_blocks_lent"] >= 0
+    assert cluster[1].metrics()["infllm_remote_attention_seconds_count"] >= 30
+
     # Finished: every creditor has freed what it held.
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and any(inst.status()["pool"]["num_blocks_held_for_others"] for inst in cluster):

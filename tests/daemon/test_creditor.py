@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from infinite_llm.daemon.creditor import AttendError, CreditorAttention
+from infinite_llm.daemon.creditor import PLAN_ROOM_BLOCKS, AttendError, CreditorAttention
 from infinite_llm.daemon.ledger import CreditorLedger
 from infinite_llm.transport.messages import AttendRequest, AttendSlice
 
@@ -113,9 +113,10 @@ def test_on_a_gpu_the_creditor_serves_beside_a_busy_default_stream(host_staging_
     torch.cuda.synchronize()
 
 
-def test_the_plan_is_kept_across_steps_until_a_segment_changes() -> None:
+def test_the_plan_is_kept_across_steps_and_follows_a_changed_segment() -> None:
     """A decode step asks for the same slices at every layer and step: the plan is kept. A
-    segment freed and committed again (other blocks, other keys) is a new plan, read right."""
+    segment freed and committed again (other blocks, other keys) is read from its new blocks,
+    through the same plan: its tables are rewritten."""
     ledger, pool, creditor = make_creditor(num_blocks=16)
     first = hold(ledger, home=1, req=7, segment_id=0, num_blocks=3)
     slices = (AttendSlice(7, 0, 1, 0, 11),)
@@ -123,7 +124,7 @@ def test_the_plan_is_kept_across_steps_until_a_segment_changes() -> None:
     creditor.attend(AttendRequest(1, 5, step_id=0, layer=0, slices=slices, q=q))
     kept = creditor._plans[1]
     result = creditor.attend(AttendRequest(1, 5, step_id=1, layer=2, slices=slices, q=q))
-    assert creditor._plans[1] is kept
+    assert creditor._plans[1] is kept and creditor.plan_retargets == 0
     out, lse = attention_over(pool, first.block_ids, 11, 2, q)
     torch.testing.assert_close(result.out.double(), out, rtol=1e-4, atol=1e-5)
 
@@ -132,10 +133,44 @@ def test_the_plan_is_kept_across_steps_until_a_segment_changes() -> None:
     again = hold(ledger, home=1, req=7, segment_id=0, num_blocks=3)
     assert set(again.block_ids) != set(first.block_ids)
     result = creditor.attend(AttendRequest(1, 5, step_id=2, layer=2, slices=slices, q=q))
-    assert creditor._plans[1] is not kept
+    assert creditor._plans[1] is kept and creditor.plan_retargets == 1
+    assert kept.segments == (again,)
     out, lse = attention_over(pool, again.block_ids, 11, 2, q)
     torch.testing.assert_close(result.out.double(), out, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(result.lse.double(), lse, rtol=1e-4, atol=1e-5)
+
+
+def test_kv_moved_in_while_decoding_keeps_the_plan_until_it_outgrows_its_room() -> None:
+    """Blocks moved here after the held ones make the slice longer, over one more segment: the
+    kept plan serves it while the keys fit its room; past that a new plan does; a slice of other
+    rows is a new plan too. Every answer equals the reference over the blocks named."""
+    ledger, pool, creditor = make_creditor(num_blocks=48)
+    held = [hold(ledger, home=1, req=7, segment_id=0, num_blocks=4)]
+    q = torch.randn(1, NUM_HEADS, HEAD_DIM)
+
+    def attend_over_held(step: int, rows: int = 1):
+        num_tokens = sum(len(s.block_ids) for s in held) * BLOCK_SIZE - 1
+        q_rows = q.expand(rows, -1, -1).contiguous()
+        result = creditor.attend(AttendRequest(1, 5, step, 1, (AttendSlice(7, 0, rows, 0, num_tokens),), q_rows))
+        blocks = [b for s in held for b in s.block_ids]
+        out, lse = attention_over(pool, blocks, num_tokens, 1, q_rows)
+        torch.testing.assert_close(result.out.double(), out, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(result.lse.double(), lse, rtol=1e-4, atol=1e-5)
+
+    attend_over_held(0)
+    kept = creditor._plans[1]
+    assert kept.max_tokens == (4 + PLAN_ROOM_BLOCKS) * BLOCK_SIZE
+    for step in range(1, 9):  # two blocks moved in a step: 20 blocks are the plan's room
+        held.append(hold(ledger, home=1, req=7, segment_id=sum(len(s.block_ids) for s in held), num_blocks=2))
+        attend_over_held(step)
+        assert creditor._plans[1] is kept
+    assert creditor.plan_retargets == 8
+    held.append(hold(ledger, home=1, req=7, segment_id=20, num_blocks=2))
+    attend_over_held(9)
+    assert creditor._plans[1] is not kept
+    kept = creditor._plans[1]
+    attend_over_held(10, rows=2)
+    assert creditor._plans[1] is not kept and creditor.plan_retargets == 8
 
 
 @pytest.mark.gpu
@@ -162,12 +197,25 @@ def test_on_a_gpu_decode_rows_are_served_from_a_graph_per_layer() -> None:
     assert creditor.graph_replays == 2 * NUM_LAYERS
     assert creditor.num_graphs == NUM_LAYERS
 
+    # KV moved: the second segment now lies in other blocks, and more blocks came after it. The
+    # graphs serve the new slice, their tables rewritten; a slice past the plan's room is a new
+    # plan, without graphs until each layer has run eagerly.
     ledger.free_segment(1, 7, 30)
     moved = hold(ledger, home=1, req=7, segment_id=30, num_blocks=20)
-    q = torch.randn(2, NUM_HEADS, HEAD_DIM)
-    result = creditor.attend(AttendRequest(1, 5, 3, 1, slices, q))
+    more = hold(ledger, home=1, req=7, segment_id=50, num_blocks=6)
+    blocks = first.block_ids + moved.block_ids + more.block_ids
+    grown = (AttendSlice(7, 0, 2, 0, 222),)
+    for layer in range(NUM_LAYERS):
+        q = torch.randn(2, NUM_HEADS, HEAD_DIM)
+        result = creditor.attend(AttendRequest(1, 5, 3, layer, grown, q))
+        out, lse = attention_over(pool.cpu(), blocks, 222, layer, q)
+        torch.testing.assert_close(result.out.double(), out, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(result.lse.double(), lse, rtol=1e-4, atol=1e-5)
+    assert (creditor.graph_captures, creditor.graph_replays, creditor.plan_retargets) == (NUM_LAYERS, 3 * NUM_LAYERS, 1)
+    past_room = hold(ledger, home=1, req=7, segment_id=56, num_blocks=20)
+    result = creditor.attend(AttendRequest(1, 5, 4, 1, (AttendSlice(7, 0, 2, 0, 300),), q))
     assert creditor.num_graphs == 0
-    out, lse = attention_over(pool.cpu(), first.block_ids + moved.block_ids, 190, 1, q)
+    out, lse = attention_over(pool.cpu(), blocks + past_room.block_ids, 300, 1, q)
     torch.testing.assert_close(result.out.double(), out, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(result.lse.double(), lse, rtol=1e-4, atol=1e-5)
 
