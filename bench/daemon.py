@@ -8,8 +8,10 @@ instances by the home's reactive spill; the placement seen during decode is reco
 
 Moves: a leader first moves half of the request's KV to the second instance (at its first
 decode step), then sends ``MoveKV`` commands of 1 or 2 blocks (16 or 32 tokens) back to back;
-decode throughput after the split is compared with the same split without the small moves, so
-that the cost is the moves' alone (the request all at home is reported beside).
+decode throughput after the split is compared with the same request split without the small
+moves, so that the cost is the moves' alone (the request all at home is reported beside). The
+moves shift attention work to the creditor as the run goes on, so the runs without moves split
+the request as the runs with moves do on average: half, plus half of what the warm-up moved.
 
     python bench/daemon.py                  # the CPU (SmolLM2-135M)
     python bench/daemon.py --device cuda    # one GPU shared by the processes
@@ -385,9 +387,11 @@ def creditor_counts(inst) -> dict[str, float]:
 def move_case(context_blocks: int, prompt: str, new_tokens: int, blocks_per_move: int, device: str,
               extra_args: list[str], spread: bool = False, chunk_blocks: int = 8,
               instance_cpus: str | None = None, repeats: int = 1) -> dict:
-    """Decode with the request's KV split half and half, without and with moves back to back
-    (``repeats`` pairs, alternated on one cluster): the cost of the moves alone, from the sums of
-    the rates. (The request alone, all at home, is reported beside.)"""
+    """Decode with the request's KV split, without and with moves back to back (``repeats``
+    pairs, alternated on one cluster): the cost of the moves alone, from the sums of the rates.
+    With moves the split starts half and half and the creditor's share grows; without, the split
+    is the mean of that (from the warm-up's moves). (The request alone, all at home, is
+    reported beside.)"""
     pools = [context_blocks + 64 + chunk_blocks, context_blocks + 64]
     split_blocks = context_blocks // 2
     without, moving = [], []
@@ -402,10 +406,11 @@ def move_case(context_blocks: int, prompt: str, new_tokens: int, blocks_per_move
             # The first split request compiles and captures what only a split uses (the home's
             # merge, the creditor's kernels and graphs): a warm-up too, with its moves.
             time.sleep(2.5)
-            split_run(cluster, prompt, 12, split_blocks, blocks_per_move)
+            warm = split_run(cluster, prompt, new_tokens, split_blocks, blocks_per_move)
+            mean_split_blocks = split_blocks + round(warm["moves_committed"] * blocks_per_move / 2)
             for _ in range(repeats):
                 time.sleep(2.5)  # the creditor frees the last request's segments
-                without.append(split_run(cluster, prompt, new_tokens, split_blocks, 0))
+                without.append(split_run(cluster, prompt, new_tokens, mean_split_blocks, 0))
                 time.sleep(2.5)
                 moving.append(split_run(cluster, prompt, new_tokens, split_blocks, blocks_per_move))
         finally:
@@ -414,7 +419,8 @@ def move_case(context_blocks: int, prompt: str, new_tokens: int, blocks_per_move
     rate_with = sum(r["tokens_per_s"] for r in moving) / repeats
     committed = sum(r["moves_committed"] for r in moving)
     steps = sum(r["steps"] for r in moving)
-    return {"tokens_per_move": blocks_per_move * BLOCK_SIZE, "split_blocks": split_blocks, "repeats": repeats,
+    return {"tokens_per_move": blocks_per_move * BLOCK_SIZE, "split_blocks": split_blocks,
+            "split_blocks_without": mean_split_blocks, "repeats": repeats,
             "decode_tokens_per_s_local": local, "decode_tokens_per_s_without": rate_without,
             "decode_tokens_per_s_with": rate_with, "throughput_cost": 1 - rate_with / rate_without,
             "runs_tokens_per_s_without": [r["tokens_per_s"] for r in without],
@@ -537,7 +543,8 @@ def main() -> None:
             print(f"  {r['instances']} instances: remote attention wait {1e6 * home['remote_attention_mean_s']:.0f} us "
                   f"per layer, of which serving {1e6 * sum(served) / len(served):.0f} us")
     if moves:
-        print("KV split half and half; tok/s without and with moves back to back (all at home: tok/s local)")
+        print("KV split; tok/s without moves (at the moving runs' mean split) and with moves back to back "
+              "(all at home: tok/s local)")
     print(f"{'moved':>6} {'tok/s local':>12} {'tok/s without':>14} {'tok/s with':>11} {'cost':>7} {'moves/step':>10}")
     for r in moves:
         print(f"{r['tokens_per_move']:>6} {r['decode_tokens_per_s_local']:>12.2f} {r['decode_tokens_per_s_without']:>14.2f} "

@@ -72,6 +72,7 @@ class _ServePlan:
     # serves it (the splits sized for max_tokens are then neither too few nor too thin).
     min_tokens: int
     max_tokens: int
+    held_changes: int  # the ledger's count of changes to the home's segments, when last checked
     eager_layers: set[int] = field(default_factory=set)  # layers served once without a graph
     graphs: dict[int, _LayerGraph] = field(default_factory=dict)
     graph_pool: tuple | None = None  # the memory pool the plan's graphs share
@@ -112,13 +113,22 @@ class CreditorAttention:
         """The home's kept plan when the request names the same slices over the same held
         segments, or the same rows over keys that fit its room (its tables then rewritten in
         place); else a new one (which replaces it, graphs and all)."""
-        segments = tuple(seg for s in request.slices for seg in self._segments(request.home_inst_id, s))
-        kept = self._plans.get(request.home_inst_id)
+        home = request.home_inst_id
+        kept = self._plans.get(home)
+        held_changes = self.ledger.held_changes.get(home, 0)
+        # Every layer of every step asks this: while none of the home's segments changed, the
+        # same slices read the same segments, however many (KV moved in a piece at a time is a
+        # segment a piece), and the walk over them is skipped.
+        if kept is not None and kept.held_changes == held_changes and kept.slices == request.slices:
+            return kept
+        segments = tuple(seg for s in request.slices for seg in self._segments(home, s))
         if kept is not None:
             if (kept.slices == request.slices and len(kept.segments) == len(segments)
                     and all(a is b for a, b in zip(kept.segments, segments))):
+                kept.held_changes = held_changes
                 return kept
             if self._retarget(kept, request.slices, segments):
+                kept.held_changes = held_changes
                 return kept
         tables, lens, starts = self._block_tables(request.slices, segments)
         block_size = self.kv_pool.shape[3]
@@ -142,8 +152,8 @@ class CreditorAttention:
         )
         serve_plan = _ServePlan(request.slices, segments, plan,
                                 min_tokens=(needed_blocks - margin_blocks) * block_size,
-                                max_tokens=room_blocks * block_size)
-        self._plans[request.home_inst_id] = serve_plan
+                                max_tokens=room_blocks * block_size, held_changes=held_changes)
+        self._plans[home] = serve_plan
         self.plans_made += 1
         return serve_plan
 

@@ -50,6 +50,9 @@ class CreditorLedger:
     reservations: dict[int, Reservation] = field(default_factory=dict)
     held: dict[tuple[int, int, int], HeldSegment] = field(default_factory=dict)  # (home, req, segment)
     last_heard: dict[int, float] = field(default_factory=dict)  # home -> clock seconds
+    # home -> how many times its held segments changed (a commit, a free): what was read from
+    # them stays true while this stays the same.
+    held_changes: dict[int, int] = field(default_factory=dict)
     _next_reservation_id: int = 1
 
     @property
@@ -95,6 +98,7 @@ class CreditorLedger:
         del self.reservations[reservation_id]
         segment = HeldSegment(home_inst_id, req_id, segment_id, reservation.block_ids)
         self.held[key] = segment
+        self.held_changes[home_inst_id] = self.held_changes.get(home_inst_id, 0) + 1
         self.last_heard[home_inst_id] = now
         return segment
 
@@ -109,6 +113,7 @@ class CreditorLedger:
         segment = self.held.pop((home_inst_id, req_id, segment_id), None)
         if segment is None:
             return 0
+        self.held_changes[home_inst_id] = self.held_changes.get(home_inst_id, 0) + 1
         self.free(segment.block_ids)
         return len(segment.block_ids)
 

@@ -166,9 +166,9 @@ def build_step_attention(
     device: torch.device,
 ) -> StepAttention:
     """Lay out one step's attention over the segments of each chunk's request."""
-    # instance id -> entries (row, num_rows, first q position, block ids, kv_start_pos, num_keys, part,
-    # request id)
-    entries: dict[int, list[tuple[int, int, int, tuple[int, ...], int, int, int, str]]] = {}
+    # instance id -> entries [row, num_rows, first q position, block ids, kv_start_pos, num_keys, part,
+    # request id]
+    entries: dict[int, list[list]] = {}
     num_parts = 1
     row = 0
     for chunk in chunks:
@@ -179,22 +179,23 @@ def build_step_attention(
             num_keys = min(segment.token_end, end) - segment.token_start
             if num_keys <= 0:
                 continue
-            used_blocks = tuple(segment.block_ids[: -(-num_keys // block_size)])
+            used_blocks = segment.block_ids[: -(-num_keys // block_size)]
             if (previous is not None and previous.instance_id == segment.instance_id
                     and previous.token_end == segment.token_start
                     and previous.token_end - previous.token_start == len(previous.block_ids) * block_size):
-                # Consecutive segments on one instance (a long prompt spills a piece per chunk):
-                # one entry over their blocks in order, so the instance attends for the row once
-                # and the row merges one part per instance, not one per segment. A creditor
-                # reads such an entry across the segments it holds (``CreditorAttention``).
-                same_instance = entries[segment.instance_id]
-                r, n, q_start, blocks, kv_start, keys, entry_part, request_id = same_instance[-1]
-                same_instance[-1] = (r, n, q_start, blocks + used_blocks, kv_start, keys + num_keys, entry_part,
-                                     request_id)
+                # Consecutive segments on one instance (a long prompt spills a piece per chunk,
+                # KV moved while decoding arrives a piece per move): one entry over their blocks
+                # in order, so the instance attends for the row once and the row merges one part
+                # per instance, not one per segment. A creditor reads such an entry across the
+                # segments it holds (``CreditorAttention``). The blocks are extended in place:
+                # hundreds of pieces join in time linear in their blocks.
+                entry = entries[segment.instance_id][-1]
+                entry[3].extend(used_blocks)
+                entry[5] += num_keys
             else:
                 entries.setdefault(segment.instance_id, []).append(
-                    (row, chunk.num_tokens, chunk.start, used_blocks, segment.token_start, num_keys, part,
-                     chunk.request_id)
+                    [row, chunk.num_tokens, chunk.start, list(used_blocks), segment.token_start, num_keys, part,
+                     chunk.request_id]
                 )
                 part += 1
             previous = segment

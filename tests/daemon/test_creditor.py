@@ -140,6 +140,30 @@ def test_the_plan_is_kept_across_steps_and_follows_a_changed_segment() -> None:
     torch.testing.assert_close(result.lse.double(), lse, rtol=1e-4, atol=1e-5)
 
 
+def test_segments_are_looked_up_again_only_after_the_homes_segments_change() -> None:
+    """Every layer of every step names the same slices: while the ledger has changed nothing of
+    the home's, the kept plan is used without walking its segments again."""
+    ledger, pool, creditor = make_creditor(num_blocks=16)
+    held = [hold(ledger, home=1, req=7, segment_id=2 * i, num_blocks=2) for i in range(3)]
+    slices = (AttendSlice(7, 0, 1, 0, 24),)
+    q = torch.randn(1, NUM_HEADS, HEAD_DIM)
+    creditor.attend(AttendRequest(1, 5, 0, 0, slices, q))
+    lookups = []
+    segment = ledger.segment
+    ledger.segment = lambda *key: lookups.append(key) or segment(*key)
+    for step in range(1, 4):
+        creditor.attend(AttendRequest(1, 5, step, 1, slices, q))
+    hold(ledger, home=2, req=7, segment_id=0, num_blocks=2)  # another home's: nothing to look up
+    creditor.attend(AttendRequest(1, 5, 4, 1, slices, q))
+    assert lookups == []
+    hold(ledger, home=1, req=9, segment_id=0, num_blocks=2)
+    result = creditor.attend(AttendRequest(1, 5, 5, 1, slices, q))
+    assert lookups == [(1, 7, 0), (1, 7, 2), (1, 7, 4)]
+    out, lse = attention_over(pool, [b for h in held for b in h.block_ids], 24, 1, q)
+    torch.testing.assert_close(result.out.double(), out, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(result.lse.double(), lse, rtol=1e-4, atol=1e-5)
+
+
 def test_kv_moved_in_while_decoding_keeps_the_plan_until_it_outgrows_its_room() -> None:
     """Blocks moved here after the held ones make the slice longer, over one more segment: the
     kept plan serves it while the keys fit its room; past that a new plan does; a slice of other
