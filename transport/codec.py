@@ -47,6 +47,8 @@ from infinite_llm.transport.tensors import (
     host_tensor_from_bytes,
     is_cuda,
     nbytes_of,
+    kept_spec,
+    known_spec,
     spec_of,
     wait_for_producers,
     wire_view,
@@ -273,7 +275,7 @@ def _spec_entry(array: WireArray) -> list:
 def _inline_host_bytes(array: WireArray, nbytes: int) -> bytes:
     """The bytes of a host array, copied once (a torch tensor straight from its memory)."""
     if isinstance(array, torch.Tensor):
-        if array.device.type != "cpu":
+        if not array.is_cpu:
             raise ValueError(f"cannot send a tensor on {array.device}")
         if not array.is_contiguous():
             raise ValueError("tensor must be contiguous")
@@ -347,8 +349,9 @@ def encode(
     })
     flags = FLAG_WANTS_REPLY if wants_reply else 0
     preamble = PREAMBLE.pack(MAGIC, PROTOCOL_VERSION, flags, len(body), inline_total)
-    return EncodedFrame(header=b"".join([preamble, body, *inline_parts]),
-                        buffers=tuple(wire_buffers))
+    frame = object.__new__(EncodedFrame)  # as in decode_header: no field-by-field frozen __init__
+    frame.__dict__.update(header=b"".join([preamble, body, *inline_parts]), buffers=tuple(wire_buffers))
+    return frame
 
 
 def _host_bytes(device_view: object) -> bytes:
@@ -435,7 +438,10 @@ def decode_header(data: bytes | memoryview, limits: FrameLimits) -> FrameHeader:
         message = cls(**kwargs)
     except (ValueError, TypeError) as e:
         raise ProtocolError(ErrorCode.INVALID_FIELDS, f"{cls.TYPE}: {e}") from None
-    return FrameHeader(
+    # Filled in directly: a frozen dataclass's __init__ sets each field through
+    # object.__setattr__, a tenth of a small frame's decode.
+    header = object.__new__(FrameHeader)
+    header.__dict__.update(
         message=message,
         msg_id=msg_id,
         reply_to=reply_to,
@@ -446,6 +452,7 @@ def decode_header(data: bytes | memoryview, limits: FrameLimits) -> FrameHeader:
         inline_bytes=(memoryview(data)[PREAMBLE.size + json_len:] if isinstance(data, bytes)
                       else bytes(data[PREAMBLE.size + json_len:])),
     )
+    return header
 
 
 def _check_buffer_table(
@@ -487,10 +494,16 @@ def _decode_spec(raw: object) -> TensorSpec:
         dtype, shape = raw
         if (type(dtype) is str and dtype in DTYPE_ITEMSIZE and type(shape) is list and len(shape) <= _MAX_DIMS
                 and all(type(d) is int and 0 <= d <= _MAX_INT for d in shape)):
+            # Looked up only once checked: a float or bool dimension, equal to an int as a key,
+            # is refused above.
+            key = (dtype, *shape)
+            spec = known_spec(key)
+            if spec is not None:
+                return spec
             spec = TensorSpec(dtype=dtype, shape=tuple(shape))
             if spec.nbytes > _MAX_INT:
                 raise ProtocolError(ErrorCode.BUFFER_TOO_LARGE, f"tensor of shape {spec.shape}")
-            return spec
+            return kept_spec(key, spec)
     raise ProtocolError(ErrorCode.INVALID_FIELDS, f"bad tensor spec {raw!r:.80}")
 
 
