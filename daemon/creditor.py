@@ -127,7 +127,7 @@ class CreditorAttention:
                     and all(a is b for a, b in zip(kept.segments, segments))):
                 kept.held_changes = held_changes
                 return kept
-            if self._retarget(kept, request.slices, segments):
+            if self._retarget(home, kept, request.slices, segments):
                 kept.held_changes = held_changes
                 return kept
         tables, lens, starts = self._block_tables(request.slices, segments)
@@ -157,7 +157,8 @@ class CreditorAttention:
         self.plans_made += 1
         return serve_plan
 
-    def _retarget(self, kept: _ServePlan, slices: tuple[AttendSlice, ...], segments: tuple[HeldSegment, ...]) -> bool:
+    def _retarget(self, home: int, kept: _ServePlan, slices: tuple[AttendSlice, ...],
+                  segments: tuple[HeldSegment, ...]) -> bool:
         """Point ``kept`` at new slices and segments when they have its rows and their longest
         fits its room. No request is in flight on the plan's tensors: each ends with them read."""
         if len(slices) != len(kept.slices) or any(a.num_rows != b.num_rows for a, b in zip(slices, kept.slices)):
@@ -167,8 +168,14 @@ class CreditorAttention:
             return False
         tables, lens, _ = self._block_tables(slices, segments)
         width = kept.plan.block_tables.shape[1]
-        kept.plan.block_tables.copy_(torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32))
-        kept.plan.kv_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        try:
+            kept.plan.block_tables.copy_(torch.tensor([t + [0] * (width - len(t)) for t in tables],
+                                                      dtype=torch.int32))
+            kept.plan.kv_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        except BaseException:
+            # Half rewritten, the plan matches neither the old slices nor the new: drop it.
+            self._plans.pop(home, None)
+            raise
         kept.slices, kept.segments = slices, segments
         self.plan_retargets += 1
         return True

@@ -460,7 +460,10 @@ class InstanceDaemon:
             return None
         if isinstance(message, FreeSegment):
             self.ledger.free_segment(message.home_inst_id, message.req_id, message.segment_id)
-            self.creditor.forget(message.home_inst_id)
+            # The kept plan (and its graphs) stays while the home has KV here: the next request
+            # finds the change in the ledger and is planned over what is held then.
+            if not self.ledger.holds_for(message.home_inst_id):
+                self.creditor.forget(message.home_inst_id)
             return None
         if isinstance(message, (MoveKV, Drain, Uncordon, ForwardSegment)):
             if not self.fence.admit(message.epoch):

@@ -108,6 +108,10 @@ class CreditorLedger:
         except KeyError:
             raise LedgerError(f"no segment {segment_id} of request {req_id} of instance {home_inst_id} here") from None
 
+    def holds_for(self, home_inst_id: int) -> bool:
+        """Whether any segment of the home's requests is held here."""
+        return any(key[0] == home_inst_id for key in self.held)
+
     def free_segment(self, home_inst_id: int, req_id: int, segment_id: int) -> int:
         """Free one held segment; returns the blocks freed (0 if it was not held: frees repeat)."""
         segment = self.held.pop((home_inst_id, req_id, segment_id), None)

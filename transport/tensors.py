@@ -51,7 +51,7 @@ def dtype_name(dtype: object) -> str:
 
 # Specs already made, by (dtype, *shape): a frame's tensors mostly have shapes seen before, and
 # making a frozen spec (and its byte count) costs more than the rest of a small frame's field.
-# Bounded: past it, specs are made afresh.
+# Bounded: once full it starts again, so the shapes in use now are kept whatever came before.
 _SPECS_KEPT = 4096
 
 _specs_by_dtype_shape: dict[tuple, TensorSpec] = {}
@@ -71,8 +71,9 @@ def spec_of(array: WireArray) -> TensorSpec:
 def kept_spec(key: tuple, spec: TensorSpec) -> TensorSpec:
     """``spec``, kept under ``key`` (its byte count computed) while there is room."""
     spec.nbytes  # computed once, with the spec
-    if len(_specs_by_dtype_shape) < _SPECS_KEPT:
-        _specs_by_dtype_shape[key] = spec
+    if len(_specs_by_dtype_shape) >= _SPECS_KEPT:
+        _specs_by_dtype_shape.clear()
+    _specs_by_dtype_shape[key] = spec
     return spec
 
 

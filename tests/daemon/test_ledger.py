@@ -111,3 +111,20 @@ def test_moves_travel_in_pieces_of_bounded_bytes() -> None:
 
     assert move_piece_blocks(2 << 20) == MOVE_PIECE_BYTES // (2 << 20) == 128  # Llama-3-8B bf16 blocks of 16 tokens
     assert move_piece_blocks(MOVE_PIECE_BYTES * 2) == 1  # a block larger than a piece still moves
+
+
+def test_changes_to_a_homes_segments_are_counted_per_home() -> None:
+    """What a creditor read from a home's segments stays true while the home's count stands:
+    commits and frees of its segments count, reservations and other homes' segments do not."""
+    _, ledger = make(num_blocks=8)
+    first = ledger.reserve(1, 7, 2, now=0.0)
+    assert ledger.held_changes.get(1, 0) == 0 and not ledger.holds_for(1)
+    ledger.commit(first.reservation_id, 1, 7, segment_id=0, now=0.0)
+    assert ledger.held_changes[1] == 1 and ledger.holds_for(1)
+    other = ledger.reserve(2, 9, 2, now=0.0)
+    ledger.commit(other.reservation_id, 2, 9, segment_id=0, now=0.0)
+    assert ledger.held_changes[1] == 1 and ledger.held_changes[2] == 1
+    ledger.free_segment(1, 7, 1)  # not held: nothing changes
+    assert ledger.held_changes[1] == 1
+    ledger.free_request(1, 7)
+    assert ledger.held_changes[1] == 2 and not ledger.holds_for(1) and ledger.holds_for(2)
