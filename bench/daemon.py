@@ -419,8 +419,11 @@ def move_case(context_blocks: int, prompt: str, new_tokens: int, blocks_per_move
     rate_with = sum(r["tokens_per_s"] for r in moving) / repeats
     committed = sum(r["moves_committed"] for r in moving)
     steps = sum(r["steps"] for r in moving)
+    # What the runs with moves split on average, to set beside the warm-up's estimate above.
+    mean_split_blocks_with = split_blocks + committed * blocks_per_move / (2 * repeats)
     return {"tokens_per_move": blocks_per_move * BLOCK_SIZE, "split_blocks": split_blocks,
-            "split_blocks_without": mean_split_blocks, "repeats": repeats,
+            "split_blocks_without": mean_split_blocks, "mean_split_blocks_with": mean_split_blocks_with,
+            "repeats": repeats,
             "decode_tokens_per_s_local": local, "decode_tokens_per_s_without": rate_without,
             "decode_tokens_per_s_with": rate_with, "throughput_cost": 1 - rate_with / rate_without,
             "runs_tokens_per_s_without": [r["tokens_per_s"] for r in without],
