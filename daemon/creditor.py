@@ -116,10 +116,7 @@ class CreditorAttention:
         home = request.home_inst_id
         kept = self._plans.get(home)
         held_changes = self.ledger.held_changes.get(home, 0)
-        # Every layer of every step asks this: while none of the home's segments changed, the
-        # same slices read the same segments, however many (KV moved in a piece at a time is a
-        # segment a piece), and the walk over them is skipped.
-        if kept is not None and kept.held_changes == held_changes and kept.slices == request.slices:
+        if self._unchanged(kept, request):
             return kept
         segments = tuple(seg for s in request.slices for seg in self._segments(home, s))
         if kept is not None:
@@ -156,6 +153,13 @@ class CreditorAttention:
         self._plans[home] = serve_plan
         self.plans_made += 1
         return serve_plan
+
+    def _unchanged(self, kept: _ServePlan | None, request: AttendRequest) -> bool:
+        """Whether ``kept`` serves ``request`` as it is. Every layer of every step asks this: while
+        none of the home's segments changed, the same slices read the same segments, however many
+        (KV moved in a piece at a time is a segment a piece), and the walk over them is skipped."""
+        return (kept is not None and kept.slices == request.slices
+                and kept.held_changes == self.ledger.held_changes.get(request.home_inst_id, 0))
 
     def _retarget(self, home: int, kept: _ServePlan, slices: tuple[AttendSlice, ...],
                   segments: tuple[HeldSegment, ...]) -> bool:
@@ -214,11 +218,13 @@ class CreditorAttention:
             serve_plan = self._plan(request)  # first: a refused request leaves no copy in flight
             result = self._attend(request, serve_plan)
         else:
-            # The plan's tensors are made, and a multi-row plan's tiles computed, on this
-            # creditor's stream: ahead of its attention, and behind nothing of this instance's
-            # own step.
-            with torch.cuda.stream(self.stream):
-                serve_plan = self._plan(request)
+            serve_plan = self._plans.get(request.home_inst_id)
+            if not self._unchanged(serve_plan, request):
+                # The plan's tensors are made, and a multi-row plan's tiles computed, on this
+                # creditor's stream: ahead of its attention, and behind nothing of this
+                # instance's own step. (A kept plan makes no tensors: no stream is entered.)
+                with torch.cuda.stream(self.stream):
+                    serve_plan = self._plan(request)
             result = self._attend_on_stream(request, serve_plan, num_rows)
         wire_trace.record("serve.done", AttendRequest.TYPE)
         return result
