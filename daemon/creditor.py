@@ -19,7 +19,7 @@ layer of the plan eagerly: the query's copy in, the attention and its split merg
 result's copy out are one replay instead of a handful of launches, each of which costs more
 host time than the GPU spends on a decode row. A plan is kept while the request names the same
 slices over the same held segments (the ledger's objects, compared by identity: a freed, moved
-or re-committed segment is a new object), and its graphs go with it.
+or re-committed segment is a new object); a plan replaced takes its graphs with it.
 
 KV moved here while the request decodes changes its slices every step or two, and a new plan
 would then serve eagerly and capture again each time. So a plan is made with room: its block
