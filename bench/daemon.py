@@ -367,7 +367,6 @@ def split_run(cluster: LocalCluster, prompt: str, new_tokens: int, split_blocks:
         raise RuntimeError(f"only {len(after)} steps after the split: ask for more new tokens")
     rate, tokens = decode_rate(after)
     done, failed = result["moves"]
-    time.sleep(1.2)  # the creditor's metrics are brought up to date once a second
     creditor = {name: count - creditor_before[name] for name, count in creditor_counts(cluster[2]).items()}
     return {"tokens_per_s": rate, "steps": tokens, "moves_committed": done, "moves_failed": failed,
             "creditor": creditor}

@@ -284,6 +284,7 @@ class InstanceDaemon:
         self.creditor = CreditorAttention(self.ledger, self.pool, mc.num_heads,
                                            host_staging_bytes=transport_config.limits.inline_cuda_limit_bytes,
                                            cuda_graphs=c.creditor_cuda_graphs)
+        self.metrics.watch_creditor(self.creditor)
         self.block_nbytes = self.pool[0].numel() * self.pool.element_size()
         await self.transport.start(self._handle, self._place)
 
@@ -462,7 +463,7 @@ class InstanceDaemon:
             self.ledger.free_segment(message.home_inst_id, message.req_id, message.segment_id)
             # The kept plan (and its graphs) stays while the home has KV here: the next request
             # finds the change in the ledger and is planned over what is held then.
-            if not self.ledger.holds_for(message.home_inst_id):
+            if not self.ledger.has_segments_of(message.home_inst_id):
                 self.creditor.forget(message.home_inst_id)
             return None
         if isinstance(message, (MoveKV, Drain, Uncordon, ForwardSegment)):
@@ -750,11 +751,6 @@ class InstanceDaemon:
         m.kv_usage_ratio.set(1 - bm.num_free_blocks(self.engine.home_instance_id) / total)
         m.kv_blocks_lent.set(self.ledger.num_blocks_held + self.ledger.num_blocks_reserved)
         m.kv_blocks_borrowed.set(self._num_blocks_borrowed())
-        c = self.creditor
-        m.count_up_to(m.attend_plans.labels(kind="new"), c.plans_made, "plans_made")
-        m.count_up_to(m.attend_plans.labels(kind="retargeted"), c.plan_retargets, "plan_retargets")
-        m.count_up_to(m.attend_graph_replays, c.graph_replays, "graph_replays")
-        m.count_up_to(m.attend_graph_captures, c.graph_captures, "graph_captures")
         self._tokens_window = [(t, n) for t, n in self._tokens_window if now - t <= 10.0]
         span = now - self._tokens_window[0][0] if len(self._tokens_window) > 1 else 0.0
         m.tokens_per_second.set(sum(n for _, n in self._tokens_window[1:]) / span if span > 0 else 0.0)

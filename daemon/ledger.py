@@ -108,7 +108,7 @@ class CreditorLedger:
         except KeyError:
             raise LedgerError(f"no segment {segment_id} of request {req_id} of instance {home_inst_id} here") from None
 
-    def holds_for(self, home_inst_id: int) -> bool:
+    def has_segments_of(self, home_inst_id: int) -> bool:
         """Whether any segment of the home's requests is held here."""
         return any(key[0] == home_inst_id for key in self.held)
 

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from typing import Protocol
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 MOVE_RESULTS = ("committed", "rejected", "failed", "stale_epoch")
@@ -26,6 +29,33 @@ class LatencyTotals:
         taken = (self.total_us, self.count)
         self.total_us = self.count = 0
         return taken
+
+
+class CreditorCounts(Protocol):
+    plans_made: int
+    plan_retargets: int  # requests served by a kept plan pointed at other slices
+    graph_replays: int
+    graph_captures: int
+
+
+class _CreditorCollector:
+    """The creditor's counts as Prometheus counters: the creditor keeps them, nothing is copied."""
+
+    def __init__(self, creditor: CreditorCounts) -> None:
+        self.creditor = creditor
+
+    def collect(self):
+        c = self.creditor
+        plans = CounterMetricFamily("infllm_attend_plans",
+                                    "Attend plans this creditor made, by kind: new, or a kept one over moved KV",
+                                    labels=["kind"])
+        plans.add_metric(["new"], c.plans_made)
+        plans.add_metric(["retargeted"], c.plan_retargets)
+        yield plans
+        yield CounterMetricFamily("infllm_attend_graph_replays", "Attend requests served from a CUDA graph",
+                                  value=c.graph_replays)
+        yield CounterMetricFamily("infllm_attend_graph_captures", "CUDA graphs captured for attend requests",
+                                  value=c.graph_captures)
 
 
 @dataclass
@@ -53,14 +83,6 @@ class InstanceMetrics:
         self.attend_serve_seconds = Histogram(
             "infllm_attend_serve_seconds", "Serving one attend request for another instance (compute), seconds",
             buckets=(2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1), registry=r)
-        self.attend_plans = Counter(
-            "infllm_attend_plans", "Attend plans this creditor made, by kind: new, or a kept one over moved KV",
-            ["kind"], registry=r)
-        self.attend_graph_replays = Counter(
-            "infllm_attend_graph_replays", "Attend requests served from a CUDA graph", registry=r)
-        self.attend_graph_captures = Counter(
-            "infllm_attend_graph_captures", "CUDA graphs captured for attend requests", registry=r)
-        self._counted: dict[str, float] = {}  # totals kept elsewhere, as last added here
         self.prompt_tokens = Counter("infllm_prompt_tokens", "Prompt tokens prefilled", registry=r)
         self.generated_tokens = Counter("infllm_generated_tokens", "Output tokens generated", registry=r)
         self.tokens_per_second = Gauge(
@@ -82,10 +104,9 @@ class InstanceMetrics:
         self.attend_serve_seconds.observe(seconds)
         self.attend_serve_totals.add(seconds)
 
-    def count_up_to(self, counter, total: float, key: str) -> None:
-        """Add to ``counter`` what a running ``total`` kept elsewhere gained since the last call."""
-        counter.inc(max(0.0, total - self._counted.get(key, 0.0)))
-        self._counted[key] = total
+    def watch_creditor(self, creditor: CreditorCounts) -> None:
+        """Expose the creditor's own running totals, read as ``/metrics`` is scraped."""
+        self.registry.register(_CreditorCollector(creditor))
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""

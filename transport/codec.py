@@ -47,8 +47,6 @@ from infinite_llm.transport.tensors import (
     host_tensor_from_bytes,
     is_cuda,
     nbytes_of,
-    kept_spec,
-    known_spec,
     spec_of,
     wait_for_producers,
     wire_view,
@@ -489,6 +487,13 @@ def _is_int(value: object) -> bool:
     return type(value) is int and -_MAX_INT - 1 <= value <= _MAX_INT
 
 
+# Specs decoded before, by (dtype, *shape), each with its byte count: a frame's tensors mostly
+# have shapes seen before, and making a frozen spec costs more than the rest of a small
+# frame's field.
+_DECODED_SPECS_KEPT = 4096
+_decoded_specs: dict[tuple, TensorSpec] = {}
+
+
 def _decode_spec(raw: object) -> TensorSpec:
     if type(raw) is list and len(raw) == 2:
         dtype, shape = raw
@@ -497,13 +502,16 @@ def _decode_spec(raw: object) -> TensorSpec:
             # Looked up only once checked: a float or bool dimension, equal to an int as a key,
             # is refused above.
             key = (dtype, *shape)
-            spec = known_spec(key)
+            spec = _decoded_specs.get(key)
             if spec is not None:
                 return spec
             spec = TensorSpec(dtype=dtype, shape=tuple(shape))
             if spec.nbytes > _MAX_INT:
                 raise ProtocolError(ErrorCode.BUFFER_TOO_LARGE, f"tensor of shape {spec.shape}")
-            return kept_spec(key, spec)
+            if len(_decoded_specs) >= _DECODED_SPECS_KEPT:
+                _decoded_specs.clear()  # start again: the shapes in use now are kept
+            _decoded_specs[key] = spec
+            return spec
     raise ProtocolError(ErrorCode.INVALID_FIELDS, f"bad tensor spec {raw!r:.80}")
 
 

@@ -49,37 +49,11 @@ def dtype_name(dtype: object) -> str:
     return name or getattr(dtype, "name", None) or str(dtype).removeprefix("torch.")
 
 
-# Specs already made, by (dtype, *shape): a frame's tensors mostly have shapes seen before, and
-# making a frozen spec (and its byte count) costs more than the rest of a small frame's field.
-# Bounded: once full it starts again, so the shapes in use now are kept whatever came before.
-_SPECS_KEPT = 4096
-
-_specs_by_dtype_shape: dict[tuple, TensorSpec] = {}
-
-
 def spec_of(array: WireArray) -> TensorSpec:
-    key = (array.dtype, *array.shape)
-    spec = _specs_by_dtype_shape.get(key)
-    if spec is not None:
-        return spec
     name = dtype_name(array.dtype)
     if name not in DTYPE_ITEMSIZE:
         raise ValueError(f"dtype {name} cannot travel on the wire")
-    return kept_spec(key, TensorSpec(dtype=name, shape=tuple(int(d) for d in array.shape)))
-
-
-def kept_spec(key: tuple, spec: TensorSpec) -> TensorSpec:
-    """``spec``, kept under ``key`` (its byte count computed) while there is room."""
-    spec.nbytes  # computed once, with the spec
-    if len(_specs_by_dtype_shape) >= _SPECS_KEPT:
-        _specs_by_dtype_shape.clear()
-    _specs_by_dtype_shape[key] = spec
-    return spec
-
-
-def known_spec(key: tuple) -> TensorSpec | None:
-    """A spec kept under ``key`` by ``kept_spec``, if any."""
-    return _specs_by_dtype_shape.get(key)
+    return TensorSpec(dtype=name, shape=tuple(int(d) for d in array.shape))
 
 
 def is_cuda(array: WireArray) -> bool:

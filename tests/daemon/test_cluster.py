@@ -74,7 +74,7 @@ def test_long_prompt_spills_over_all_three_and_matches_one_instance(cluster, ref
     assert tokens == reference_tokens(reference_engine, LONG_PROMPT, 24)
     assert "green" in text  # box 42 is green
 
-    # The creditors served the home's layers and say so in their metrics (updated each tick).
+    # The creditors served the home's layers and say so in their metrics.
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and not all(
             cluster[i].metrics().get('infllm_attend_plans_total{kind="new"}', 0) for i in (2, 3)):

@@ -118,13 +118,13 @@ def test_changes_to_a_homes_segments_are_counted_per_home() -> None:
     commits and frees of its segments count, reservations and other homes' segments do not."""
     _, ledger = make(num_blocks=8)
     first = ledger.reserve(1, 7, 2, now=0.0)
-    assert ledger.held_changes.get(1, 0) == 0 and not ledger.holds_for(1)
+    assert ledger.held_changes.get(1, 0) == 0 and not ledger.has_segments_of(1)
     ledger.commit(first.reservation_id, 1, 7, segment_id=0, now=0.0)
-    assert ledger.held_changes[1] == 1 and ledger.holds_for(1)
+    assert ledger.held_changes[1] == 1 and ledger.has_segments_of(1)
     other = ledger.reserve(2, 9, 2, now=0.0)
     ledger.commit(other.reservation_id, 2, 9, segment_id=0, now=0.0)
     assert ledger.held_changes[1] == 1 and ledger.held_changes[2] == 1
     ledger.free_segment(1, 7, 1)  # not held: nothing changes
     assert ledger.held_changes[1] == 1
     ledger.free_request(1, 7)
-    assert ledger.held_changes[1] == 2 and not ledger.holds_for(1) and ledger.holds_for(2)
+    assert ledger.held_changes[1] == 2 and not ledger.has_segments_of(1) and ledger.has_segments_of(2)
