@@ -48,7 +48,8 @@ from infinite_llm.daemon.config import peer_spin_for  # noqa: E402
 from infinite_llm.transport import messages as m  # noqa: E402
 from infinite_llm.transport.codec import FrameLimits  # noqa: E402
 from infinite_llm.transport.interface import PeerAddress, TransportConfig  # noqa: E402
-from infinite_llm.transport.kv_packing import pack_kv_runs  # noqa: E402
+from infinite_llm.transport.ucx import UCX_CONTEXT_OPTIONS  # noqa: E402
+from infinite_llm.transport.kv_packing import HostStaging, pack_kv_runs  # noqa: E402
 from infinite_llm.transport.ucx import UcxTransport  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -137,7 +138,7 @@ def buffer_of(nbytes: int, device: str, random: bool = False):
 def init_bare_ucx(device: str) -> None:
     if device.startswith("cuda"):
         torch.empty(1, device=device)  # the CUDA context exists before UCX starts
-    ucxx.init(progress_mode="polling")
+    ucxx.init(options=UCX_CONTEXT_OPTIONS, progress_mode="polling")
 
 
 async def serve_bare(device: str) -> None:
@@ -250,10 +251,10 @@ def copy_bandwidth(nbytes: int, device: str, repeats: int) -> float:
 
 
 async def send_blocks(transport: UcxTransport, server: PeerAddress, runs_list, data_list,
-                      num_messages: int, window: int, pack=None) -> float:
+                      num_messages: int, window: int, pack=None, staging: HostStaging | None = None) -> float:
     """Seconds to send ``num_messages`` KVBlocks (cycling over the given ones), ``window`` at
     a time in flight. ``pack``: builds each message's (runs, buffers) instead, as a move does
-    (its gather is part of the time)."""
+    (its gather is part of the time), into ``staging``, given back once answered."""
     next_index = 0
 
     async def worker() -> None:
@@ -264,6 +265,8 @@ async def send_blocks(transport: UcxTransport, server: PeerAddress, runs_list, d
             k = i % len(runs_list)
             runs, data = pack() if pack is not None else (runs_list[k], data_list[k])
             await transport.request(server, m.KVBlocks(i, 1, runs, data), timeout_s=60)
+            if staging is not None:
+                staging.give_back(data)
 
     t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(window)))
@@ -297,20 +300,26 @@ async def measure_block_batch(transport, server, device, num_blocks: int, block_
     bytes already contiguous; and the worst case, N runs into N scattered destinations."""
     source_pool = torch.randint(0, 255, (4 * num_blocks, block_nbytes), dtype=torch.uint8, device=device)
     scattered_ids = torch.randperm(4 * num_blocks)[:num_blocks].tolist()
-    contiguous_runs, contiguous_data = (m.BlockRun(0, num_blocks),), (source_pool[:num_blocks],)
+    # The contiguous anchor rotates over the pool's four contiguous ranges, as the bandwidth
+    # figures rotate over their buffers: one range sent again and again stays in the caches,
+    # which the gathered blocks (spread over the whole pool) do not.
+    contiguous_runs = [(m.BlockRun(0, num_blocks),)] * 4
+    contiguous_data = [(source_pool[i * num_blocks:(i + 1) * num_blocks],) for i in range(4)]
     scattered_runs = tuple(m.BlockRun(2 * i, 1) for i in range(num_blocks))
     scattered_data = tuple(source_pool[b:b + 1] for b in scattered_ids)
 
+    staging = HostStaging()  # as a daemon's mover keeps one
+
     def gather():
-        return pack_kv_runs(source_pool, scattered_ids, list(range(num_blocks)))
+        return pack_kv_runs(source_pool, scattered_ids, list(range(num_blocks)), staging)
 
     num_messages = max(8, min(200, (512 * MiB) // (num_blocks * block_nbytes)))
     results = {}
     for name, runs, data, pack in (("contiguous", contiguous_runs, contiguous_data, None),
-                                   ("gathered", None, None, gather),
-                                   ("scattered", scattered_runs, scattered_data, None)):
-        await send_blocks(transport, server, [runs], [data], 4, window, pack)
-        seconds = await send_blocks(transport, server, [runs], [data], num_messages, window, pack)
+                                   ("gathered", [None], [None], gather),
+                                   ("scattered", [scattered_runs], [scattered_data], None)):
+        await send_blocks(transport, server, runs, data, 4, window, pack, staging)
+        seconds = await send_blocks(transport, server, runs, data, num_messages, window, pack, staging)
         results[name] = num_blocks * block_nbytes * num_messages / seconds
     return {"num_blocks": num_blocks, "block_nbytes": block_nbytes, "messages": num_messages,
             "window": window, "contiguous_bytes_per_s": results["contiguous"],
@@ -477,7 +486,7 @@ def main() -> None:
         "machine": name, "device": args.device, "platform": platform.platform(),
         "python": platform.python_version(), "torch": torch.__version__,
         "ucxx": ucxx.__version__, "ucx": ".".join(map(str, ucxx.get_ucx_version())),
-        "UCX_TLS": os.environ.get("UCX_TLS", "(UCX default)"),
+        "UCX_TLS": os.environ.get("UCX_TLS", "(UCX default)"), "ucx_context_options": UCX_CONTEXT_OPTIONS,
         "layer_spin_s": args.spin_s, "bare_progress_mode": "polling",
         "event_loop": event_loop_name(),
         "window": args.window, **results,

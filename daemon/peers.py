@@ -32,7 +32,7 @@ from infinite_llm.kernels import AttentionState
 from infinite_llm.transport import wire_trace
 from infinite_llm.transport.errors import TransportError
 from infinite_llm.transport.interface import PeerAddress, Transport
-from infinite_llm.transport.kv_packing import pack_kv_runs
+from infinite_llm.transport.kv_packing import HostStaging, pack_kv_runs
 from infinite_llm.transport.messages import (
     AttendRequest,
     AttendResult,
@@ -221,6 +221,8 @@ class TransportLender:
         # Requests with a move of home blocks between its reservation and its switch: a second
         # move of the same request would find no block left to lend once its reservation came.
         self._moving: set[str] = set()
+        # Gathers of scattered home blocks (a host pool's), used again move after move.
+        self._staging = HostStaging()
 
     # ---- KVLender -------------------------------------------------------------------------
     def num_free_blocks_elsewhere(self) -> int:
@@ -364,9 +366,10 @@ class TransportLender:
         try:
             # One buffer per run of consecutive destination blocks (the reservation is contiguous
             # where the peer's pool allows): a view of the home pool, or a gather of its blocks.
-            runs, data = pack_kv_runs(pool, move.src_block_ids, move.dst_block_ids)
+            runs, data = pack_kv_runs(pool, move.src_block_ids, move.dst_block_ids, self._staging)
             stored = await self.transport.request(peer.address, KVBlocks(move_id, reply.reservation_id, runs, data),
                 timeout_s=self.timeout_s + num_blocks * block_nbytes / MOVE_BYTES_PER_S_FLOOR)
+            self._staging.give_back(data)  # answered: the peer holds the data
             if not isinstance(stored, KVBlocksStored) or stored.num_blocks != num_blocks:
                 raise RuntimeError(f"instance {peer.inst_id} stored {stored!r}")
             await self.transport.request(peer.address, MoveCommit(

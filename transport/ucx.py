@@ -630,6 +630,17 @@ def _expire(future: asyncio.Future) -> None:
         future.set_exception(TimeoutError())
 
 
+# The options of this process's UCX context (the benchmark's bare ucxx anchor starts its own
+# with the same, so that both use the same paths):
+# - CM_REUSEADDR: a restarted daemon listens on its port again at once; the killed listener's
+#   connections hold the port in TIME_WAIT for a minute otherwise.
+# - MM_ERROR_HANDLING: shared memory (posix, sysv) may carry endpoints that have peer error
+#   handling, as every ucxx endpoint has. UCX leaves it out of them otherwise, and two processes
+#   on one host talk over TCP loopback: every eager message a send and a receive system call,
+#   and every large host buffer through the TCP stack. A killed peer is still noticed within
+#   the bound that tests/transport's SIGKILL cases hold the transport to.
+UCX_CONTEXT_OPTIONS = {"CM_REUSEADDR": "y", "MM_ERROR_HANDLING": "y"}
+
 _progress_by_loop: dict[asyncio.AbstractEventLoop, UcxProgress] = {}
 
 
@@ -640,15 +651,14 @@ def _progress_for_loop(spin_s: float) -> UcxProgress:
     ``blocking`` progress mode: no progress thread, no polling task; UcxProgress progresses
     the worker on this loop. The first transport's ``spin_s`` holds for the loop.
 
-    CM_REUSEADDR lets a restarted daemon listen on its port again at once: the killed
-    listener's connections hold the port in TIME_WAIT for a minute otherwise.
+    The context takes ``UCX_CONTEXT_OPTIONS``.
     """
     loop = asyncio.get_running_loop()
     progress = _progress_by_loop.get(loop)
     if progress is not None:
         return progress
     try:
-        ucxx.init(options={"CM_REUSEADDR": "y"}, progress_mode="blocking")
+        ucxx.init(options=UCX_CONTEXT_OPTIONS, progress_mode="blocking")
     except RuntimeError:
         pass  # already initiated
     context = ucxx.core._get_ctx()

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from infinite_llm.transport.block_runs import destination_runs
-from infinite_llm.transport.kv_packing import pack_kv_runs
+from infinite_llm.transport.kv_packing import HostStaging, pack_kv_runs
 
 
 def test_runs_follow_the_destinations_whatever_the_sources():
@@ -42,3 +42,44 @@ def test_consecutive_sources_are_views_not_copies():
     pool = torch.randn(16, 2, 2, 4, 1, 8)
     _, buffers = pack_kv_runs(pool, [4, 5, 6], [0, 1, 2])
     assert buffers[0].data_ptr() == pool[4].data_ptr()
+
+
+def test_a_staged_gather_matches_the_unstaged_one():
+    pool = torch.randn(32, 2, 2, 4, 1, 8)
+    staging = HostStaging()
+    sources, destinations = [9, 3, 17, 4, 5], [0, 1, 2, 10, 11]
+    assert all(torch.equal(a, b) for a, b in zip(pack_kv_runs(pool, sources, destinations, staging)[1],
+                                                pack_kv_runs(pool, sources, destinations)[1], strict=True))
+
+
+def test_staging_hands_a_buffer_out_again_only_once_given_back():
+    pool = torch.randn(32, 2, 2, 4, 1, 8)
+    staging = HostStaging()
+    _, first = pack_kv_runs(pool, [9, 3], [0, 1], staging)
+    _, second = pack_kv_runs(pool, [9, 3], [0, 1], staging)
+    assert first[0].data_ptr() != second[0].data_ptr()  # the first is still lent
+    staging.give_back(first)
+    _, third = pack_kv_runs(pool, [1, 30], [4, 5], staging)  # same size: the buffer of the first
+    assert third[0].data_ptr() == first[0].data_ptr()
+    assert torch.equal(third[0], pool[[1, 30]])
+    smaller = staging.take((1, 2, 2, 4, 1, 8), pool.dtype)  # a free buffer larger than asked will do
+    staging.give_back(third)
+    staging.give_back([smaller])
+    assert staging.num_free == 2
+
+
+def test_views_of_the_pool_are_not_taken_into_staging():
+    pool = torch.randn(16, 2, 2, 4, 1, 8)
+    staging = HostStaging()
+    _, buffers = pack_kv_runs(pool, [4, 5, 6], [0, 1, 2], staging)
+    staging.give_back(buffers)
+    assert staging.num_free == 0
+
+
+def test_staging_keeps_only_its_largest_free_buffers():
+    staging = HostStaging(max_free=2)
+    taken = [staging.take((n,), torch.float32) for n in (10, 40, 20)]
+    staging.give_back(taken)
+    assert staging.num_free == 2
+    assert staging.take((40,), torch.float32).numel() == 40  # the 40 was kept
+    assert staging.take((20,), torch.float32).numel() == 20  # and the 20, not the 10
