@@ -48,9 +48,8 @@ from infinite_llm.daemon.config import peer_spin_for  # noqa: E402
 from infinite_llm.transport import messages as m  # noqa: E402
 from infinite_llm.transport.codec import FrameLimits  # noqa: E402
 from infinite_llm.transport.interface import PeerAddress, TransportConfig  # noqa: E402
-from infinite_llm.transport.ucx import UCX_CONTEXT_OPTIONS  # noqa: E402
 from infinite_llm.transport.kv_packing import HostStaging, pack_kv_runs  # noqa: E402
-from infinite_llm.transport.ucx import UcxTransport  # noqa: E402
+from infinite_llm.transport.ucx import UCX_CONTEXT_OPTIONS, UcxTransport  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
 MESSAGE_SIZES = [64 * KiB, 1 * MiB, 4 * MiB, 64 * MiB]

@@ -7,9 +7,8 @@ current stream: the codec waits for it before UCX reads the buffer on its own st
 A gather from a host pool goes into a ``HostStaging`` buffer where the caller keeps one. A
 fresh host buffer of a few MiB is fresh pages, and the gather faults every one of them in:
 on the development CPU, 64 blocks of 64 KiB took 0.3-0.9 ms to gather into fresh memory
-against 0.1 ms into memory gathered into before, and a gathered move ran at 0.4x a
-contiguous one over shared memory. (Device pools need none: the caching allocator hands the
-same memory out again.)
+against 0.1 ms into memory gathered into before. (Device pools need none: the caching
+allocator hands the same memory out again.)
 """
 
 from __future__ import annotations

@@ -216,6 +216,28 @@ def test_client_killed_mid_transfer_leaves_the_listener_serving(ucx_loop, start_
     run_bounded(ucx_loop, scenario(), 30)
 
 
+def test_listeners_whose_clients_were_killed_mid_transfer_are_still_reached(ucx_loop, start_peer):
+    """Four times: a fresh transport listens, a flooder is killed while its 16 MiB requests to it
+    are in flight, and the transport's own request to its listener is answered: one process's
+    UCX worker outlives its peers' deaths (see docs/transport.md on shared memory)."""
+    async def serve_echo(message: m.Message) -> m.Message | None:
+        return m.EchoReply(message.payload) if isinstance(message, m.Echo) else None
+
+    async def scenario():
+        for _ in range(4):
+            transport = UcxTransport(TransportConfig(request_timeout_s=10))
+            await transport.start(serve_echo)
+            try:
+                flooder = start_peer("flood", transport.address.host, str(transport.address.port))
+                await asyncio.sleep(0.5)
+                flooder.kill()
+                reply = await transport.request(transport.address, m.Echo(torch.arange(3)))
+                assert torch.equal(reply.payload, torch.arange(3))
+            finally:
+                await transport.close()
+    run_bounded(ucx_loop, scenario(), 90)
+
+
 def test_listener_restart_is_reached_again(ucx_loop, start_peer, client):
     first = start_peer("serve")
     address = first.address
