@@ -31,6 +31,7 @@ class Timeouts:
     heartbeat_interval_s: float = 1.0  # instance -> gManager
     peer_request_s: float = 5.0  # one request to a peer (attend, try-move, commit)
     reservation_s: float = 10.0  # a reserved move not committed in time is released
+    kv_hold_s: float = 300.0  # blocks kept for another home's starting request, released after this
     debtor_lost_s: float = 30.0  # segments held for a silent debtor are freed after this
     drain_s: float = 600.0  # graceful stop: time to finish or hand over work
     connect_s: float = 1.0  # opening a connection to a peer

@@ -40,8 +40,10 @@ from infinite_llm.transport.messages import (
     FreeSegment,
     Heartbeat,
     HeartbeatReply,
+    HoldKV,
     KVBlocks,
     KVBlocksStored,
+    KVHoldReply,
     Message,
     MoveCommit,
     MoveKV,
@@ -280,7 +282,9 @@ class InstanceDaemon:
         self.served_model = c.served_model_name or Path(checkpoint.source).stem
         bm = self.engine.block_manager
         self.ledger = CreditorLedger(bm.reserve_home_blocks, bm.release_home_blocks,
-                                     reservation_ttl_s=c.timeouts.reservation_s)
+                                     reservation_ttl_s=c.timeouts.reservation_s, hold_ttl_s=c.timeouts.kv_hold_s)
+        self.lender.kept_for_others = lambda: self.ledger.num_blocks_on_hold
+        self.lender.wake = self._work.set
         self.creditor = CreditorAttention(self.ledger, self.pool, mc.num_heads,
                                            host_staging_bytes=transport_config.limits.inline_cuda_limit_bytes,
                                            cuda_graphs=c.creditor_cuda_graphs)
@@ -451,6 +455,11 @@ class InstanceDaemon:
             return result
         if isinstance(message, TryMoveKV):
             return self._try_move(message)
+        if isinstance(message, HoldKV):
+            spare = 0 if self.draining else self._free_for_others()
+            held = self.ledger.set_hold(message.home_inst_id, message.req_id, message.num_blocks, spare,
+                                        time.monotonic())
+            return KVHoldReply(held, self._free_for_others())
         if isinstance(message, KVBlocks):
             # The data is already in the reserved blocks (the placer put it there).
             self.ledger.reservation(message.reservation_id)
@@ -572,7 +581,8 @@ class InstanceDaemon:
             return MoveRejected(message.move_id, MoveRejectReason.LAYOUT_MISMATCH, free)
         if self.draining:
             return MoveRejected(message.move_id, MoveRejectReason.DRAINING, free)
-        spare = self._free_for_others()
+        # What this pool keeps for the request (its home asked before it started) is its own.
+        spare = self._free_for_others() + self.ledger.hold_of(message.home_inst_id, message.req_id)
         reservation = None
         if message.num_blocks <= spare:
             reservation = self.ledger.reserve(message.home_inst_id, message.req_id, message.num_blocks, time.monotonic())
@@ -731,7 +741,10 @@ class InstanceDaemon:
         if not self.config.share_kv:
             return 0
         free = self.engine.block_manager.num_free_blocks(self.engine.home_instance_id)
-        return max(0, free - self.engine.home_blocks_wanted())
+        # Less what this home's own running prompts count on, and what other homes' starting
+        # requests were promised here.
+        return max(0, free - self.engine.home_blocks_wanted() - self.engine.home_blocks_promised()
+                   - self.ledger.num_blocks_on_hold)
 
     def _publish(self) -> None:
         bm = self.engine.block_manager
@@ -780,9 +793,12 @@ class InstanceDaemon:
                 "num_blocks_free": bm.num_free_blocks(home),
                 "num_blocks_held_for_others": self.ledger.num_blocks_held,
                 "num_blocks_reserved_for_others": self.ledger.num_blocks_reserved,
+                "num_blocks_kept_for_others": self.ledger.num_blocks_on_hold,
                 "block_size": engine.config.block_size,
             },
             "requests": requests,
+            "holds": [{"home_instance_id": home, "request_id": req, "num_blocks": hold.num_blocks}
+                      for (home, req), hold in self.ledger.holds.items()],
             "held_segments": [{"home_instance_id": s.home_inst_id, "request_id": s.req_id, "segment_id": s.segment_id,
                                "num_blocks": len(s.block_ids)} for s in self.ledger.held.values()],
         }

@@ -27,6 +27,14 @@ class Reservation:
 
 
 @dataclass(frozen=True)
+class Hold:
+    """Blocks of this pool kept for one request of another instance: free, but counted on."""
+
+    num_blocks: int
+    expires_at: float  # clock seconds; a hold not used up by then is released
+
+
+@dataclass(frozen=True)
 class HeldSegment:
     """A run of another instance's request, held in this pool."""
 
@@ -53,7 +61,36 @@ class CreditorLedger:
     # home -> how many times its held segments changed (a commit, a free): what was read from
     # them stays true while this stays the same.
     held_changes: dict[int, int] = field(default_factory=dict)
+    # (home, req) -> blocks kept for the request's spills: a home asks before such a request
+    # starts, so that two homes never both count on the same free blocks.
+    holds: dict[tuple[int, int], Hold] = field(default_factory=dict)
+    hold_ttl_s: float = 300.0
     _next_reservation_id: int = 1
+
+    @property
+    def num_blocks_on_hold(self) -> int:
+        return sum(h.num_blocks for h in self.holds.values())
+
+    def hold_of(self, home_inst_id: int, req_id: int) -> int:
+        hold = self.holds.get((home_inst_id, req_id))
+        return 0 if hold is None else hold.num_blocks
+
+    def set_hold(self, home_inst_id: int, req_id: int, num_blocks: int, free_for_others: int, now: float) -> int:
+        """Keep ``num_blocks`` for the request, all or nothing: granted while they fit
+        ``free_for_others`` (this pool's free blocks for others, every hold taken off) plus what
+        the request holds already; 0 releases. Returns the blocks held for it now."""
+        if num_blocks < 0:
+            raise LedgerError(f"num_blocks must not be negative, got {num_blocks}")
+        key = (home_inst_id, req_id)
+        current = self.hold_of(home_inst_id, req_id)
+        if num_blocks == 0:
+            self.holds.pop(key, None)
+            return 0
+        if num_blocks > free_for_others + current:
+            return current
+        self.holds[key] = Hold(num_blocks, now + self.hold_ttl_s)
+        self.last_heard[home_inst_id] = now
+        return num_blocks
 
     @property
     def num_blocks_reserved(self) -> int:
@@ -71,6 +108,12 @@ class CreditorLedger:
         block_ids = self.allocate(num_blocks)
         if block_ids is None:
             return None
+        hold = self.holds.get((home_inst_id, req_id))
+        if hold is not None:  # the request's spill uses up what was kept for it
+            if hold.num_blocks <= num_blocks:
+                del self.holds[(home_inst_id, req_id)]
+            else:
+                self.holds[(home_inst_id, req_id)] = Hold(hold.num_blocks - num_blocks, hold.expires_at)
         reservation = Reservation(self._next_reservation_id, home_inst_id, req_id, tuple(block_ids),
                                   now + self.reservation_ttl_s)
         self._next_reservation_id += 1
@@ -128,6 +171,7 @@ class CreditorLedger:
             freed += self.free_segment(*key)
         for rid in [r.reservation_id for r in self.reservations.values() if (r.home_inst_id, r.req_id) == (home_inst_id, req_id)]:
             freed += self._release(rid)
+        self.holds.pop((home_inst_id, req_id), None)
         return freed
 
     def heard_from(self, home_inst_id: int, now: float) -> None:
@@ -149,6 +193,8 @@ class CreditorLedger:
         expired = [r for r in self.reservations.values() if r.expires_at <= now]
         for r in expired:
             self._release(r.reservation_id)
+        for key in [k for k, h in self.holds.items() if h.expires_at <= now]:
+            del self.holds[key]
         return expired
 
     def free_lost_debtors(self, now: float, timeout_s: float) -> dict[int, int]:
@@ -161,6 +207,8 @@ class CreditorLedger:
                 count += self.free_segment(*key)
             for rid in [r.reservation_id for r in self.reservations.values() if r.home_inst_id == home]:
                 count += self._release(rid)
+            for key in [k for k in self.holds if k[0] == home]:
+                del self.holds[key]
             del self.last_heard[home]
             freed[home] = count
         return freed

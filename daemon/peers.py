@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -39,8 +40,10 @@ from infinite_llm.transport.messages import (
     AttendSlice,
     ForwardSegment,
     FreeSegment,
+    HoldKV,
     KVBlocks,
     KVBlocksStored,
+    KVHoldReply,
     Message,
     MoveCommit,
     MoveRejected,
@@ -102,6 +105,9 @@ class PeerDirectory:
     def cluster_id(self, engine_id: int) -> int:
         """The cluster id of an engine instance id (0 is this instance)."""
         return self.own_inst_id if engine_id == 0 else self._by_engine[engine_id].inst_id
+
+    def all(self) -> list[Peer]:
+        return list(self._by_inst.values())
 
     def creditors(self) -> list[Peer]:
         """Peers that may take blocks, most free first."""
@@ -199,6 +205,9 @@ MOVE_PIECE_BYTES = 256 << 20
 # The slowest transfer a move's data request allows for, on top of the peer request timeout.
 MOVE_BYTES_PER_S_FLOOR = 1e9
 
+# A request whose holds were refused asks again after about this long, s (randomised).
+HOLD_RETRY_S = 0.5
+
 
 def move_piece_blocks(block_nbytes: int) -> int:
     """Blocks of ``block_nbytes`` in one piece of a move (at least one)."""
@@ -223,10 +232,95 @@ class TransportLender:
         self._moving: set[str] = set()
         # Gathers of scattered home blocks (a host pool's), used again move after move.
         self._staging = HostStaging()
+        # Blocks peers keep for a waiting request of this home (request -> peer inst id ->
+        # blocks), asked for before it starts on their memory; its spills use them up.
+        self._holds: dict[str, dict[int, int]] = {}
+        self._asking: set[str] = set()  # requests whose holds are being asked for
+        self._ask_again_at: dict[str, float] = {}  # after holds were refused: not before then
+        self.kept_for_others: Callable[[], int] = lambda: 0  # this pool's blocks other homes hold
+        self.wake: Callable[[], None] = lambda: None  # the engine loop, when holds come
 
     # ---- KVLender -------------------------------------------------------------------------
-    def num_free_blocks_elsewhere(self) -> int:
-        return self.peers.num_free_blocks() if self.share_kv else 0
+    def num_home_blocks_kept_for_others(self) -> int:
+        return self.kept_for_others()
+
+    def blocks_kept_elsewhere(self, request_id: str, wanted: int) -> int:
+        """Blocks the peers keep for the waiting request; when fewer than ``wanted``, they are
+        asked (in the background) for that many, and the engine loop is woken when they answer."""
+        held = sum(self._holds.get(request_id, {}).values())
+        if (self.share_kv and held < wanted and request_id not in self._asking
+                and time.monotonic() >= self._ask_again_at.get(request_id, 0.0)):
+            self._asking.add(request_id)
+            task = asyncio.get_running_loop().create_task(self._ask_holds(request_id, wanted))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+        return held
+
+    def forget(self, request_id: str) -> None:
+        """The request is gone: the peers keep nothing more for it."""
+        holds = self._holds.pop(request_id, {})
+        self._ask_again_at.pop(request_id, None)
+        # Every peer asked, whatever this home counts as left there: a move the gManager ordered
+        # may have used less of a hold than this home knows of.
+        for inst_id in holds:
+            task = asyncio.get_running_loop().create_task(self._set_hold(inst_id, request_id, 0))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _ask_holds(self, request_id: str, wanted: int) -> None:
+        """All or nothing: holds summing to ``wanted`` from the peers with the most free blocks,
+        one after the other; a peer that refuses says how much it has, and is asked once more
+        for that. Short of ``wanted``, what was granted is given back and the request asks again
+        after a random pause (two homes that split the memory do not both wait on it)."""
+        try:
+            holds = self._holds.setdefault(request_id, {})
+            short = wanted - sum(holds.values())
+            for peer in sorted((p for p in self.peers.all() if not p.draining),
+                               key=lambda p: (-(p.num_blocks_free + holds.get(p.inst_id, 0)), p.inst_id)):
+                for _attempt in range(2):
+                    take = min(short, peer.num_blocks_free)  # after a refusal: the peer's own figure
+                    if take <= 0:
+                        break
+                    current = holds.get(peer.inst_id, 0)
+                    granted = await self._set_hold(peer.inst_id, request_id, current + take)
+                    holds[peer.inst_id] = granted
+                    if granted > current:
+                        short -= granted - current
+                        break
+                if short <= 0 or request_id not in self._holds:  # enough, or the request ended
+                    return
+            log.info("request %s: peers keep %d of the %d blocks it needs to start; asking again",
+                     request_id, sum(holds.values()), wanted)
+            for inst_id in list(holds):
+                holds[inst_id] = await self._set_hold(inst_id, request_id, 0)
+            self._ask_again_at[request_id] = time.monotonic() + HOLD_RETRY_S * (0.5 + random.random())
+        finally:
+            self._asking.discard(request_id)
+            self.wake()
+
+    async def _set_hold(self, inst_id: int, request_id: str, num_blocks: int) -> int:
+        """Ask peer ``inst_id`` to keep ``num_blocks`` for the request; the blocks it keeps."""
+        try:
+            peer = self.peers.by_inst(inst_id)
+            reply = await self.transport.request(peer.address, HoldKV(self.peers.own_inst_id, int(request_id), num_blocks),
+                                                 timeout_s=self.timeout_s)
+        except (KeyError, TransportError) as exc:
+            log.warning("hold of %d blocks for request %s on instance %d: %s", num_blocks, request_id, inst_id, exc)
+            return 0
+        if not isinstance(reply, KVHoldReply):
+            raise RuntimeError(f"instance {inst_id} answered a hold with {reply!r}")
+        peer.num_blocks_free = reply.num_blocks_free
+        return reply.num_blocks_held
+
+    def held_on(self, request_id: str, inst_id: int) -> int:
+        """Blocks peer ``inst_id`` keeps for the request, as far as this home knows."""
+        return self._holds.get(request_id, {}).get(inst_id, 0)
+
+    def _used_hold(self, request_id: str, inst_id: int, num_blocks: int) -> None:
+        """A piece of the request's spill reserved ``num_blocks`` on the peer: its hold shrinks."""
+        holds = self._holds.get(request_id)
+        if holds and inst_id in holds:
+            holds[inst_id] = max(0, holds[inst_id] - num_blocks)
 
     def num_blocks_elsewhere(self) -> int:
         return self.peers.num_lendable_capacity() if self.share_kv else 0
@@ -240,8 +334,11 @@ class TransportLender:
         for count, request_id in lendable:
             if num_blocks <= 0:
                 break
-            for peer in self.peers.creditors():
-                take = min(count, num_blocks, peer.num_blocks_free)
+            # Peers that keep blocks for the request first (its home asked them before it
+            # started), then the most free.
+            for peer in sorted((p for p in self.peers.all() if not p.draining),
+                               key=lambda p: (-self.held_on(request_id, p.inst_id), -p.num_blocks_free, p.inst_id)):
+                take = min(count, num_blocks, peer.num_blocks_free + self.held_on(request_id, peer.inst_id))
                 moved = await self.move(engine, request_id, take, peer) if take > 0 else 0
                 if moved:
                     num_blocks -= moved
@@ -354,6 +451,7 @@ class TransportLender:
             return None
         if not isinstance(reply, MoveReserved) or len(reply.dst_block_ids) != num_blocks:
             raise RuntimeError(f"instance {peer.inst_id} answered a try-move with {reply!r}")
+        self._used_hold(request_id, peer.inst_id, num_blocks)
         written = engine.num_written_tokens().get(request_id, 0)
         try:
             move = bm.lend_to_remote(request_id, peer.engine_id, reply.dst_block_ids, written)

@@ -174,6 +174,8 @@ class LLMEngine:
     def abort(self, request_id: str) -> None:
         if request_id in self.scheduler.requests:
             self.scheduler.finish(request_id)
+            if self.lender is not None:
+                self.lender.forget(request_id)
         self._states.pop(request_id, None)
         self.sampler.forget(request_id)
 
@@ -204,13 +206,34 @@ class LLMEngine:
         return move
 
     def _prompt_fits_free_memory(self, request: Request) -> bool:
-        """With peers: a waiting request starts only when its whole context fits the free memory
-        it can reach (the home's and the peers' last published). Started on less, two long
-        requests that together exceed the cluster would each take part of it, then preempt and
-        recompute themselves over and over while the other holds what they need."""
+        """With peers: a waiting request starts only when its whole context fits the home's free
+        blocks (less those other homes' starting requests count on) and the blocks peers keep for
+        it. Started on less, two long requests that together exceed the cluster would each take
+        part of it, then preempt and recompute themselves over and over while the other holds
+        what they need; counted on the peers' published free blocks alone, two homes would both
+        count on the same ones."""
         bm = self.block_manager
         need = bm.blocks_needed(request.request_id, request.num_tokens)
-        return need <= bm.num_free_blocks(self.home_instance_id) + self.lender.num_free_blocks_elsewhere()
+        home_free = (bm.num_free_blocks(self.home_instance_id) - self.lender.num_home_blocks_kept_for_others()
+                     - self.home_blocks_promised())
+        if need <= home_free:
+            return True
+        # What the home lacks must be kept for this request by peers: their published free
+        # blocks are a figure other homes count on too.
+        return self.lender.blocks_kept_elsewhere(request.request_id, need - home_free) >= need - home_free
+
+    def home_blocks_promised(self) -> int:
+        """Free home blocks that the running requests' prompts still count on: the blocks their
+        prompts still need, less what peers keep for them (their spills' share)."""
+        if self.lender is None:
+            return 0
+        bm = self.block_manager
+        promised = 0
+        for r in self.scheduler.running:
+            if r.num_computed_tokens < len(r.prompt_token_ids):
+                rest = bm.blocks_needed(r.request_id, len(r.prompt_token_ids))
+                promised += max(0, rest - self.lender.blocks_kept_elsewhere(r.request_id, 0))
+        return promised
 
     def home_shortfall(self) -> int:
         """Home blocks missing for the next step's new tokens (0: enough are free)."""
@@ -380,6 +403,8 @@ class LLMEngine:
                                text[:visible], finished, reason)
         if finished:
             self.scheduler.finish(request.request_id)
+            if self.lender is not None:
+                self.lender.forget(request.request_id)
             self.sampler.forget(request.request_id)
             del self._states[request.request_id]
         return output

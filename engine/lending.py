@@ -16,9 +16,19 @@ if TYPE_CHECKING:
 
 
 class KVLender(Protocol):
-    def num_free_blocks_elsewhere(self) -> int:
-        """Blocks the peers last published as free for others: a waiting request starts only when
-        its context fits the home's free blocks and these."""
+    def num_home_blocks_kept_for_others(self) -> int:
+        """Free home blocks that other homes' starting requests count on: not this home's to
+        start a request on."""
+        ...
+
+    def blocks_kept_elsewhere(self, request_id: str, wanted: int) -> int:
+        """Blocks the peers keep for a waiting request, which starts only when they cover what
+        the home lacks; when fewer than ``wanted``, the peers are asked for that many (the
+        answer comes at a later step)."""
+        ...
+
+    def forget(self, request_id: str) -> None:
+        """The request is gone: the peers keep nothing more for it."""
         ...
 
     def num_blocks_elsewhere(self) -> int:

@@ -254,6 +254,32 @@ class MoveRejected:
 
 
 @dataclass(frozen=True)
+class HoldKV:
+    """Home -> creditor: keep ``num_blocks`` of this pool for one request's spills, so that a
+    request that needs peer memory starts only on memory no other home counts on. Sets the
+    hold (0 releases it); the creditor takes it first come, first served, all or nothing."""
+
+    TYPE: ClassVar[str] = "hold_kv"
+    VERSION: ClassVar[int] = 1
+
+    home_inst_id: int  # the request's home, the sender
+    req_id: int
+    num_blocks: int  # blocks to keep for the request from now on; 0: keep none
+
+    def __post_init__(self) -> None:
+        _require(self.num_blocks >= 0, "num_blocks must not be negative")
+
+
+@dataclass(frozen=True)
+class KVHoldReply:
+    TYPE: ClassVar[str] = "kv_hold_reply"
+    VERSION: ClassVar[int] = 1
+
+    num_blocks_held: int  # kept for the request now: as asked, or what was kept before
+    num_blocks_free: int  # this pool's blocks free for others now, holds taken off, blocks
+
+
+@dataclass(frozen=True)
 class KVBlocks:
     """Source -> destination: block data, one buffer per run, received into reserved blocks."""
 
@@ -439,7 +465,7 @@ MESSAGE_TYPES: dict[str, type] = {
     cls.TYPE: cls
     for cls in (
         Heartbeat, HeartbeatReply, AttendRequest, AttendResult, TryMoveKV, MoveReserved,
-        MoveRejected, KVBlocks, KVBlocksStored, MoveCommit, FreeSegment, ForwardSegment, MoveKV,
+        MoveRejected, HoldKV, KVHoldReply, KVBlocks, KVBlocksStored, MoveCommit, FreeSegment, ForwardSegment, MoveKV,
         Drain, Uncordon, Echo, EchoReply, Ack, ErrorReply,
     )
 }

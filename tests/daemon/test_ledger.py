@@ -128,3 +128,34 @@ def test_changes_to_a_homes_segments_are_counted_per_home() -> None:
     assert ledger.held_changes[1] == 1
     ledger.free_request(1, 7)
     assert ledger.held_changes[1] == 2 and not ledger.has_segments_of(1) and ledger.has_segments_of(2)
+
+
+def test_holds_are_taken_first_come_all_or_nothing_and_used_up_by_the_requests_spills() -> None:
+    pool, ledger = make(num_blocks=8)
+    # Two homes ask for most of the same free blocks: the first gets them, the second nothing.
+    assert ledger.set_hold(1, 7, 6, free_for_others=8, now=0.0) == 6
+    assert ledger.set_hold(2, 9, 6, free_for_others=8 - ledger.num_blocks_on_hold, now=0.0) == 0
+    assert ledger.num_blocks_on_hold == 6 and ledger.hold_of(2, 9) == 0
+    # The first request's spill uses its hold up; the rest stays kept for it.
+    ledger.reserve(1, 7, 4, now=0.0)
+    assert ledger.hold_of(1, 7) == 2
+    # Asking again sets the hold: more, while it fits; 0 releases it.
+    assert ledger.set_hold(1, 7, 5, free_for_others=2, now=0.0) == 2  # 5 > 2 + 2: refused, kept
+    assert ledger.set_hold(1, 7, 4, free_for_others=2, now=0.0) == 4
+    assert ledger.set_hold(1, 7, 0, free_for_others=0, now=0.0) == 0 and ledger.num_blocks_on_hold == 0
+    with pytest.raises(LedgerError):
+        ledger.set_hold(1, 7, -1, free_for_others=8, now=0.0)
+
+
+def test_holds_end_with_their_request_their_home_or_their_time() -> None:
+    _, ledger = make(num_blocks=16, ttl=10.0)
+    ledger.hold_ttl_s = 100.0
+    ledger.set_hold(1, 7, 2, free_for_others=16, now=0.0)
+    ledger.set_hold(1, 8, 2, free_for_others=16, now=0.0)
+    ledger.set_hold(2, 9, 2, free_for_others=16, now=50.0)
+    ledger.free_request(1, 7)
+    assert ledger.hold_of(1, 7) == 0 and ledger.hold_of(1, 8) == 2
+    ledger.release_expired(now=120.0)  # 1/8 was asked at 0: past its time
+    assert ledger.hold_of(1, 8) == 0 and ledger.hold_of(2, 9) == 2
+    ledger.free_lost_debtors(now=200.0, timeout_s=30.0)
+    assert ledger.holds == {}

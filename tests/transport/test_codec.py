@@ -53,6 +53,8 @@ def sample_messages() -> list[m.Message]:
         m.MoveReserved(move_id=1, reservation_id=8, dst_block_ids=(5, 6, 9, 10),
                        expires_in_ms=2000),
         m.MoveRejected(move_id=1, reason=m.MoveRejectReason.NO_SPACE, num_blocks_free=2),
+        m.HoldKV(home_inst_id=2, req_id=11, num_blocks=40),
+        m.KVHoldReply(num_blocks_held=40, num_blocks_free=12),
         m.KVBlocks(move_id=1, reservation_id=8, runs=(m.BlockRun(5, 2), m.BlockRun(9, 2)),
                    runs_data=(torch.randn(2, 2, 2, 16, 2, 8), torch.randn(2, 2, 2, 16, 2, 8))),
         m.KVBlocksStored(move_id=1, reservation_id=8, num_blocks=4),
@@ -104,7 +106,8 @@ def test_small_host_buffers_go_inline_and_large_ones_separately():
 
 
 def test_header_message_holds_specs_before_buffers_arrive():
-    frame = codec.encode(sample_messages()[7], msg_id=5)  # KVBlocks
+    (blocks,) = [x for x in sample_messages() if isinstance(x, m.KVBlocks)]
+    frame = codec.encode(blocks, msg_id=5)
     header = codec.decode_header(frame.header, LIMITS)
     assert header.msg_id == 5 and header.reply_to is None and header.wants_reply
     assert header.message.runs == (m.BlockRun(5, 2), m.BlockRun(9, 2))
