@@ -291,8 +291,11 @@ class TransportLender:
                     return
             log.info("request %s: peers keep %d of the %d blocks it needs to start; asking again",
                      request_id, sum(holds.values()), wanted)
+            # Given back once, then forgotten: a peer that cannot be reached now is not asked
+            # again at every retry (its holds end with their time there).
             for inst_id in list(holds):
-                holds[inst_id] = await self._set_hold(inst_id, request_id, 0)
+                await self._set_hold(inst_id, request_id, 0)
+                holds.pop(inst_id, None)
             self._ask_again_at[request_id] = time.monotonic() + HOLD_RETRY_S * (0.5 + random.random())
         finally:
             self._asking.discard(request_id)
@@ -316,11 +319,15 @@ class TransportLender:
         """Blocks peer ``inst_id`` keeps for the request, as far as this home knows."""
         return self._holds.get(request_id, {}).get(inst_id, 0)
 
-    def _used_hold(self, request_id: str, inst_id: int, num_blocks: int) -> None:
-        """A piece of the request's spill reserved ``num_blocks`` on the peer: its hold shrinks."""
+    def _used_hold(self, request_id: str, inst_id: int, num_blocks: int) -> int:
+        """A piece of the request's spill reserved ``num_blocks`` on the peer: its hold shrinks.
+        Returns how many of them the hold covered."""
         holds = self._holds.get(request_id)
-        if holds and inst_id in holds:
-            holds[inst_id] = max(0, holds[inst_id] - num_blocks)
+        if not holds or inst_id not in holds:
+            return 0
+        covered = min(holds[inst_id], num_blocks)
+        holds[inst_id] -= covered
+        return covered
 
     def num_blocks_elsewhere(self) -> int:
         return self.peers.num_lendable_capacity() if self.share_kv else 0
@@ -366,13 +373,12 @@ class TransportLender:
         moved."""
         moved = 0
         while moved < num_blocks:
-            if moved and not (self.lendable_now(engine, request_id) and peer.num_blocks_free > 0):
+            room = peer.num_blocks_free + self.held_on(request_id, peer.inst_id)
+            if moved and not (self.lendable_now(engine, request_id) and room > 0):
                 break
             move = await self.send_move(engine, request_id, num_blocks - moved, peer)
             if move is None:
                 break
-            # Taken there, until the peer's next figure says otherwise.
-            peer.num_blocks_free = max(0, peer.num_blocks_free - len(move.dst_block_ids))
             if not (self.switch_move(engine, move, peer) if switch is None else await switch(move, peer)):
                 break
             moved += len(move.dst_block_ids)
@@ -451,7 +457,11 @@ class TransportLender:
             return None
         if not isinstance(reply, MoveReserved) or len(reply.dst_block_ids) != num_blocks:
             raise RuntimeError(f"instance {peer.inst_id} answered a try-move with {reply!r}")
-        self._used_hold(request_id, peer.inst_id, num_blocks)
+        # Taken there, until the peer's next figure says otherwise: the blocks beyond what it kept
+        # for the request (its figure left its holds out already). Counted once, here, whatever
+        # becomes of the move: an abandoned reservation comes back with the peer's next figure.
+        from_hold = self._used_hold(request_id, peer.inst_id, num_blocks)
+        peer.num_blocks_free = max(0, peer.num_blocks_free - (num_blocks - from_hold))
         written = engine.num_written_tokens().get(request_id, 0)
         try:
             move = bm.lend_to_remote(request_id, peer.engine_id, reply.dst_block_ids, written)
@@ -490,7 +500,6 @@ class TransportLender:
             self._abandon(engine, move, peer)
             self.metrics.moves.labels(result="failed").inc()
             return False
-        peer.num_blocks_free = max(0, peer.num_blocks_free - len(move.dst_block_ids))
         self.metrics.moves.labels(result="committed").inc()
         return True
 

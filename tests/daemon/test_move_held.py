@@ -230,3 +230,38 @@ def test_an_ordered_move_waits_for_a_move_of_the_same_request_under_way() -> Non
     freed, waited, still_moving = asyncio.run(scenario())
     assert freed and 0.04 <= waited < 1.0
     assert not still_moving
+
+
+def test_a_home_move_takes_its_blocks_off_the_peers_figure_once_and_its_hold_first() -> None:
+    """The home's figure for X drops by the blocks a move took there, once (not again at the
+    switch), and only by those beyond what X kept for the request: X's figure left its holds
+    out already. Counted twice, a home's later spills found no room that X still had."""
+    def moved_figure(figure: int, hold: int) -> tuple[int, int]:
+        network = InMemoryNetwork()
+        x = Creditor(network, X, 8)
+        peers = PeerDirectory(H)
+        dst = peers.update(X, address(X), figure, False)
+        bm = BlockManager(BLOCK_SIZE, [6])
+        bm.allocate("7", 20)
+        engine = SimpleNamespace(block_manager=bm, pools={0: torch.zeros(6, *BLOCK_SHAPE)},
+                                 config=SimpleNamespace(block_size=BLOCK_SIZE), home_instance_id=0,
+                                 num_written_tokens=lambda: {"7": 20})
+        home = network.transport(address(H))
+        lender = TransportLender(home, peers, InstanceMetrics(), timeout_s=5.0)
+        if hold:
+            lender._holds["7"] = {X: hold}
+
+        async def scenario() -> int:
+            await x.start()
+
+            async def serves_nothing(message):
+                raise ValueError("the home serves nothing here")
+            await home.start(serves_nothing)
+            return await lender.move(engine, "7", 3, dst)
+
+        assert asyncio.run(scenario()) == 3
+        return dst.num_blocks_free, lender.held_on("7", X)
+
+    assert moved_figure(8, hold=0) == (5, 0)
+    assert moved_figure(6, hold=2) == (5, 0)  # two of the three came out of the hold
+    assert moved_figure(4, hold=5) == (4, 2)  # all three did
