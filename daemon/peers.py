@@ -106,13 +106,12 @@ class PeerDirectory:
         """The cluster id of an engine instance id (0 is this instance)."""
         return self.own_inst_id if engine_id == 0 else self._by_engine[engine_id].inst_id
 
-    def all(self) -> list[Peer]:
-        return list(self._by_inst.values())
-
-    def creditors(self) -> list[Peer]:
-        """Peers that may take blocks, most free first."""
-        return sorted((p for p in self._by_inst.values() if not p.draining and p.num_blocks_free > 0),
-                      key=lambda p: (-p.num_blocks_free, p.inst_id))
+    def creditors(self, room: Callable[[Peer], int | tuple[int, ...]] | None = None) -> list[Peer]:
+        """Peers that may take blocks (not draining), the most ``room`` first (default: their
+        free blocks), the lower instance id first among equals."""
+        room = room or (lambda p: p.num_blocks_free)
+        return sorted((p for p in self._by_inst.values() if not p.draining),
+                      key=lambda p: (room(p), -p.inst_id), reverse=True)
 
     def num_free_blocks(self) -> int:
         return sum(p.num_blocks_free for p in self._by_inst.values() if not p.draining)
@@ -275,8 +274,7 @@ class TransportLender:
         try:
             holds = self._holds.setdefault(request_id, {})
             short = wanted - sum(holds.values())
-            for peer in sorted((p for p in self.peers.all() if not p.draining),
-                               key=lambda p: (-(p.num_blocks_free + holds.get(p.inst_id, 0)), p.inst_id)):
+            for peer in self.peers.creditors(lambda p: p.num_blocks_free + holds.get(p.inst_id, 0)):
                 for _attempt in range(2):
                     take = min(short, peer.num_blocks_free)  # after a refusal: the peer's own figure
                     if take <= 0:
@@ -343,8 +341,7 @@ class TransportLender:
                 break
             # Peers that keep blocks for the request first (its home asked them before it
             # started), then the most free.
-            for peer in sorted((p for p in self.peers.all() if not p.draining),
-                               key=lambda p: (-self.held_on(request_id, p.inst_id), -p.num_blocks_free, p.inst_id)):
+            for peer in self.peers.creditors(lambda p: (self.held_on(request_id, p.inst_id), p.num_blocks_free)):
                 take = min(count, num_blocks, peer.num_blocks_free + self.held_on(request_id, peer.inst_id))
                 moved = await self.move(engine, request_id, take, peer) if take > 0 else 0
                 if moved:

@@ -182,36 +182,48 @@ def test_only_whole_segments_that_fit_move() -> None:
     assert s.network.messages() == []
 
 
+class HomeMove:
+    """H's request "7" has 20 written tokens in H's pool of 6 blocks; X has ``x_blocks`` free and
+    H's figure for it is ``figure``."""
+
+    def __init__(self, x_blocks: int, figure: int) -> None:
+        self.network = InMemoryNetwork()
+        self.x = Creditor(self.network, X, x_blocks)
+        self.bm = BlockManager(BLOCK_SIZE, [6])
+        self.bm.allocate("7", 20)
+        self.pool = torch.arange(6 * math.prod(BLOCK_SHAPE), dtype=torch.float32).reshape(6, *BLOCK_SHAPE)
+        self.engine = SimpleNamespace(block_manager=self.bm, pools={0: self.pool},
+                                      config=SimpleNamespace(block_size=BLOCK_SIZE), home_instance_id=0,
+                                      num_written_tokens=lambda: {"7": 20})
+        self.home = self.network.transport(address(H))
+        self.peers = PeerDirectory(H)
+        self.dst = self.peers.update(X, address(X), figure, False)
+        self.lender = TransportLender(self.home, self.peers, InstanceMetrics(), timeout_s=5.0)
+
+    def move(self, num_blocks: int) -> int:
+        """Blocks moved by the home's ``move`` of ``num_blocks`` of "7" to X."""
+        async def scenario() -> int:
+            await self.x.start()
+
+            async def serves_nothing(message):
+                raise ValueError("the home serves nothing here")
+            await self.home.start(serves_nothing)
+            return await self.lender.move(self.engine, "7", num_blocks, self.dst)
+
+        return asyncio.run(scenario())
+
+
 def test_a_home_move_refused_for_room_asks_again_for_what_is_free() -> None:
     """The home's figure for X is stale (8 free; X has 2): the first try-move of 4 blocks is
     refused with X's real figure, the second asks for those 2, and they move."""
-    network = InMemoryNetwork()
-    x = Creditor(network, X, 2)
-    peers = PeerDirectory(H)
-    dst = peers.update(X, address(X), 8, False)
-    bm = BlockManager(BLOCK_SIZE, [6])
-    bm.allocate("7", 20)
-    pool = torch.arange(6 * math.prod(BLOCK_SHAPE), dtype=torch.float32).reshape(6, *BLOCK_SHAPE)
-    engine = SimpleNamespace(block_manager=bm, pools={0: pool}, config=SimpleNamespace(block_size=BLOCK_SIZE),
-                             home_instance_id=0, num_written_tokens=lambda: {"7": 20})
-    home = network.transport(address(H))
-    lender = TransportLender(home, peers, InstanceMetrics(), timeout_s=5.0)
-    oldest = bm.block_table("7")[0].block_ids[:2]
-
-    async def scenario() -> int:
-        await x.start()
-
-        async def serves_nothing(message):
-            raise ValueError("the home serves nothing here")
-        await home.start(serves_nothing)
-        return await lender.move(engine, "7", 4, dst)
-
-    assert asyncio.run(scenario()) == 2
-    tries = [m for _, _, m in network.messages() if m == "try_move_kv"]
-    assert len(tries) == 2 and dst.num_blocks_free == 0  # none left there: no third try
-    table = bm.block_table("7")
-    assert (table[0].instance_id, table[0].token_start, table[0].token_end) == (dst.engine_id, 0, 2 * BLOCK_SIZE)
-    assert torch.equal(x.pool[list(table[0].block_ids)], pool[list(oldest)])
+    s = HomeMove(x_blocks=2, figure=8)
+    oldest = s.bm.block_table("7")[0].block_ids[:2]
+    assert s.move(4) == 2
+    tries = [m for _, _, m in s.network.messages() if m == "try_move_kv"]
+    assert len(tries) == 2 and s.dst.num_blocks_free == 0  # none left there: no third try
+    table = s.bm.block_table("7")
+    assert (table[0].instance_id, table[0].token_start, table[0].token_end) == (s.dst.engine_id, 0, 2 * BLOCK_SIZE)
+    assert torch.equal(s.x.pool[list(table[0].block_ids)], s.pool[list(oldest)])
 
 
 def test_an_ordered_move_waits_for_a_move_of_the_same_request_under_way() -> None:
@@ -237,30 +249,11 @@ def test_a_home_move_takes_its_blocks_off_the_peers_figure_once_and_its_hold_fir
     switch), and only by those beyond what X kept for the request: X's figure left its holds
     out already. Counted twice, a home's later spills found no room that X still had."""
     def moved_figure(figure: int, hold: int) -> tuple[int, int]:
-        network = InMemoryNetwork()
-        x = Creditor(network, X, 8)
-        peers = PeerDirectory(H)
-        dst = peers.update(X, address(X), figure, False)
-        bm = BlockManager(BLOCK_SIZE, [6])
-        bm.allocate("7", 20)
-        engine = SimpleNamespace(block_manager=bm, pools={0: torch.zeros(6, *BLOCK_SHAPE)},
-                                 config=SimpleNamespace(block_size=BLOCK_SIZE), home_instance_id=0,
-                                 num_written_tokens=lambda: {"7": 20})
-        home = network.transport(address(H))
-        lender = TransportLender(home, peers, InstanceMetrics(), timeout_s=5.0)
+        s = HomeMove(x_blocks=8, figure=figure)
         if hold:
-            lender._holds["7"] = {X: hold}
-
-        async def scenario() -> int:
-            await x.start()
-
-            async def serves_nothing(message):
-                raise ValueError("the home serves nothing here")
-            await home.start(serves_nothing)
-            return await lender.move(engine, "7", 3, dst)
-
-        assert asyncio.run(scenario()) == 3
-        return dst.num_blocks_free, lender.held_on("7", X)
+            s.lender._holds["7"] = {X: hold}
+        assert s.move(3) == 3
+        return s.dst.num_blocks_free, s.lender.held_on("7", X)
 
     assert moved_figure(8, hold=0) == (5, 0)
     assert moved_figure(6, hold=2) == (5, 0)  # two of the three came out of the hold
