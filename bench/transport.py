@@ -4,7 +4,9 @@ Two processes (this one and a server it starts). Measured side by side in one ru
 
 - bandwidth of one-buffer ``KVBlocks`` messages of 64 KiB .. 64 MiB, received straight into a
   pool on the server, several in flight; anchor: a plain copy of the same bytes in this
-  process (host memcpy, or device-to-device on the GPU), bytes counted once;
+  process (host memcpy, or device-to-device on the GPU), bytes counted once. Host buffers go
+  through the transport's shared memory (copied into it); also measured: with the sources in
+  it already (as a mover's staging buffers are), and with shared memory off (over UCX);
 - a batch of N KV blocks scattered over the source pool, moved as the daemons move them
   (gathered into one buffer for a contiguous reservation), against one contiguous run of the
   same bytes; and N runs into scattered destinations (the worst case);
@@ -230,11 +232,15 @@ def measure_bare(args) -> dict:
 
 
 def copy_bandwidth(nbytes: int, device: str, repeats: int) -> float:
-    """Bytes per second of a plain copy of ``nbytes`` (bytes counted once)."""
-    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
+    """Bytes per second of a plain copy of ``nbytes`` (bytes counted once), rotating over as
+    many source and destination buffers as the transport's figure does (``rotation_slots``):
+    one pair copied again and again stays in the caches."""
+    slots = rotation_slots(nbytes)
+    sources = [torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device) for _ in range(slots)]
+    destinations = [torch.empty_like(src) for src in sources]
     times = []
-    for _ in range(repeats + 2):  # the first two warm up
+    for i in range(repeats + 2):  # the first two warm up
+        src, dst = sources[i % slots], destinations[i % slots]
         if device.startswith("cuda"):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -247,6 +253,11 @@ def copy_bandwidth(nbytes: int, device: str, repeats: int) -> float:
             dst.copy_(src)
             times.append(time.perf_counter() - t0)
     return nbytes / statistics.median(times[2:])
+
+
+def rotation_slots(nbytes: int) -> int:
+    """How many buffers of ``nbytes`` a bandwidth figure rotates over."""
+    return max(1, min(4, POOL_BYTES // nbytes // 2))
 
 
 async def send_blocks(transport: UcxTransport, server: PeerAddress, runs_list, data_list,
@@ -281,15 +292,27 @@ def messages_for(nbytes: int) -> int:
     return max(8, min(400, (512 * MiB) // nbytes))
 
 
-async def measure_bandwidth(transport, server, device, nbytes: int, window: int) -> dict:
+async def measure_bandwidth(transport, server, device, nbytes: int, window: int,
+                            shared_sources: bool = False) -> dict:
+    """``shared_sources``: the sources lie in the transport's shared memory (as a mover's
+    staging buffers do), so a local peer reads them with no copy into it."""
     num_messages = messages_for(nbytes)
     # Rotate over a few source buffers and destinations, so caches do not flatter the figure.
-    slots = max(1, min(4, POOL_BYTES // nbytes // 2))
+    slots = rotation_slots(nbytes)
     runs, datas = zip(*(one_run(nbytes, device, dst_block=i) for i in range(slots)))
+    if shared_sources:
+        datas = [tuple(shared_copy(transport, d) for d in data) for data in datas]
     await send_blocks(transport, server, runs, datas, min(num_messages, 8), window)  # warm-up
     seconds = await send_blocks(transport, server, runs, datas, num_messages, window)
     return {"bytes": nbytes, "messages": num_messages, "window": window,
             "bytes_per_s": nbytes * num_messages / seconds}
+
+
+def shared_copy(transport: UcxTransport, tensor: torch.Tensor) -> torch.Tensor:
+    buffer = transport.shared_host_buffer(tensor.nbytes)
+    if buffer is None:
+        raise RuntimeError("no shared memory for the sources")
+    return buffer.view(tensor.dtype).view(tensor.shape).copy_(tensor)
 
 
 async def measure_block_batch(transport, server, device, num_blocks: int, block_nbytes: int,
@@ -307,7 +330,7 @@ async def measure_block_batch(transport, server, device, num_blocks: int, block_
     scattered_runs = tuple(m.BlockRun(2 * i, 1) for i in range(num_blocks))
     scattered_data = tuple(source_pool[b:b + 1] for b in scattered_ids)
 
-    staging = HostStaging()  # as a daemon's mover keeps one
+    staging = HostStaging(allocate=transport.shared_host_buffer)  # as a daemon's mover keeps one
 
     def gather():
         return pack_kv_runs(source_pool, scattered_ids, list(range(num_blocks)), staging)
@@ -391,13 +414,29 @@ async def run_client(args) -> dict:
     bare = measure_bare(args)
     server_process, layer_port = start_process(["--role", "server", "--device", device, "--spin-s", str(args.spin_s)])
     try:
+        server = PeerAddress("127.0.0.1", layer_port)
+        # First the layer with shared memory off: every buffer over UCX.
+        over_ucx = UcxTransport(TransportConfig(receive_device=device, request_timeout_s=60, frame_timeout_s=60,
+                                                spin_s=args.spin_s, shared_memory_bytes=0))
+        await over_ucx.start(lambda message: asyncio.sleep(0))
+        ucx_rates = {nbytes: (await measure_bandwidth(over_ucx, server, device, nbytes, args.window))["bytes_per_s"]
+                     for nbytes in MESSAGE_SIZES}
+        await over_ucx.close()
         transport = UcxTransport(TransportConfig(receive_device=device, request_timeout_s=60,
                                                  frame_timeout_s=60, spin_s=args.spin_s))
         await transport.start(lambda message: asyncio.sleep(0))
-        server = PeerAddress("127.0.0.1", layer_port)
+        await transport.connect(server)
+        shared_memory = transport.uses_shared_memory(server)
         bandwidth = []
         for nbytes in MESSAGE_SIZES:
             row = await measure_bandwidth(transport, server, device, nbytes, args.window)
+            row["shared_memory"] = shared_memory and device == "cpu"
+            if row["shared_memory"]:
+                row["shared_sources_bytes_per_s"] = (await measure_bandwidth(
+                    transport, server, device, nbytes, args.window, shared_sources=True))["bytes_per_s"]
+                row["shared_sources_ratio"] = row["shared_sources_bytes_per_s"] / copy_rates[nbytes]
+            row["over_ucx_bytes_per_s"] = ucx_rates[nbytes]
+            row["over_ucx_ratio"] = ucx_rates[nbytes] / copy_rates[nbytes]
             row["copy_bytes_per_s"] = copy_rates[nbytes]
             row["bare_ucxx_bytes_per_s"] = bare["bandwidth"][nbytes]
             row["ratio"] = row["bytes_per_s"] / row["copy_bytes_per_s"]
@@ -432,7 +471,10 @@ def print_table(results: dict) -> None:
         print(f"{row['bytes'] // KiB:>7} KiB {row['bytes_per_s'] / 1e9:>15.2f} "
               f"{row['bare_ucxx_bytes_per_s'] / 1e9:>10.2f} "
               f"{row['copy_bytes_per_s'] / 1e9:>10.2f} {row['ratio']:>6.2f} "
-              f"{row['bare_ratio']:>9.2f} {row['ratio_to_bare']:>6.2f}")
+              f"{row['bare_ratio']:>9.2f} {row['ratio_to_bare']:>6.2f}"
+              f"   over UCX {row['over_ucx_ratio']:.2f}"
+              + (f", sources in shared memory {row['shared_sources_ratio']:.2f}"
+                 if "shared_sources_ratio" in row else ""))
     b = results["block_batch"]
     print(f"{b['num_blocks']} scattered blocks x {b['block_nbytes'] // KiB} KiB: gathered into one buffer "
           f"{b['gathered_bytes_per_s'] / 1e9:.2f} GB/s, already contiguous "

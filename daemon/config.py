@@ -71,6 +71,12 @@ class InstanceConfig:
     # H200 instances decoded a split request 1.33x faster at 20 ms than at 0.5 ms), and
     # CPU_PEER_SPIN_S on the CPU, whose cores the engine needs.
     peer_spin_s: float | None = None
+    # Host buffers sent to instances on this host (a CPU pool's KV moves) go through a file of
+    # this many bytes in peer_shared_memory_dir (sparse, committed as used), not TCP loopback;
+    # 0: over UCX. Instances of one host need the same directory, and the same user or a
+    # group that may read each other's files.
+    peer_shared_memory_bytes: int = 1 << 30
+    peer_shared_memory_dir: Path = Path("/dev/shm")
     # False: a static instance (vLLM-style): it admits only what its own pool holds, never
     # spills its requests' KV to peers, lends them nothing and refuses moves.
     share_kv: bool = True
@@ -114,6 +120,9 @@ class InstanceConfig:
         _check_int("split_decode_interval", self.split_decode_interval, minimum=1)
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, minimum=self.block_size)
         _check_int("peer_port", self.peer_port, minimum=0, maximum=65535)
+        _check_int("peer_shared_memory_bytes", self.peer_shared_memory_bytes, minimum=0)
+        if 0 < self.peer_shared_memory_bytes < 1 << 20:
+            raise ConfigError(f"peer_shared_memory_bytes must be 0 (off) or at least 1 MiB, got {self.peer_shared_memory_bytes}")
         if any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in self.cpu_affinity):
             raise ConfigError(f"cpu_affinity must list CPU ids >= 0, got {self.cpu_affinity!r}")
         for name in ("share_kv", "creditor_cuda_graphs"):

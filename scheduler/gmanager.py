@@ -456,7 +456,9 @@ class GManager:
 
         self.transport = UcxTransport(TransportConfig(host=self.config.peer_host, port=self.config.peer_port,
                                                       connect_timeout_s=self.config.connect_timeout_s,
-                                                      request_timeout_s=self.config.move_timeout_s))
+                                                      request_timeout_s=self.config.move_timeout_s,
+                                                      # Heartbeats and commands: no bulk to share.
+                                                      shared_memory_bytes=0))
         await self.transport.start(self.handle)
 
     async def _start_http(self) -> list[web.AppRunner]:

@@ -6,12 +6,15 @@ No I/O here. Layout of the header bytes:
                         inline length u32 (little-endian)
     json      orjson    {"t": type, "v": type version, "id": msg id, "re": reply-to id or null,
                          "f": {field: value}, "x": {tensor field: [dtype, shape] or a list of
-                         them}, "b": [[nbytes, inline 0/1], ...]}
+                         them}, "b": [[nbytes, where], ...]}
+              where: 0 a separate UCX message, 1 inside the header, or 2 followed by an
+              offset: in the sender's shared-memory region (``shared_memory``)
     inline    bytes     the inline buffers, concatenated in buffer order
 
 Buffers follow the header in order, one per tensor (tuple fields give one per element), each
 the tensor's raw bytes. Small host buffers travel inside the header so that a small message is
-one transfer. Nested records are JSON arrays in field order.
+one transfer; a host buffer that the sender placed in its shared-memory region travels as its
+offset there. Nested records are JSON arrays in field order.
 
 ``decode_header`` refuses anything malformed with ``ProtocolError``, never another exception:
 the receiver answers with ``ErrorReply`` and closes the connection. It builds the message with
@@ -93,10 +96,14 @@ class FrameHeader:
     specs: tuple[TensorSpec, ...]  # one per buffer, in buffer order
     inline: tuple[bool, ...]  # per buffer: carried inside the header
     inline_bytes: bytes | memoryview  # the inline buffers, concatenated
+    # Per buffer: its offset in the sender's shared-memory region, -1 where it is not there;
+    # empty where no buffer of the frame is.
+    shared_offsets: tuple[int, ...] = ()
 
     @property
     def num_wire_buffers(self) -> int:
-        return self.inline.count(False)
+        """Buffers that arrive as UCX messages of their own."""
+        return len(self.inline) - sum(self.inline) - sum(o >= 0 for o in self.shared_offsets)
 
 
 # --- schema: how each field of each message type is encoded -------------------------------
@@ -289,13 +296,17 @@ def encode(
     wants_reply: bool = True,
     inline_limit_bytes: int = FrameLimits.inline_limit_bytes,
     inline_cuda_limit_bytes: int = FrameLimits.inline_cuda_limit_bytes,
+    place_shared: typing.Callable[[WireArray], int | None] | None = None,
 ) -> EncodedFrame:
     """The frame of ``message``. Tensors must be C-contiguous; nothing is copied except the
     small buffers that go inline: host buffers up to ``inline_limit_bytes`` in all, device
     buffers up to ``inline_cuda_limit_bytes`` in all (copied to the host first, which waits for
     the current CUDA stream). A frame with device buffers that UCX reads in place waits for
     the current stream of their devices: UCX's copies run on streams of its own, which would
-    not otherwise wait for the kernels that wrote those buffers."""
+    not otherwise wait for the kernels that wrote those buffers.
+
+    ``place_shared``: for a host buffer that is not inline, its offset in the sender's
+    shared-memory region (placing it there), or None to send it over UCX."""
     cls = type(message)
     plan = _plan_of(cls)
     fields = {name: getattr(message, name) if enc is None else enc(getattr(message, name))
@@ -311,7 +322,7 @@ def encode(
             tensor_specs[name] = _spec_entry(value)
             arrays.append(value)
 
-    buffer_table: list[list[int]] = []
+    buffer_table: list[list[int]] = []  # [nbytes, where] or [nbytes, 2, offset]
     inline_parts: list[bytes] = []
     wire_buffers: list[object] = []
     inline_total = inline_host = inline_cuda = 0
@@ -335,6 +346,11 @@ def encode(
                 inline_host += nbytes
             inline_total += nbytes
         elif nbytes > 0:  # an empty buffer is never sent
+            if place_shared is not None and not on_device:
+                offset = place_shared(array)
+                if offset is not None:
+                    buffer_table[-1] = [nbytes, 2, offset]
+                    continue
             wire_buffers.append(wire_view(array))
             if on_device:
                 posted_device_arrays.append(array)
@@ -431,7 +447,7 @@ def decode_header(data: bytes | memoryview, limits: FrameLimits) -> FrameHeader:
             kwargs[name] = spec = _decode_spec(tensor_fields[name])
             specs.append(spec)
 
-    inline = _check_buffer_table(table, specs, inline_len, limits)
+    inline, shared_offsets = _check_buffer_table(table, specs, inline_len, limits)
     try:
         message = cls(**kwargs)
     except (ValueError, TypeError) as e:
@@ -446,6 +462,7 @@ def decode_header(data: bytes | memoryview, limits: FrameLimits) -> FrameHeader:
         wants_reply=bool(flags & FLAG_WANTS_REPLY),
         specs=tuple(specs),
         inline=inline,
+        shared_offsets=shared_offsets,
         # Zero-copy where ``data`` is immutable bytes (the transports pass a fresh copy).
         inline_bytes=(memoryview(data)[PREAMBLE.size + json_len:] if isinstance(data, bytes)
                       else bytes(data[PREAMBLE.size + json_len:])),
@@ -455,32 +472,40 @@ def decode_header(data: bytes | memoryview, limits: FrameLimits) -> FrameHeader:
 
 def _check_buffer_table(
     table: list, specs: list[TensorSpec], inline_len: int, limits: FrameLimits
-) -> tuple[bool, ...]:
+) -> tuple[tuple[bool, ...], tuple[int, ...]]:
     if len(table) != len(specs):
         raise ProtocolError(ErrorCode.LENGTH_MISMATCH,
                             f"{len(table)} buffers for {len(specs)} tensors")
     inline: list[bool] = []
+    shared: list[int] | None = None
     total = inline_total = 0
-    for entry, spec in zip(table, specs):
-        if not (isinstance(entry, list) and len(entry) == 2 and _is_int(entry[0])
-                and entry[1] in (0, 1) and type(entry[1]) is int):
-            raise ProtocolError(ErrorCode.INVALID_FIELDS, "a buffer entry is [nbytes, 0|1]")
-        nbytes, is_inline = entry
+    for i, (entry, spec) in enumerate(zip(table, specs)):
+        if not (isinstance(entry, list) and _is_int(entry[0] if entry else None)
+                and ((len(entry) == 2 and entry[1] in (0, 1) and type(entry[1]) is int)
+                     or (len(entry) == 3 and entry[1] == 2 and type(entry[1]) is int
+                         and _is_int(entry[2]) and entry[2] >= 0))):
+            raise ProtocolError(ErrorCode.INVALID_FIELDS,
+                                "a buffer entry is [nbytes, 0|1] or [nbytes, 2, offset]")
+        nbytes, where = entry[0], entry[1]
         if nbytes > limits.max_buffer_bytes:
             raise ProtocolError(ErrorCode.BUFFER_TOO_LARGE, f"buffer of {nbytes} bytes")
         if nbytes != spec.nbytes:
             raise ProtocolError(ErrorCode.LENGTH_MISMATCH,
                                 f"buffer of {nbytes} bytes for a {spec.nbytes}-byte tensor")
         total += nbytes
-        if is_inline:
+        if where == 1:
             inline_total += nbytes
-        inline.append(bool(is_inline))
+        elif where == 2:
+            if shared is None:
+                shared = [-1] * len(table)
+            shared[i] = entry[2]
+        inline.append(where == 1)
     if total > limits.max_total_buffer_bytes:
         raise ProtocolError(ErrorCode.BUFFER_TOO_LARGE, f"buffers of {total} bytes")
     if inline_total != inline_len:
         raise ProtocolError(ErrorCode.LENGTH_MISMATCH,
                             f"inline buffers of {inline_total} bytes, {inline_len} carried")
-    return tuple(inline)
+    return tuple(inline), (() if shared is None else tuple(shared))
 
 
 def _is_int(value: object) -> bool:
@@ -544,29 +569,33 @@ def wire_destinations(
     header: FrameHeader, destinations: typing.Sequence[WireArray]
 ) -> list[object]:
     """Byte views of the destinations that arrive as separate buffers, in order."""
+    shared = header.shared_offsets or (-1,) * len(header.specs)
     return [
         wire_view(dest)
-        for dest, spec, inline in zip(destinations, header.specs, header.inline)
-        if not inline and spec.nbytes > 0
+        for dest, spec, inline, offset in zip(destinations, header.specs, header.inline, shared)
+        if not inline and offset < 0 and spec.nbytes > 0
     ]
 
 
 def land_inline(header: FrameHeader, destinations: typing.Sequence[WireArray]) -> list[object]:
     """``check_destinations``, ``fill_inline`` and ``wire_destinations`` in one pass (one byte
     view per destination): the receive path of every frame. Returns the byte views of the
-    destinations whose buffers arrive separately, in order."""
+    destinations whose buffers arrive as UCX messages of their own, in order (those in the
+    sender's shared memory are ``shared_destinations``)."""
     if len(destinations) != len(header.specs):
         raise ValueError(f"{len(destinations)} destinations for {len(header.specs)} buffers")
     separate: list[object] = []
     offset = 0
-    for dest, spec, inline in zip(destinations, header.specs, header.inline):
+    shared = header.shared_offsets
+    for i, (dest, spec, inline) in enumerate(zip(destinations, header.specs, header.inline)):
         if nbytes_of(dest) != spec.nbytes:
             raise ValueError(f"destination of {nbytes_of(dest)} bytes for {spec.nbytes}")
         view = wire_view(dest)  # raises for a non-contiguous destination
         if spec.nbytes == 0:
             continue
         if not inline:
-            separate.append(view)
+            if not shared or shared[i] < 0:
+                separate.append(view)
             continue
         chunk = header.inline_bytes[offset:offset + spec.nbytes]
         if hasattr(view, "__cuda_array_interface__"):
@@ -575,6 +604,18 @@ def land_inline(header: FrameHeader, destinations: typing.Sequence[WireArray]) -
             view[:] = memoryview(chunk)
         offset += spec.nbytes
     return separate
+
+
+def shared_destinations(
+    header: FrameHeader, destinations: typing.Sequence[WireArray]
+) -> list[tuple[object, int, int]]:
+    """(byte view, offset, nbytes) of each destination whose buffer lies in the sender's
+    shared-memory region, in order (destinations checked by ``land_inline``)."""
+    return [
+        (wire_view(dest), offset, spec.nbytes)
+        for dest, spec, offset in zip(destinations, header.specs, header.shared_offsets)
+        if offset >= 0 and spec.nbytes > 0
+    ]
 
 
 def host_tensors_of_inline(header: FrameHeader) -> list[WireArray]:

@@ -51,6 +51,10 @@ class TransportConfig:
     # (lowest latency); an idle connection costs no CPU. 0: always sleep (~150 us more per
     # frame on loopback). The first transport of an event loop sets it for the loop.
     spin_s: float = 500e-6
+    # Requests' host buffers to peers on this host go through a file in shared memory
+    # (``shared_memory``); its size in bytes (sparse, committed as used). 0: over UCX.
+    shared_memory_bytes: int = 1 << 30
+    shared_memory_dir: str = "/dev/shm"  # where the file lies; peers must see the same
     limits: FrameLimits = field(default_factory=FrameLimits)
 
     def landing_device(self, all_inline: bool) -> str:

@@ -14,7 +14,7 @@ allocator hands the same memory out again.)
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -30,9 +30,13 @@ class HostStaging:
     move failed is never given back (UCX may still read it) and is freed with its last view.
     """
 
-    def __init__(self, max_free: int = 4) -> None:
+    def __init__(self, max_free: int = 4,
+                 allocate: Callable[[int], torch.Tensor | None] | None = None) -> None:
         self.max_free = max_free  # buffers kept for use again, the largest
         self._free: list[torch.Tensor] = []  # flat uint8 host tensors
+        # Where new buffers come from (a flat uint8 host tensor of n bytes, or None): the
+        # transport's shared memory, whose buffers go to a local peer with no copy.
+        self._allocate = allocate
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A contiguous host tensor of ``shape`` and ``dtype``, on memory used before where a
@@ -43,7 +47,9 @@ class HostStaging:
             buffer = min(fits, key=torch.Tensor.numel)
             self._free.remove(buffer)
         else:
-            buffer = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+            buffer = self._allocate(max(nbytes, 1)) if self._allocate is not None else None
+            if buffer is None:
+                buffer = torch.empty(max(nbytes, 1), dtype=torch.uint8)
         tensor = buffer[:nbytes].view(dtype).view(shape)
         # The tensor names its buffer and where it came from, for give_back. Nothing here
         # refers to a lent buffer: one never given back is freed with the tensor.

@@ -58,6 +58,7 @@ class ErrorCode(StrEnum):
     HANDLER_FAILED = "handler_failed"
     NO_HANDLER = "no_handler"
     STALE_EPOCH = "stale_epoch"
+    SHARED_MEMORY_UNAVAILABLE = "shared_memory_unavailable"
 
 
 class MoveRejectReason(StrEnum):
@@ -437,6 +438,24 @@ class EchoReply:
 
 
 @dataclass(frozen=True)
+class SharedMemoryOffer:
+    """A transport's first request on a new connection: host buffers of its later requests may
+    come as offsets into this file of the receiver's shared-memory directory, which the receiver
+    maps read-only (``transport/shared_memory.py``). Ack: mapped. ErrorReply
+    (shared_memory_unavailable): not (another host, another user, turned off); buffers then
+    travel over UCX."""
+
+    TYPE: ClassVar[str] = "shared_memory_offer"
+    VERSION: ClassVar[int] = 1
+
+    region: str  # file name in the shared-memory directory: infllm-<pid>-<16 hex digits>
+    nonce: str  # 32 hex digits: the file's first 16 bytes, which prove it is the sender's
+
+    def __post_init__(self) -> None:
+        _require(len(self.region) <= 64 and len(self.nonce) <= 64, "region and nonce are short names")
+
+
+@dataclass(frozen=True)
 class Ack:
     """The request was carried out; for requests whose success has nothing more to say."""
 
@@ -457,8 +476,8 @@ class ErrorReply:
 
 Message = (
     Heartbeat | HeartbeatReply | AttendRequest | AttendResult | TryMoveKV | MoveReserved
-    | MoveRejected | KVBlocks | KVBlocksStored | MoveCommit | FreeSegment | ForwardSegment | MoveKV
-    | Drain | Uncordon | Echo | EchoReply | Ack | ErrorReply
+    | MoveRejected | HoldKV | KVHoldReply | KVBlocks | KVBlocksStored | MoveCommit | FreeSegment | ForwardSegment | MoveKV
+    | Drain | Uncordon | Echo | EchoReply | SharedMemoryOffer | Ack | ErrorReply
 )
 
 MESSAGE_TYPES: dict[str, type] = {
@@ -466,7 +485,7 @@ MESSAGE_TYPES: dict[str, type] = {
     for cls in (
         Heartbeat, HeartbeatReply, AttendRequest, AttendResult, TryMoveKV, MoveReserved,
         MoveRejected, HoldKV, KVHoldReply, KVBlocks, KVBlocksStored, MoveCommit, FreeSegment, ForwardSegment, MoveKV,
-        Drain, Uncordon, Echo, EchoReply, Ack, ErrorReply,
+        Drain, Uncordon, Echo, EchoReply, SharedMemoryOffer, Ack, ErrorReply,
     )
 }
 

@@ -12,7 +12,10 @@ order, so frames need no ids on the wire beyond the header; the sender posts a f
 back to back (no await in between) and the receiver posts a frame's buffer receives before the
 next header's.
 Buffers are received straight into their destinations (``BufferPlacer``), host or device;
-UCX picks the path (shared memory, TCP, CUDA IPC, NVLink, InfiniBand) from ``UCX_TLS``.
+UCX picks the path (TCP, CUDA IPC, NVLink, InfiniBand) from ``UCX_TLS``. Between processes of
+one host, a request's host buffers go through the sender's shared-memory region instead
+(``shared_memory``; offered on each new connection, the receiver copies them out): UCX would
+carry them over TCP loopback.
 Requests are awaited through ``UcxProgress`` (spin briefly, then sleep on the worker's event
 fd): ucxx's own await busy-loops the event loop while a receive is posted, which is always.
 
@@ -38,6 +41,7 @@ from collections.abc import Awaitable
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 import ucxx
 from ucxx._lib.arr import Array
 from ucxx.exceptions import UCXCloseError, UCXError, UCXMessageTruncatedError
@@ -57,7 +61,8 @@ from infinite_llm.transport.interface import (
     PeerAddress,
     TransportConfig,
 )
-from infinite_llm.transport.messages import Ack, ErrorCode, ErrorReply, Message
+from infinite_llm.transport.messages import Ack, ErrorCode, ErrorReply, Message, SharedMemoryOffer
+from infinite_llm.transport.shared_memory import PeerRegion, SharedMemoryUnavailable, SharedRegion
 from infinite_llm.transport.tensors import allocate
 from infinite_llm.transport.ucx_progress import UcxProgress
 
@@ -85,6 +90,14 @@ class _Connection:
     # of a task awaiting each one (a task per reply cost more than a small reply's round trip
     # has to spare).
     unsent: list[tuple[list, codec.EncodedFrame, float]] = field(default_factory=list)
+    # Outbound, where the peer mapped this process's region: requests' host buffers go there.
+    # The slots copied into for each request (by msg_id) are freed when its reply comes (the
+    # peer copied them out before it answered), or a frame timeout after the connection broke.
+    shared_out: SharedRegion | None = None
+    shared_slots: dict[int, list[int]] = field(default_factory=dict)
+    new_slots: list[int] = field(default_factory=list)  # copied into by the frame being encoded
+    # Inbound, where the peer's region is mapped: its requests' buffers are read from there.
+    shared_in: PeerRegion | None = None
 
     def __post_init__(self) -> None:
         self.header_buffer = np.zeros(self.config.limits.max_header_bytes, dtype=np.uint8)
@@ -95,6 +108,32 @@ class _Connection:
         self._ucx_endpoint = self.endpoint._ep
         self._send_tag = Tag(self.endpoint._tags["msg_send"])
         self._recv_tag = Tag(self.endpoint._tags["msg_recv"])
+
+    def place_shared(self, array: object) -> int | None:
+        """Where a request's host buffer lies in the region: as it is, if it is there already,
+        else copied into a new slot; None where the region is full (the buffer goes over UCX)."""
+        region = self.shared_out
+        offset = region.offset_of(array)
+        if offset is None:
+            offset = region.copy_in(array)
+            if offset is not None:
+                self.new_slots.append(offset)
+        return offset
+
+    def claim_slots(self, msg_id: int) -> None:
+        """The slots of the frame just encoded belong to request ``msg_id``."""
+        if self.new_slots:
+            self.shared_slots[msg_id] = self.new_slots
+            self.new_slots = []
+
+    def free_new_slots(self) -> None:
+        for offset in self.new_slots:
+            self.shared_out.free(offset)
+        self.new_slots = []
+
+    def free_slots(self, msg_id: int) -> None:
+        for offset in self.shared_slots.pop(msg_id, ()):
+            self.shared_out.free(offset)
 
     def _check_open(self) -> None:
         if self.broken or self.endpoint.closed:
@@ -198,6 +237,8 @@ class _Connection:
 
     async def recv_buffers(self, header: codec.FrameHeader, destinations: list) -> None:
         views = codec.land_inline(header, destinations)
+        if header.shared_offsets:
+            await self._copy_shared(codec.shared_destinations(header, destinations))
         if not views:
             return
         try:
@@ -212,9 +253,33 @@ class _Connection:
             self.abort()
             raise ConnectionBroken(f"{self.label}: receive failed: {e!r}") from e
 
+    async def _copy_shared(self, shared: list[tuple[object, int, int]]) -> None:
+        """Copy a frame's buffers out of the peer's region into their destinations; a large
+        one on a thread (numpy lets go of the GIL), so the event loop turns meanwhile."""
+        region = self.shared_in
+        if region is None:
+            raise ProtocolError(ErrorCode.INVALID_FIELDS, "a buffer in shared memory never offered")
+        for view, offset, nbytes in shared:
+            if nbytes >= _SHARED_COPY_ON_THREAD_BYTES:
+                landed = await asyncio.get_running_loop().run_in_executor(
+                    None, region.copy_to, view, offset, nbytes)
+            else:
+                landed = region.copy_to(view, offset, nbytes)
+            if not landed:
+                raise ProtocolError(ErrorCode.LENGTH_MISMATCH,
+                                    f"{nbytes} bytes at {offset}: outside the shared region")
+
     def abort(self) -> None:
         if not self.broken:
             self.broken = True
+            if self.shared_slots or self.new_slots:
+                # The peer may be copying out of them still: free them once it cannot be.
+                slots = [o for offsets in self.shared_slots.values() for o in offsets] + self.new_slots
+                self.shared_slots, self.new_slots = {}, []
+                asyncio.get_running_loop().call_later(
+                    self.config.frame_timeout_s, _free_slots, self.shared_out, slots)
+            if self.shared_in is not None:
+                self.shared_in.close()
             self.endpoint.abort()
             # The endpoint's requests end as cancelled; wake their waiters now rather than
             # at the next event on the worker.
@@ -245,12 +310,27 @@ class UcxTransport:
         self._next_msg_id = itertools.count(1)
         self._closed = False
         self._progress: UcxProgress | None = None
+        self._shared_region: SharedRegion | None = None  # made on the first connection
+        self._shared_region_failed = False
 
     @property
     def address(self) -> PeerAddress:
         if self._address is None:
             raise RuntimeError("transport not started")
         return self._address
+
+    def shared_host_buffer(self, nbytes: int) -> torch.Tensor | None:
+        """A flat uint8 host tensor in this transport's shared memory: a request's buffer that
+        lies in it goes to a peer on this host with no copy. Its memory is used again once no
+        view of it is left. None where shared memory is off or full."""
+        region = self._region()
+        return None if region is None else region.host_buffer(nbytes)
+
+    def uses_shared_memory(self, peer: PeerAddress) -> bool:
+        """Whether requests to ``peer`` carry their host buffers through shared memory (the
+        open connection's peer mapped this transport's region)."""
+        connection = self._outbound.get(peer)
+        return connection is not None and not connection.broken and connection.shared_out is not None
 
     def set_spin(self, spin_s: float) -> None:
         """Change how long waits spin before they sleep, s. It holds for every transport of this
@@ -273,14 +353,13 @@ class UcxTransport:
     ) -> Message:
         timeout_s = self._config.request_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
-        frame = self._encode_request(message)
-        connection: _Connection | None = None
         try:
             connection = await self._connection_by(peer, deadline)
         except ConnectionBroken as e:
             raise PeerUnreachable(peer, str(e)) from None
         except TimeoutError:
             raise RequestTimeout(peer, message.TYPE, timeout_s) from None
+        frame = self._encode_request(message, connection)
         return await self._exchange(peer, connection, frame, message.TYPE, deadline, timeout_s, posted=None)
 
     def request_soon(
@@ -294,7 +373,7 @@ class UcxTransport:
             return asyncio.ensure_future(self.request(peer, message, timeout_s=timeout_s))
         timeout_s = self._config.request_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
-        frame = self._encode_request(message)
+        frame = self._encode_request(message, connection)
         wire_trace.record("req.encoded", message.TYPE, frame.msg_id)
         if frame.frame.buffers:
             wire_trace.record("req.separate_buffers", message.TYPE, len(frame.frame.buffers))
@@ -309,11 +388,19 @@ class UcxTransport:
             return _failed(PeerUnreachable(peer, str(e)))
         return self._exchange(peer, connection, frame, message.TYPE, deadline, timeout_s, posted, reply)
 
-    def _encode_request(self, message: Message) -> _RequestFrame:
+    def _encode_request(self, message: Message, connection: _Connection) -> _RequestFrame:
         msg_id = next(self._next_msg_id)
-        return _RequestFrame(msg_id, codec.encode(
-            message, msg_id, inline_limit_bytes=self._config.limits.inline_limit_bytes,
-            inline_cuda_limit_bytes=self._config.limits.inline_cuda_limit_bytes))
+        place = connection.place_shared if connection.shared_out is not None else None
+        try:
+            frame = codec.encode(
+                message, msg_id, inline_limit_bytes=self._config.limits.inline_limit_bytes,
+                inline_cuda_limit_bytes=self._config.limits.inline_cuda_limit_bytes,
+                place_shared=place)
+        except BaseException:
+            connection.free_new_slots()
+            raise
+        connection.claim_slots(msg_id)
+        return _RequestFrame(msg_id, frame)
 
     async def _exchange(self, peer: PeerAddress, connection: _Connection, frame: _RequestFrame, type_: str,
                         deadline: float, timeout_s: float, posted: list | None,
@@ -396,6 +483,8 @@ class UcxTransport:
         if self._listener is not None:
             self._listener.close()
             self._listener = None
+        if self._shared_region is not None:
+            self._shared_region.close()  # peers' mappings of it stay valid
 
     # --- outbound connections: requests and their replies ---
 
@@ -434,7 +523,41 @@ class UcxTransport:
         connection = _Connection(endpoint, str(peer), self._config, self._progress)
         self._outbound[peer] = connection
         self._spawn(self._read_replies(peer, connection))
+        region = self._region()
+        if region is not None:
+            await self._offer_shared_memory(peer, connection, region)
         return connection
+
+    def _region(self) -> SharedRegion | None:
+        """This transport's shared-memory region, made on first use; None where it is turned
+        off or cannot be made (then every buffer travels over UCX)."""
+        if self._shared_region is None and not self._shared_region_failed and not self._closed:
+            if self._config.shared_memory_bytes <= 0:
+                self._shared_region_failed = True
+                return None
+            try:
+                self._shared_region = SharedRegion(self._config.shared_memory_dir,
+                                                   self._config.shared_memory_bytes)
+            except (OSError, ValueError) as e:
+                self._shared_region_failed = True
+                log.warning("no shared memory for local peers (%s): host buffers travel over UCX", e)
+        return self._shared_region
+
+    async def _offer_shared_memory(self, peer: PeerAddress, connection: _Connection,
+                                   region: SharedRegion) -> None:
+        """Offer the region on a new connection; where the peer maps it, requests' host buffers
+        go through it. A refusal (another host) leaves the connection as it is."""
+        offer = SharedMemoryOffer(region=region.name, nonce=region.nonce.hex())
+        try:
+            await self._exchange(peer, connection, self._encode_request(offer, connection), offer.TYPE,
+                                 time.monotonic() + self._config.connect_timeout_s,
+                                 self._config.connect_timeout_s, posted=None)
+        except RemoteError as e:
+            log.debug("%s: no shared memory: %s", peer, e)
+            return
+        except RequestTimeout:
+            raise PeerUnreachable(peer, "cannot connect: no answer to the connection's first request") from None
+        connection.shared_out = region
 
     async def _read_replies(self, peer: PeerAddress, connection: _Connection) -> None:
         try:
@@ -442,6 +565,8 @@ class UcxTransport:
                 # An outbound connection idles only while nothing is pending.
                 header = await connection.recv_header(self._config.idle_timeout_s)
                 wire_trace.record("reply.header", header.message.TYPE, -1 if header.reply_to is None else header.reply_to)
+                if header.reply_to is not None and connection.shared_slots:
+                    connection.free_slots(header.reply_to)  # the peer copied them out first
                 if header.reply_to is None:
                     if isinstance(header.message, ErrorReply):  # the peer refused a frame
                         raise RemoteError(peer, header.message.code, header.message.detail)
@@ -532,8 +657,10 @@ class UcxTransport:
         """Run the handler. One that answers at once (a plain function) is answered here, with
         no task; one that returns an awaitable runs as a task of its own, so that a slow
         handler never holds up the connection's next frame."""
-        if self._handler is None:
-            outcome: object = ErrorReply(ErrorCode.NO_HANDLER, "transport not started")
+        if type(message) is SharedMemoryOffer:
+            outcome: object = self._accept_shared_memory(connection, message)
+        elif self._handler is None:
+            outcome = ErrorReply(ErrorCode.NO_HANDLER, "transport not started")
         else:
             try:
                 outcome = self._handler(message)
@@ -553,6 +680,19 @@ class UcxTransport:
             reply = _handler_failed(message, e)
         if header.wants_reply:
             await self._reply(connection, header.msg_id, reply)
+
+    def _accept_shared_memory(self, connection: _Connection, offer: SharedMemoryOffer) -> Message:
+        """Map the region a new connection's peer offers, if it is on this host's shared memory."""
+        if self._config.shared_memory_bytes <= 0:
+            return ErrorReply(ErrorCode.SHARED_MEMORY_UNAVAILABLE, "turned off here")
+        try:
+            region = PeerRegion.open(self._config.shared_memory_dir, offer.region, offer.nonce)
+        except SharedMemoryUnavailable as e:
+            return ErrorReply(ErrorCode.SHARED_MEMORY_UNAVAILABLE, str(e))
+        if connection.shared_in is not None:
+            connection.shared_in.close()
+        connection.shared_in = region
+        return Ack()
 
     def _lands_whole_on_host(self, header: codec.FrameHeader) -> bool:
         """Every buffer of the frame came inline and lands in host memory: its tensors are made
@@ -623,6 +763,15 @@ def _handler_failed(message: Message, error: Exception) -> ErrorReply:
     else:
         log.error("handler failed on %s", message.TYPE, exc_info=error)
     return ErrorReply(ErrorCode.HANDLER_FAILED, f"{type(error).__name__}: {error}")
+
+
+# A buffer at least this large is copied out of a peer's region on a thread, bytes.
+_SHARED_COPY_ON_THREAD_BYTES = 4 << 20
+
+
+def _free_slots(region: SharedRegion, offsets: list[int]) -> None:
+    for offset in offsets:
+        region.free(offset)
 
 
 def _expire(future: asyncio.Future) -> None:

@@ -68,6 +68,7 @@ def sample_messages() -> list[m.Message]:
         m.Uncordon(epoch=17, drain_id=1, inst_id=5),
         m.Echo(payload=np.arange(10, dtype=np.int64)),
         m.EchoReply(payload=torch.arange(4, dtype=torch.int32)),
+        m.SharedMemoryOffer(region="infllm-123-0123456789abcdef", nonce="ab" * 16),
         m.Ack(),
         m.ErrorReply(code=m.ErrorCode.STALE_EPOCH, detail="epoch 16 < 17"),
     ]

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from infinite_llm.transport.block_runs import destination_runs
 from infinite_llm.transport.kv_packing import HostStaging, pack_kv_runs
+from infinite_llm.transport.shared_memory import SharedRegion
 
 
 def test_runs_follow_the_destinations_whatever_the_sources():
@@ -83,3 +84,21 @@ def test_staging_keeps_only_its_largest_free_buffers():
     assert staging.num_free == 2
     assert staging.take((40,), torch.float32).numel() == 40  # the 40 was kept
     assert staging.take((20,), torch.float32).numel() == 20  # and the 20, not the 10
+
+
+def test_staging_takes_new_buffers_from_its_allocator_while_it_has_room(tmp_path):
+    """A mover's staging comes from the transport's shared memory, so a gather goes to a local
+    peer with no copy; where that is full, from ordinary memory."""
+    region = SharedRegion(str(tmp_path), max_bytes=1 << 20)
+    try:
+        staging = HostStaging(allocate=region.host_buffer)
+        pool = torch.randn(64, 2, 2, 4, 1, 8)  # 512 bytes a block
+        _, gathered = pack_kv_runs(pool, [9, 3, 40], [0, 1, 2], staging)
+        assert region.offset_of(gathered[0]) is not None
+        assert torch.equal(gathered[0], pool[[9, 3, 40]])
+        too_big = staging.take((4096, 512), torch.uint8)  # 2 MiB: more than the region holds
+        assert region.offset_of(too_big) is None
+        staging.give_back(gathered)
+        assert staging.take((3, 2, 2, 4, 1, 8), pool.dtype).data_ptr() == gathered[0].data_ptr()
+    finally:
+        region.close()

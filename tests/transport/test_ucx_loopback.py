@@ -1,4 +1,5 @@
-"""The UCX transport on loopback (UCX_TLS=tcp,sm,self) against real peer processes.
+"""The UCX transport on loopback (UCX_TLS=tcp,sm,self) against real peer processes; host buffers
+of requests go through the sender's shared-memory region unless a test turns it off.
 
 Peers are separate processes, killed for real with SIGKILL. Every wait is bounded.
 """
@@ -23,6 +24,7 @@ from infinite_llm.transport import codec
 from infinite_llm.transport import messages as m
 from infinite_llm.transport.errors import PeerUnreachable, RemoteError, TransportError
 from infinite_llm.transport.interface import PeerAddress, TransportConfig
+from infinite_llm.transport.shared_memory import SharedRegion
 
 from conftest import run_bounded
 from test_codec_fuzz import STRATEGIES
@@ -390,6 +392,98 @@ def test_connect_ahead_opens_the_connection_requests_then_use(ucx_loop, start_pe
         assert time.monotonic() - started < 5
     run_bounded(ucx_loop, scenario(), 30)
 
+
+
+def test_host_buffers_to_a_local_peer_go_through_shared_memory(ucx_loop, start_peer, client):
+    """A peer process on this host maps the client's region: a request's large host buffers go
+    through it (copied in, or as they lie where they are in it already), land whole, and their
+    slots are free again once answered."""
+    peer = start_peer("serve")
+    copies_in: list[int] = []
+
+    async def scenario():
+        await client.connect(peer.address)
+        assert client.uses_shared_memory(peer.address)
+        region = client._shared_region
+        copy_in = region.copy_in
+        region.copy_in = lambda array: copies_in.append(1) or copy_in(array)
+        payload = torch.randn(3 << 20)
+        assert torch.equal((await client.request(peer.address, m.Echo(payload))).payload, payload)
+        runs = (m.BlockRun(3, 4), m.BlockRun(20, 8))
+        stored = await client.request(peer.address, m.KVBlocks(
+            move_id=1, reservation_id=7, runs=runs,
+            runs_data=tuple(filled_blocks(r.dst_block_id, r.num_blocks) for r in runs)))
+        assert stored == m.KVBlocksStored(1, 7, 12) and len(copies_in) == 3
+        # A buffer in the region already is sent as it lies: no copy.
+        blocks = filled_blocks(40, 8)
+        staged = client.shared_host_buffer(blocks.nbytes).view(torch.float32).view(blocks.shape).copy_(blocks)
+        stored = await client.request(peer.address, m.KVBlocks(2, 7, (m.BlockRun(40, 8),), (staged,)))
+        assert stored == m.KVBlocksStored(2, 7, 8) and len(copies_in) == 3
+        assert region.bytes_in_use == staged.nbytes  # the copies' slots are free again
+        many = [client.request(peer.address, m.Echo(torch.full((1 << 18,), float(i)))) for i in range(16)]
+        for i, reply in enumerate(await asyncio.gather(*many)):
+            assert bool((reply.payload == i).all())
+        assert region.bytes_in_use == staged.nbytes
+    run_bounded(ucx_loop, scenario(), 30)
+
+
+def test_with_shared_memory_off_on_either_side_buffers_go_over_ucx(ucx_loop, client):
+    async def serve_echo(message: m.Message) -> m.Message | None:
+        return m.EchoReply(message.payload) if isinstance(message, m.Echo) else None
+
+    async def scenario():
+        server = UcxTransport(TransportConfig(request_timeout_s=10, shared_memory_bytes=0))
+        sender = UcxTransport(TransportConfig(request_timeout_s=10, shared_memory_bytes=0))
+        await server.start(serve_echo)
+        await sender.start(serve_echo)
+        try:
+            payload = torch.randn(1 << 20)
+            for source, destination in ((client, server.address), (sender, client.address)):
+                reply = await source.request(destination, m.Echo(payload))
+                assert torch.equal(reply.payload, payload)
+                assert not source.uses_shared_memory(destination)
+        finally:
+            await server.close()
+            await sender.close()
+    run_bounded(ucx_loop, scenario(), 30)
+
+
+def test_a_frame_pointing_outside_the_shared_region_is_refused(ucx_loop, start_peer, client):
+    peer = start_peer("serve")
+
+    async def scenario():
+        await client.connect(peer.address)
+        connection = client._outbound[peer.address]
+        connection.place_shared = lambda array: 1 << 40
+        with pytest.raises(RemoteError) as info:
+            await client.request(peer.address, m.Echo(torch.randn(1 << 16)))
+        assert info.value.code == m.ErrorCode.LENGTH_MISMATCH
+        payload = torch.randn(1 << 16)  # a new connection, served
+        assert torch.equal((await client.request(peer.address, m.Echo(payload))).payload, payload)
+    run_bounded(ucx_loop, scenario(), 30)
+    assert peer.process.poll() is None
+
+
+def test_a_frame_in_shared_memory_never_offered_is_refused(ucx_loop, start_peer):
+    peer = start_peer("serve")
+    sender = UcxTransport(TransportConfig(request_timeout_s=10, shared_memory_bytes=0))
+
+    async def scenario():
+        await sender.start(lambda message: None)
+        try:
+            await sender.connect(peer.address)
+            region = SharedRegion(max_bytes=8 << 20)  # never offered to the peer
+            try:
+                sender._outbound[peer.address].shared_out = region
+                with pytest.raises(RemoteError) as info:
+                    await sender.request(peer.address, m.Echo(torch.randn(1 << 16)))
+                assert info.value.code == m.ErrorCode.INVALID_FIELDS
+            finally:
+                region.close()
+            assert await sender.request(peer.address, m.Ack()) == m.Ack()
+        finally:
+            await sender.close()
+    run_bounded(ucx_loop, scenario(), 30)
 
 
 @pytest.mark.gpu

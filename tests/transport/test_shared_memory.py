@@ -1,0 +1,253 @@
+"""Shared-memory regions: slot bookkeeping, a region and a peer's mapping of it, stale files.
+
+No UCX here (the loopback tests send frames through regions between real processes).
+"""
+
+from __future__ import annotations
+
+import errno
+import gc
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from infinite_llm.transport import codec
+from infinite_llm.transport import messages as m
+from infinite_llm.transport import shared_memory
+from infinite_llm.transport.errors import ProtocolError
+from infinite_llm.transport.shared_memory import (
+    HEADER_BYTES,
+    SLOT_ALIGNMENT,
+    PeerRegion,
+    SharedMemoryUnavailable,
+    SharedRegion,
+    SlotAllocator,
+    remove_stale_regions,
+)
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def directory() -> Iterator[str]:
+    """A directory of its own on the host's shared memory (a temporary one without it)."""
+    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+    with tempfile.TemporaryDirectory(dir=base) as path:
+        yield path
+
+
+@pytest.fixture
+def region(directory) -> Iterator[SharedRegion]:
+    made = SharedRegion(directory, max_bytes=64 * MiB)
+    yield made
+    made.close()
+
+
+# --- slots ------------------------------------------------------------------------------------
+
+
+def test_slots_are_aligned_first_fit_and_reused():
+    slots = SlotAllocator(4096, 16 * 4096, alignment=4096)
+    a, b, c = slots.allocate(1), slots.allocate(4097), slots.allocate(4096)
+    assert (a, b, c) == (4096, 8192, 16384)  # b takes two pages
+    slots.free(b)
+    assert slots.allocate(4096) == 8192  # the first range that fits: b's
+    assert slots.allocate(8192) == 20480  # b's second page alone is too small
+    assert slots.allocate(20 * 4096) is None
+    with pytest.raises(KeyError):
+        slots.free(12345)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 5 * 4096), st.integers(0, 1000)), max_size=60))
+def test_slots_never_overlap_and_free_ranges_join_again(operations):
+    start, capacity, alignment = 4096, 32 * 4096, 4096
+    slots = SlotAllocator(start, capacity, alignment)
+    held: dict[int, int] = {}  # offset -> bytes asked for
+    for allocate, nbytes, pick in operations:
+        if allocate or not held:
+            offset = slots.allocate(nbytes)
+            if offset is not None:
+                assert offset % alignment == 0 and start <= offset
+                assert offset + max(nbytes, 1) <= start + capacity
+                assert offset not in held
+                held[offset] = nbytes
+        else:
+            offset = sorted(held)[pick % len(held)]
+            slots.free(offset)
+            del held[offset]
+        spans = sorted((o, slots.slot_end(o)) for o in held)
+        assert all(end <= next_start for (_, end), (next_start, _) in zip(spans, spans[1:]))
+        free = slots.free_ranges
+        assert all(o + size < next_o for (o, size), (next_o, _) in zip(free, free[1:]))  # joined
+        assert slots.bytes_in_use + sum(size for _, size in free) == capacity
+    for offset in list(held):
+        slots.free(offset)
+    assert slots.free_ranges == [(start, capacity)] and slots.num_slots == 0
+
+
+# --- a region and a peer's mapping ----------------------------------------------------------
+
+
+def test_a_peer_reads_what_was_copied_in(region, directory):
+    data = torch.randn(3 * MiB // 4)
+    offset = region.copy_in(data)
+    assert offset is not None and offset % SLOT_ALIGNMENT == 0 and offset >= HEADER_BYTES
+    peer = PeerRegion.open(directory, region.name, region.nonce.hex())
+    landed = torch.empty_like(data)
+    assert peer.copy_to(landed.view(torch.uint8).reshape(-1), offset, data.nbytes)
+    assert torch.equal(landed, data)
+    region.free(offset)
+    assert region.bytes_in_use == 0
+
+
+def test_buffers_of_the_region_are_found_in_it_and_freed_with_their_last_view(region):
+    buffer = region.host_buffer(MiB)
+    offset = region.offset_of(buffer)
+    assert offset is not None and region.bytes_in_use == MiB
+    typed = buffer.view(torch.float32)[1024:].view(16, -1)  # a view further in
+    assert region.offset_of(typed) == offset + 4096
+    assert region.offset_of(torch.empty(MiB, dtype=torch.uint8)) is None
+    assert region.offset_of(np.empty(16)) is None
+    del buffer
+    gc.collect()
+    assert region.bytes_in_use == MiB  # the view holds the memory still
+    del typed
+    gc.collect()
+    assert region.bytes_in_use == 0
+
+
+def test_a_full_region_or_tmpfs_gives_no_slot(region, monkeypatch):
+    assert region.allocate(region.max_bytes) is None  # the first page is the region's own
+    held = region.allocate(60 * MiB)
+    assert held is not None and region.allocate(8 * MiB) is None
+    region.free(held)
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shared_memory.os, "posix_fallocate", full)
+    assert region.allocate(2 * region.committed_bytes) is None  # past what is committed
+    assert region.bytes_in_use == 0
+    assert region.allocate(4096) is not None  # committed already: no fallocate needed
+
+
+@pytest.mark.parametrize("name", ["../passwd", "infllm-1-ZZZZZZZZZZZZZZZZ", "infllm-1-0123456789abcdef/x",
+                                  "infllm--0123456789abcdef", "other", ""])
+def test_a_peer_refuses_names_that_are_not_regions(directory, name):
+    with pytest.raises(SharedMemoryUnavailable):
+        PeerRegion.open(directory, name, "00" * 16)
+
+
+def test_a_peer_refuses_a_missing_file_a_bad_nonce_and_a_foreign_file(region, directory):
+    with pytest.raises(SharedMemoryUnavailable, match="cannot open"):
+        PeerRegion.open(directory, "infllm-1-0123456789abcdef", region.nonce.hex())
+    for nonce in ("00" * 16, "zz" * 16, "00" * 8):
+        with pytest.raises(SharedMemoryUnavailable):
+            PeerRegion.open(directory, region.name, nonce)
+    foreign = os.path.join(directory, "infllm-2-0123456789abcdef")
+    with open(foreign, "wb") as f:
+        f.write(b"\0" * 100)
+    with pytest.raises(SharedMemoryUnavailable):
+        PeerRegion.open(directory, "infllm-2-0123456789abcdef", "00" * 16)
+
+
+def test_a_peer_reads_only_within_the_region(region, directory):
+    peer = PeerRegion.open(directory, region.name, region.nonce.hex())
+    assert peer.read(0, 16) is None  # the nonce page
+    assert peer.read(HEADER_BYTES, peer.nbytes) is None
+    assert peer.read(peer.nbytes - 4096, 4096) is not None
+    assert peer.read(peer.nbytes - 4096, 4097) is None
+    assert not peer.copy_to(np.empty(8, dtype=np.uint8), 1 << 40, 8)
+
+
+def test_a_peer_still_reads_after_the_owner_closed(directory):
+    owner = SharedRegion(directory, max_bytes=8 * MiB)
+    offset = owner.copy_in(np.full(MiB, 7, dtype=np.uint8))
+    peer = PeerRegion.open(directory, owner.name, owner.nonce.hex())
+    owner.close()
+    assert not os.path.exists(owner.path)
+    landed = np.empty(MiB, dtype=np.uint8)
+    assert peer.copy_to(landed, offset, MiB) and (landed == 7).all()
+
+
+def test_regions_of_killed_processes_are_removed_and_live_ones_kept(region, directory):
+    script = ("import sys, time; from infinite_llm.transport.shared_memory import SharedRegion; "
+              "r = SharedRegion(sys.argv[1], 8 << 20); print(r.name, flush=True); time.sleep(60)")
+    child = subprocess.Popen([sys.executable, "-c", script, directory], stdout=subprocess.PIPE, text=True)
+    try:
+        name = child.stdout.readline().strip()
+        assert name.startswith(f"infllm-{child.pid}-")
+        assert remove_stale_regions(directory) == 0  # its owner lives
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(timeout=10)
+        assert os.path.exists(os.path.join(directory, name))  # a killed owner leaves its file
+        deadline = time.monotonic() + 5
+        while remove_stale_regions(directory) == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)  # the lock goes with the process's last file descriptor
+        assert not os.path.exists(os.path.join(directory, name))
+        assert os.path.exists(region.path)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(timeout=10)
+
+
+# --- frames whose buffers lie in a region -----------------------------------------------------
+
+
+def test_frames_carry_offsets_for_buffers_placed_in_shared_memory(region, directory):
+    runs = (m.BlockRun(0, 2), m.BlockRun(5, 1))
+    data = (torch.randn(2, 4096), torch.randn(1, 4096))
+    small = torch.arange(4)
+    placed: list[int] = []
+
+    def place(array):
+        placed.append(region.copy_in(array))
+        return placed[-1]
+
+    frame = codec.encode(m.KVBlocks(1, 7, runs, data), 3, place_shared=place)
+    assert frame.buffers == () and len(placed) == 2
+    header = codec.decode_header(frame.header, codec.FrameLimits())
+    assert header.shared_offsets == tuple(placed) and header.num_wire_buffers == 0
+    destinations = [torch.empty_like(d) for d in data]
+    assert codec.land_inline(header, destinations) == []  # nothing over UCX
+    peer = PeerRegion.open(directory, region.name, region.nonce.hex())
+    for view, offset, nbytes in codec.shared_destinations(header, destinations):
+        assert peer.copy_to(view, offset, nbytes)
+    assert all(torch.equal(a, b) for a, b in zip(destinations, data))
+    # Inline buffers stay inline; the placement is asked about the others only.
+    echo = codec.decode_header(codec.encode(m.Echo(small), 4, place_shared=place).header, codec.FrameLimits())
+    assert echo.inline == (True,) and echo.shared_offsets == () and len(placed) == 2
+
+
+def test_a_placement_that_declines_leaves_the_buffer_on_ucx():
+    frame = codec.encode(m.Echo(torch.randn(8192)), 1, place_shared=lambda array: None)
+    header = codec.decode_header(frame.header, codec.FrameLimits())
+    assert len(frame.buffers) == 1 and header.shared_offsets == () and header.num_wire_buffers == 1
+
+
+@pytest.mark.parametrize("entry", [[32768, 2], [32768, 2, -1], [32768, 3, 0], [32768, 2, "0"],
+                                   [32768, 2, 1.5], [32768, 2, 0, 0], [32768, True, 0], [32768, 1, 0]])
+def test_malformed_shared_entries_are_refused(entry):
+    frame = codec.encode(m.Echo(torch.randn(8192)), 1)
+    header = frame.header
+    body_start = codec.PREAMBLE.size
+    json_len = codec.PREAMBLE.unpack_from(header)[3]
+    body = header[body_start:body_start + json_len].replace(b'"b":[[32768,0]]',
+                                                             b'"b":[' + json.dumps(entry).replace(" ", "").encode() + b']')
+    assert body != header[body_start:body_start + json_len]
+    preamble = codec.PREAMBLE.pack(codec.MAGIC, m.PROTOCOL_VERSION, codec.FLAG_WANTS_REPLY, len(body), 0)
+    with pytest.raises(ProtocolError):
+        codec.decode_header(preamble + body, codec.FrameLimits())

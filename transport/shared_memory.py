@@ -1,0 +1,347 @@
+"""Host buffers between the processes of one host, through a file in shared memory.
+
+UCX carries host buffers between two local processes over TCP loopback: its own shared memory
+transports leave out endpoints with peer error handling (every ucxx endpoint has it), and the
+option that lets them in (``MM_ERROR_HANDLING``) can wedge a receiver whose sender was killed
+mid-transfer (``docs/transport.md``). This path keeps UCX for the frame's header and moves the
+bulk through memory both processes map:
+
+- Each transport that sends requests owns one ``SharedRegion``: a file in ``/dev/shm``, sized
+  up front (sparse) and committed with ``posix_fallocate`` as it is used, so that a full tmpfs
+  shows as an allocation that fails (the buffer then travels over UCX), never as a SIGBUS.
+- On a new connection it offers the region (``SharedMemoryOffer``: file name and a nonce
+  written in the file's first page). A receiver that can open the file and finds the nonce is
+  on the same host and shares its ``/dev/shm``; it maps the file read-only and answers Ack.
+- A request's host buffer that is not inline goes as an offset into the region: copied into a
+  slot there (freed when the reply comes), or, where it lies in the region already (a staging
+  buffer the caller took from it), with no copy. The receiver copies it into its destination.
+- A killed sender leaves a file the receiver still reads safely (the mapping outlives the
+  file's name); the owner holds an flock on its file while it lives, and each new region
+  removes the files whose owner is gone.
+
+No UCX here: the region, its slots and a peer's mapping.
+"""
+
+from __future__ import annotations
+
+import bisect
+import fcntl
+import logging
+import mmap
+import os
+import re
+import secrets
+import weakref
+
+import numpy as np
+import torch
+
+from infinite_llm.transport.tensors import is_cuda, nbytes_of, wire_view
+
+log = logging.getLogger(__name__)
+
+HEADER_BYTES = 4096  # the region's first page: its nonce; slots start after it
+SLOT_ALIGNMENT = 4096  # slots start on page boundaries, bytes
+COMMIT_STEP_BYTES = 64 << 20  # the region is committed in steps of this many bytes
+NONCE_BYTES = 16
+_REGION_NAME = re.compile(r"infllm-(\d{1,10})-([0-9a-f]{16})\Z")
+
+
+class SharedMemoryUnavailable(Exception):
+    """A peer's region cannot be used (another host, another user, a stale or foreign file)."""
+
+
+class SlotAllocator:
+    """First-fit allocation of slots in ``[start, start + capacity)``, freed slots coalesced.
+
+    Pure bookkeeping, no memory: offsets and sizes in bytes, every slot a multiple of
+    ``alignment`` long and aligned to it (``start`` is aligned by the caller).
+    """
+
+    def __init__(self, start: int, capacity: int, alignment: int = SLOT_ALIGNMENT) -> None:
+        if alignment <= 0 or start % alignment or capacity < 0:
+            raise ValueError(f"bad region: start {start}, capacity {capacity}, alignment {alignment}")
+        self.alignment = alignment
+        self._free_offsets: list[int] = [start] if capacity >= alignment else []  # sorted
+        self._free_sizes: dict[int, int] = {start: capacity - capacity % alignment} if self._free_offsets else {}
+        self._used: dict[int, int] = {}  # offset -> slot size
+
+    def allocate(self, nbytes: int) -> int | None:
+        """The offset of a new slot of at least ``nbytes`` (at least one alignment unit), or
+        None where no free range is large enough."""
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        size = max(self.alignment, -(-nbytes // self.alignment) * self.alignment)
+        for i, offset in enumerate(self._free_offsets):
+            free = self._free_sizes[offset]
+            if free < size:
+                continue
+            del self._free_sizes[offset]
+            if free == size:
+                del self._free_offsets[i]
+            else:
+                self._free_offsets[i] = offset + size
+                self._free_sizes[offset + size] = free - size
+            self._used[offset] = size
+            return offset
+        return None
+
+    def free(self, offset: int) -> None:
+        """Give a slot back; its range joins the free ranges beside it."""
+        size = self._used.pop(offset)  # KeyError: not a slot
+        i = bisect.bisect_left(self._free_offsets, offset)
+        if i < len(self._free_offsets) and offset + size == self._free_offsets[i]:
+            size += self._free_sizes.pop(self._free_offsets.pop(i))  # joins the range after
+        if i > 0:
+            before = self._free_offsets[i - 1]
+            if before + self._free_sizes[before] == offset:
+                self._free_sizes[before] += size  # joins the range before
+                return
+        self._free_offsets.insert(i, offset)
+        self._free_sizes[offset] = size
+
+    def slot_end(self, offset: int) -> int:
+        return offset + self._used[offset]
+
+    @property
+    def bytes_in_use(self) -> int:
+        return sum(self._used.values())
+
+    @property
+    def num_slots(self) -> int:
+        return len(self._used)
+
+    @property
+    def free_ranges(self) -> list[tuple[int, int]]:
+        """(offset, size) of each free range, in order of offset."""
+        return [(o, self._free_sizes[o]) for o in self._free_offsets]
+
+
+class SharedRegion:
+    """This process's region: a file in ``directory`` mapped read-write.
+
+    ``max_bytes`` is its size (sparse); it is committed in steps as slots reach further. Single
+    threaded: used from its transport's event loop.
+    """
+
+    def __init__(self, directory: str = "/dev/shm", max_bytes: int = 1 << 30) -> None:
+        if max_bytes < HEADER_BYTES + SLOT_ALIGNMENT:
+            raise ValueError(f"a region needs at least {HEADER_BYTES + SLOT_ALIGNMENT} bytes")
+        remove_stale_regions(directory)
+        self.name = f"infllm-{os.getpid()}-{secrets.token_hex(8)}"
+        self.directory = directory
+        self.path = os.path.join(directory, self.name)
+        self.max_bytes = max_bytes - max_bytes % SLOT_ALIGNMENT
+        self.nonce = secrets.token_bytes(NONCE_BYTES)
+        # Made under a name the sweep of stale regions passes over, locked, then renamed: a
+        # sweep in another process never finds this file unlocked.
+        making = os.path.join(directory, f".{self.name}")
+        fd = os.open(making, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held while this process lives
+            os.ftruncate(fd, self.max_bytes)
+            os.posix_fallocate(fd, 0, HEADER_BYTES)
+            os.pwrite(fd, self.nonce, 0)
+            self._map = mmap.mmap(fd, self.max_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            os.rename(making, self.path)
+        except BaseException:
+            os.close(fd)
+            _unlink_quietly(making)
+            raise
+        self._fd = fd
+        self._bytes = np.frombuffer(self._map, dtype=np.uint8)
+        self._base = self._bytes.ctypes.data
+        self._allocator = SlotAllocator(HEADER_BYTES, self.max_bytes - HEADER_BYTES)
+        self._committed = HEADER_BYTES
+        self._warned_full = False
+        self.closed = False
+
+    def allocate(self, nbytes: int) -> int | None:
+        """A slot of ``nbytes``, committed; None where the region or the tmpfs is full."""
+        if self.closed:
+            return None
+        offset = self._allocator.allocate(nbytes)
+        if offset is None:
+            return None
+        end = offset + nbytes
+        if end > self._committed:
+            target = min(self.max_bytes, -(-end // COMMIT_STEP_BYTES) * COMMIT_STEP_BYTES)
+            try:
+                os.posix_fallocate(self._fd, self._committed, target - self._committed)
+            except OSError as e:
+                self._allocator.free(offset)
+                if not self._warned_full:
+                    self._warned_full = True
+                    log.warning("shared memory %s: cannot commit %d bytes (%s); buffers that do "
+                                "not fit travel over UCX", self.path, target, e)
+                return None
+            self._committed = target
+        return offset
+
+    def free(self, offset: int) -> None:
+        self._allocator.free(offset)
+
+    def view(self, offset: int, nbytes: int) -> np.ndarray:
+        """The writable bytes ``[offset, offset + nbytes)`` of the region."""
+        return self._bytes[offset:offset + nbytes]
+
+    def host_buffer(self, nbytes: int) -> torch.Tensor | None:
+        """A flat uint8 host tensor on a new slot: a request's buffer that lies in it goes to a
+        local peer with no copy. The slot is freed once no tensor or view of this memory is
+        left. None where the region is full."""
+        offset = self.allocate(nbytes)
+        if offset is None:
+            return None
+        array = self.view(offset, nbytes)
+        # torch's storage keeps the numpy array alive while any view of the tensor lives.
+        weakref.finalize(array, self._allocator.free, offset)
+        return torch.from_numpy(array)
+
+    def offset_of(self, array: object) -> int | None:
+        """The offset of a C-contiguous host array that lies wholly in the region's slots."""
+        if isinstance(array, torch.Tensor):
+            if array.is_cuda or not array.is_contiguous():
+                return None
+            address, nbytes = array.data_ptr(), array.numel() * array.element_size()
+        elif isinstance(array, np.ndarray):
+            if not array.flags.c_contiguous:
+                return None
+            address, nbytes = array.ctypes.data, array.nbytes
+        else:
+            return None
+        offset = address - self._base
+        if HEADER_BYTES <= offset and offset + nbytes <= self._committed:
+            return offset
+        return None
+
+    def copy_in(self, array: object) -> int | None:
+        """A new slot holding the bytes of host ``array``; None where full."""
+        nbytes = nbytes_of(array)
+        offset = self.allocate(nbytes)
+        if offset is None:
+            return None
+        destination = torch.from_numpy(self.view(offset, nbytes))
+        source = wire_view(array)
+        destination.copy_(source if isinstance(source, torch.Tensor) else torch.from_numpy(source))
+        return offset
+
+    @property
+    def bytes_in_use(self) -> int:
+        return self._allocator.bytes_in_use
+
+    @property
+    def committed_bytes(self) -> int:
+        return self._committed
+
+    def close(self) -> None:
+        """Remove the file. Peers' mappings stay valid; so does this process's, while views of
+        it live (an mmap with views cannot be closed)."""
+        if self.closed:
+            return
+        self.closed = True
+        _unlink_quietly(self.path)
+        os.close(self._fd)
+
+
+class PeerRegion:
+    """A peer's region, mapped read-only."""
+
+    def __init__(self, name: str, mapped: mmap.mmap) -> None:
+        self.name = name
+        self._map = mapped
+        self._bytes = np.frombuffer(mapped, dtype=np.uint8)
+        self.nbytes = len(mapped)
+
+    @classmethod
+    def open(cls, directory: str, name: str, nonce_hex: str) -> PeerRegion:
+        """Map the region ``name`` of ``directory`` if it is the one whose first bytes are the
+        nonce. Raises SharedMemoryUnavailable otherwise."""
+        if not isinstance(name, str) or not _REGION_NAME.match(name):
+            raise SharedMemoryUnavailable(f"not a region name: {name!r:.80}")
+        try:
+            nonce = bytes.fromhex(nonce_hex)
+        except (TypeError, ValueError):
+            raise SharedMemoryUnavailable("the nonce is not hex") from None
+        if len(nonce) != NONCE_BYTES:
+            raise SharedMemoryUnavailable(f"a nonce of {len(nonce)} bytes")
+        try:
+            fd = os.open(os.path.join(directory, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as e:
+            raise SharedMemoryUnavailable(f"cannot open {name}: {e.strerror}") from None
+        try:
+            size = os.fstat(fd).st_size
+            if size < HEADER_BYTES + SLOT_ALIGNMENT:
+                raise SharedMemoryUnavailable(f"{name}: {size} bytes")
+            mapped = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+        except OSError as e:
+            raise SharedMemoryUnavailable(f"cannot map {name}: {e}") from None
+        finally:
+            os.close(fd)
+        if mapped[:NONCE_BYTES] != nonce:
+            mapped.close()
+            raise SharedMemoryUnavailable(f"{name}: another region under that name")
+        return cls(name, mapped)
+
+    def read(self, offset: int, nbytes: int) -> np.ndarray | None:
+        """The read-only bytes ``[offset, offset + nbytes)``; None where they are not wholly
+        in the region's slots."""
+        if offset < HEADER_BYTES or nbytes < 0 or offset + nbytes > self.nbytes:
+            return None
+        return self._bytes[offset:offset + nbytes]
+
+    def copy_to(self, destination_view: object, offset: int, nbytes: int) -> bool:
+        """Copy ``[offset, offset + nbytes)`` into a byte view (host or device); False where
+        the range is not in the region."""
+        source = self.read(offset, nbytes)
+        if source is None:
+            return False
+        if isinstance(destination_view, torch.Tensor) and not destination_view.is_cuda:
+            destination_view = destination_view.numpy()
+        if isinstance(destination_view, np.ndarray):
+            np.copyto(destination_view, source)
+        elif is_cuda(destination_view):
+            # From a private copy: torch warns of (and would allow) writes to a read-only array.
+            torch.as_tensor(destination_view, device="cuda").copy_(torch.from_numpy(source.copy()))
+        else:
+            raise TypeError(f"cannot land in a {type(destination_view).__name__}")
+        return True
+
+    def close(self) -> None:
+        try:
+            self._map.close()
+        except BufferError:
+            pass  # a view of it lives on; unmapped with it
+
+
+def remove_stale_regions(directory: str) -> int:
+    """Remove the regions in ``directory`` whose owner is gone (no process holds their lock);
+    returns how many."""
+    removed = 0
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return 0
+    for name in names:
+        if not _REGION_NAME.match(name):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            continue  # its owner lives
+        _unlink_quietly(path)
+        os.close(fd)
+        removed += 1
+    return removed
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
