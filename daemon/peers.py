@@ -231,7 +231,7 @@ class TransportLender:
         self._moving: set[str] = set()
         # Gathers of scattered home blocks (a host pool's), used again move after move, in the
         # transport's shared memory where it has some (sent to a local peer with no copy).
-        self._staging = HostStaging(allocate=getattr(transport, "shared_host_buffer", None))
+        self._staging = HostStaging(allocate=transport.shared_host_buffer)
         # Blocks peers keep for a waiting request of this home (request -> peer inst id ->
         # blocks), asked for before it starts on their memory; its spills use them up.
         self._holds: dict[str, dict[int, int]] = {}

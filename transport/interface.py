@@ -96,6 +96,12 @@ class Transport(Protocol):
         """Send ``message`` expecting no reply; returns once it has left."""
         ...
 
+    def shared_host_buffer(self, nbytes: int) -> WireArray | None:
+        """A flat uint8 host tensor of ``nbytes`` that requests to peers on this host carry with
+        no copy (it lies in memory they map), or None where there is no such memory. Used
+        again once no view of it is left."""
+        ...
+
     async def connect(self, peer: PeerAddress) -> None:
         """Open the connection to ``peer`` now if there is none, so that no request waits for
         the handshake (which needs the peer's event loop to turn). Raises PeerUnreachable."""

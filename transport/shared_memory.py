@@ -284,8 +284,8 @@ class PeerRegion:
 
     def read(self, offset: int, nbytes: int) -> np.ndarray | None:
         """The read-only bytes ``[offset, offset + nbytes)``; None where they are not wholly
-        in the region's slots."""
-        if offset < HEADER_BYTES or nbytes < 0 or offset + nbytes > self.nbytes:
+        in the region's slots, or the region was let go."""
+        if self._bytes is None or offset < HEADER_BYTES or nbytes < 0 or offset + nbytes > self.nbytes:
             return None
         return self._bytes[offset:offset + nbytes]
 
@@ -307,6 +307,8 @@ class PeerRegion:
         return True
 
     def close(self) -> None:
+        """Let the mapping go: unmapped now, or with the last view of it (a copy on a thread)."""
+        self._bytes = None
         try:
             self._map.close()
         except BufferError:

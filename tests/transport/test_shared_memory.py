@@ -170,6 +170,8 @@ def test_a_peer_reads_only_within_the_region(region, directory):
     assert peer.read(peer.nbytes - 4096, 4096) is not None
     assert peer.read(peer.nbytes - 4096, 4097) is None
     assert not peer.copy_to(np.empty(8, dtype=np.uint8), 1 << 40, 8)
+    peer.close()
+    assert peer.read(HEADER_BYTES, 4096) is None  # let go: nothing is read any more
 
 
 def test_a_peer_still_reads_after_the_owner_closed(directory):

@@ -427,6 +427,35 @@ def test_host_buffers_to_a_local_peer_go_through_shared_memory(ucx_loop, start_p
     run_bounded(ucx_loop, scenario(), 30)
 
 
+def test_slots_of_requests_to_a_killed_peer_are_freed_a_frame_timeout_later(ucx_loop, start_peer):
+    """A peer killed while it copies out of the region: the requests fail at once, and their
+    slots are used again only after the frame timeout (the peer might still have been reading)."""
+    peer = start_peer("serve")
+    frame_timeout_s = 0.5
+    sender = UcxTransport(TransportConfig(request_timeout_s=10, frame_timeout_s=frame_timeout_s))
+
+    async def scenario():
+        await sender.start(lambda message: None)
+        try:
+            await sender.connect(peer.address)
+            region = sender._shared_region
+            in_flight = [asyncio.ensure_future(sender.request(peer.address, m.Echo(torch.randn(4 << 20))))
+                         for _ in range(4)]
+            await asyncio.sleep(0)  # all four copied in and posted
+            assert region.bytes_in_use == 4 * (16 << 20)
+            peer.kill()
+            failed_at = time.monotonic()
+            outcomes = await asyncio.gather(*in_flight, return_exceptions=True)
+            assert any(isinstance(o, PeerUnreachable) for o in outcomes), outcomes
+            if time.monotonic() - failed_at < frame_timeout_s / 2:
+                assert region.bytes_in_use > 0  # not yet
+            await asyncio.sleep(frame_timeout_s + 0.2)
+            assert region.bytes_in_use == 0
+        finally:
+            await sender.close()
+    run_bounded(ucx_loop, scenario(), 30)
+
+
 def test_with_shared_memory_off_on_either_side_buffers_go_over_ucx(ucx_loop, client):
     async def serve_echo(message: m.Message) -> m.Message | None:
         return m.EchoReply(message.payload) if isinstance(message, m.Echo) else None
