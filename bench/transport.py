@@ -51,6 +51,7 @@ from infinite_llm.transport import messages as m  # noqa: E402
 from infinite_llm.transport.codec import FrameLimits  # noqa: E402
 from infinite_llm.transport.interface import PeerAddress, TransportConfig  # noqa: E402
 from infinite_llm.transport.kv_packing import HostStaging, pack_kv_runs  # noqa: E402
+from infinite_llm.transport.shared_memory import default_copy_threads  # noqa: E402
 from infinite_llm.transport.ucx import UCX_CONTEXT_OPTIONS, UcxTransport  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -63,7 +64,8 @@ STAGING_SIZES = [1 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB]
 # --- server ---------------------------------------------------------------------------------
 
 
-async def serve(device: str, spin_s: float, inline_cuda_limit_bytes: int | None = None) -> None:
+async def serve(device: str, spin_s: float, inline_cuda_limit_bytes: int | None = None,
+                copy_threads: int = 0) -> None:
     pool = torch.empty(POOL_BYTES, dtype=torch.uint8, device=device)
 
     def place(message: m.Message):
@@ -86,7 +88,8 @@ async def serve(device: str, spin_s: float, inline_cuda_limit_bytes: int | None 
         return None
 
     transport = UcxTransport(TransportConfig(receive_device=device, spin_s=spin_s,
-                                             limits=limits_with(inline_cuda_limit_bytes)))
+                                             limits=limits_with(inline_cuda_limit_bytes),
+                                             shared_memory_copy_threads=copy_threads))
     await transport.start(handle, place)
     print(f"PORT {transport.address.port}", flush=True)
     await asyncio.sleep(3600)
@@ -412,7 +415,8 @@ async def run_client(args) -> dict:
     # The copy anchors run before any server starts, so that no polling slows them.
     copy_rates = {nbytes: copy_bandwidth(nbytes, device, repeats=20) for nbytes in MESSAGE_SIZES}
     bare = measure_bare(args)
-    server_process, layer_port = start_process(["--role", "server", "--device", device, "--spin-s", str(args.spin_s)])
+    server_process, layer_port = start_process(["--role", "server", "--device", device, "--spin-s", str(args.spin_s),
+                                                "--copy-threads", str(args.copy_threads)])
     try:
         server = PeerAddress("127.0.0.1", layer_port)
         # First the layer with shared memory off: every buffer over UCX.
@@ -423,7 +427,8 @@ async def run_client(args) -> dict:
                      for nbytes in MESSAGE_SIZES}
         await over_ucx.close()
         transport = UcxTransport(TransportConfig(receive_device=device, request_timeout_s=60,
-                                                 frame_timeout_s=60, spin_s=args.spin_s))
+                                                 frame_timeout_s=60, spin_s=args.spin_s,
+                                                 shared_memory_copy_threads=args.copy_threads))
         await transport.start(lambda message: asyncio.sleep(0))
         await transport.connect(server)
         shared_memory = transport.uses_shared_memory(server)
@@ -505,6 +510,8 @@ def main() -> None:
     parser.add_argument("--spin-s", type=float, default=None,
                         help="the transport's spin before a wait sleeps, s (default: the daemon's for the device, "
                              "20 ms on a GPU, 0.5 ms on the CPU)")
+    parser.add_argument("--copy-threads", type=int, default=0,
+                        help="threads a copy into or out of shared memory uses (both processes); 0: the default")
     parser.add_argument("--inline-cuda-limit", type=int, default=-1,
                         help="(server) device bytes staged through the host; -1: the default")
     args = parser.parse_args()
@@ -513,7 +520,8 @@ def main() -> None:
         os.environ["INFLLM_BENCH_LOOP"] = args.loop
     torch.set_num_threads(1)  # one core per process: two processes share the host
     if args.role == "server":
-        run_loop(serve(args.device, args.spin_s, None if args.inline_cuda_limit < 0 else args.inline_cuda_limit))
+        run_loop(serve(args.device, args.spin_s, None if args.inline_cuda_limit < 0 else args.inline_cuda_limit,
+                       args.copy_threads))
         return
     if args.role == "bare-server":
         run_loop(serve_bare(args.device))
@@ -529,6 +537,7 @@ def main() -> None:
         "ucxx": ucxx.__version__, "ucx": ".".join(map(str, ucxx.get_ucx_version())),
         "UCX_TLS": os.environ.get("UCX_TLS", "(UCX default)"), "ucx_context_options": UCX_CONTEXT_OPTIONS,
         "layer_spin_s": args.spin_s, "bare_progress_mode": "polling",
+        "shared_memory_copy_threads": args.copy_threads or default_copy_threads(),
         "event_loop": event_loop_name(),
         "window": args.window, **results,
     }

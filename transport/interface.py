@@ -55,6 +55,9 @@ class TransportConfig:
     # (``shared_memory``); its size in bytes (sparse, committed as used). 0: over UCX.
     shared_memory_bytes: int = 1 << 30
     shared_memory_dir: str = "/dev/shm"  # where the file lies; peers must see the same
+    # Threads that copy a large buffer into or out of shared memory; 0: a quarter of the
+    # process's CPUs, at most 4.
+    shared_memory_copy_threads: int = 0
     limits: FrameLimits = field(default_factory=FrameLimits)
 
     def landing_device(self, all_inline: bool) -> str:

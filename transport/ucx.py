@@ -62,7 +62,13 @@ from infinite_llm.transport.interface import (
     TransportConfig,
 )
 from infinite_llm.transport.messages import Ack, ErrorCode, ErrorReply, Message, SharedMemoryOffer
-from infinite_llm.transport.shared_memory import PeerRegion, SharedMemoryUnavailable, SharedRegion
+from infinite_llm.transport.shared_memory import (
+    ParallelCopy,
+    PeerRegion,
+    SharedMemoryUnavailable,
+    SharedRegion,
+    default_copy_threads,
+)
 from infinite_llm.transport.tensors import allocate
 from infinite_llm.transport.ucx_progress import UcxProgress
 
@@ -312,6 +318,7 @@ class UcxTransport:
         self._progress: UcxProgress | None = None
         self._shared_region: SharedRegion | None = None  # made on the first connection
         self._shared_region_failed = False
+        self._shared_copy: ParallelCopy | None = None  # made with the first region, ours or a peer's
 
     @property
     def address(self) -> PeerAddress:
@@ -537,7 +544,7 @@ class UcxTransport:
                 return None
             try:
                 self._shared_region = SharedRegion(self._config.shared_memory_dir,
-                                                   self._config.shared_memory_bytes)
+                                                   self._config.shared_memory_bytes, self._copier())
             except (OSError, ValueError) as e:
                 self._shared_region_failed = True
                 log.warning("no shared memory for local peers (%s): host buffers travel over UCX", e)
@@ -686,13 +693,18 @@ class UcxTransport:
         if self._config.shared_memory_bytes <= 0:
             return ErrorReply(ErrorCode.SHARED_MEMORY_UNAVAILABLE, "turned off here")
         try:
-            region = PeerRegion.open(self._config.shared_memory_dir, offer.region, offer.nonce)
+            region = PeerRegion.open(self._config.shared_memory_dir, offer.region, offer.nonce, self._copier())
         except SharedMemoryUnavailable as e:
             return ErrorReply(ErrorCode.SHARED_MEMORY_UNAVAILABLE, str(e))
         if connection.shared_in is not None:
             connection.shared_in.close()
         connection.shared_in = region
         return Ack()
+
+    def _copier(self) -> ParallelCopy:
+        if self._shared_copy is None:
+            self._shared_copy = ParallelCopy(self._config.shared_memory_copy_threads or default_copy_threads())
+        return self._shared_copy
 
     def _lands_whole_on_host(self, header: codec.FrameHeader) -> bool:
         """Every buffer of the frame came inline and lands in host memory: its tensors are made
@@ -766,7 +778,7 @@ def _handler_failed(message: Message, error: Exception) -> ErrorReply:
 
 
 # A buffer at least this large is copied out of a peer's region on a thread, bytes.
-_SHARED_COPY_ON_THREAD_BYTES = 4 << 20
+_SHARED_COPY_ON_THREAD_BYTES = 16 << 20
 
 
 def _free_slots(region: SharedRegion, offsets: list[int]) -> None:

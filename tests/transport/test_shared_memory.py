@@ -29,6 +29,7 @@ from infinite_llm.transport.errors import ProtocolError
 from infinite_llm.transport.shared_memory import (
     HEADER_BYTES,
     SLOT_ALIGNMENT,
+    ParallelCopy,
     PeerRegion,
     SharedMemoryUnavailable,
     SharedRegion,
@@ -253,3 +254,26 @@ def test_malformed_shared_entries_are_refused(entry):
     preamble = codec.PREAMBLE.pack(codec.MAGIC, m.PROTOCOL_VERSION, codec.FLAG_WANTS_REPLY, len(body), 0)
     with pytest.raises(ProtocolError):
         codec.decode_header(preamble + body, codec.FrameLimits())
+
+
+@pytest.mark.parametrize("nbytes", [0, 4096, (1 << 20) + 1, 3 * MiB + 12345, 8 * MiB])
+def test_a_copy_split_over_threads_copies_every_byte(nbytes):
+    copy = ParallelCopy(3)
+    source = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)
+    destination = np.zeros(nbytes, dtype=np.uint8)
+    copy(destination, source)
+    assert np.array_equal(destination, source)
+
+
+def test_regions_copy_through_their_parallel_copy(directory):
+    copy = ParallelCopy(4)
+    owner = SharedRegion(directory, max_bytes=32 * MiB, copy=copy)
+    try:
+        data = torch.randn(5 * MiB // 4)
+        offset = owner.copy_in(data)
+        peer = PeerRegion.open(directory, owner.name, owner.nonce.hex(), copy)
+        landed = torch.empty_like(data)
+        assert peer.copy_to(landed.view(torch.uint8).reshape(-1), offset, data.nbytes)
+        assert torch.equal(landed, data)
+    finally:
+        owner.close()
