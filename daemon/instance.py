@@ -290,6 +290,7 @@ class InstanceDaemon:
                                            host_staging_bytes=transport_config.limits.inline_cuda_limit_bytes,
                                            cuda_graphs=c.creditor_cuda_graphs)
         self.metrics.watch_creditor(self.creditor)
+        self.metrics.watch_transport(self.transport)
         self.block_nbytes = self.pool[0].numel() * self.pool.element_size()
         await self.transport.start(self._handle, self._place)
 
@@ -798,6 +799,7 @@ class InstanceDaemon:
                 "block_size": engine.config.block_size,
             },
             "requests": requests,
+            "peer_shared_memory": self.transport.shared_memory_status(),
             "holds": [{"home_instance_id": home, "request_id": req, "num_blocks": hold.num_blocks}
                       for (home, req), hold in self.ledger.holds.items()],
             "held_segments": [{"home_instance_id": s.home_inst_id, "request_id": s.req_id, "segment_id": s.segment_id,

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 MOVE_RESULTS = ("committed", "rejected", "failed", "stale_epoch")
@@ -56,6 +56,29 @@ class _CreditorCollector:
                                   value=c.graph_replays)
         yield CounterMetricFamily("infllm_attend_graph_captures", "CUDA graphs captured for attend requests",
                                   value=c.graph_captures)
+
+
+class SharedMemoryFigures(Protocol):
+    def shared_memory_status(self) -> dict: ...
+
+
+class _SharedMemoryCollector:
+    """The transport's shared memory for peers on this host, read as ``/metrics`` is scraped."""
+
+    def __init__(self, transport: SharedMemoryFigures) -> None:
+        self.transport = transport
+
+    def collect(self):
+        status = self.transport.shared_memory_status()
+        size = GaugeMetricFamily("infllm_peer_shared_memory_bytes",
+                                 "This instance's shared memory for peers on its host, by state: committed, in use",
+                                 labels=["state"])
+        size.add_metric(["committed"], status["committed_bytes"])
+        size.add_metric(["in_use"], status["in_use_bytes"])
+        yield size
+        yield GaugeMetricFamily("infllm_peer_shared_memory_peers",
+                                "Peers this instance sends host buffers to through shared memory",
+                                value=len(status["peers"]))
 
 
 @dataclass
@@ -107,6 +130,10 @@ class InstanceMetrics:
     def watch_creditor(self, creditor: CreditorCounts) -> None:
         """Expose the creditor's own running totals, read as ``/metrics`` is scraped."""
         self.registry.register(_CreditorCollector(creditor))
+
+    def watch_transport(self, transport: SharedMemoryFigures) -> None:
+        """Expose the transport's shared-memory figures, read as ``/metrics`` is scraped."""
+        self.registry.register(_SharedMemoryCollector(transport))
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""

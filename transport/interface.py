@@ -105,6 +105,11 @@ class Transport(Protocol):
         again once no view of it is left."""
         ...
 
+    def shared_memory_status(self) -> dict:
+        """The shared memory's figures: ``region`` (its file name, or None), ``committed_bytes``,
+        ``in_use_bytes`` and ``peers`` (the addresses that requests reach through it)."""
+        ...
+
     async def connect(self, peer: PeerAddress) -> None:
         """Open the connection to ``peer`` now if there is none, so that no request waits for
         the handshake (which needs the peer's event loop to turn). Raises PeerUnreachable."""

@@ -232,6 +232,9 @@ class InMemoryTransport:
         """None: in memory every buffer is copied straight into its destination already."""
         return None
 
+    def shared_memory_status(self) -> dict:
+        return {"region": None, "committed_bytes": 0, "in_use_bytes": 0, "peers": []}
+
     async def connect(self, peer: PeerAddress) -> None:
         self._require_open()
         if peer not in self._network._listeners:

@@ -200,19 +200,30 @@ class SharedRegion:
         if offset is None:
             return None
         end = offset + nbytes
-        if end > self._committed:
-            target = min(self.max_bytes, -(-end // COMMIT_STEP_BYTES) * COMMIT_STEP_BYTES)
+        if end > self._committed and not self._commit(end):
+            self._allocator.free(offset)
+            return None
+        return offset
+
+    def _commit(self, end: int) -> bool:
+        """Commit the region up to at least ``end``: a step further where the tmpfs has room,
+        else only what is needed (a container's /dev/shm may be 64 MiB in all)."""
+        needed = -(-end // SLOT_ALIGNMENT) * SLOT_ALIGNMENT
+        stepped = min(self.max_bytes, -(-end // COMMIT_STEP_BYTES) * COMMIT_STEP_BYTES)
+        error: OSError | None = None
+        for target in dict.fromkeys((stepped, needed)):
             try:
                 os.posix_fallocate(self._fd, self._committed, target - self._committed)
             except OSError as e:
-                self._allocator.free(offset)
-                if not self._warned_full:
-                    self._warned_full = True
-                    log.warning("shared memory %s: cannot commit %d bytes (%s); buffers that do "
-                                "not fit travel over UCX", self.path, target, e)
-                return None
+                error = e
+                continue
             self._committed = target
-        return offset
+            return True
+        if not self._warned_full:
+            self._warned_full = True
+            log.warning("shared memory %s: cannot commit %d bytes (%s); buffers that do not fit "
+                        "travel over UCX", self.path, needed, error)
+        return False
 
     def free(self, offset: int) -> None:
         self._allocator.free(offset)

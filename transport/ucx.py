@@ -333,6 +333,17 @@ class UcxTransport:
         region = self._region()
         return None if region is None else region.host_buffer(nbytes)
 
+    def shared_memory_status(self) -> dict:
+        """This transport's shared memory: its region's file name (None: none made), bytes
+        committed and in slots now, and the peers that requests reach through it."""
+        region = self._shared_region
+        return {
+            "region": None if region is None or region.closed else region.name,
+            "committed_bytes": 0 if region is None else region.committed_bytes,
+            "in_use_bytes": 0 if region is None else region.bytes_in_use,
+            "peers": sorted(str(peer) for peer in self._outbound if self.uses_shared_memory(peer)),
+        }
+
     def uses_shared_memory(self, peer: PeerAddress) -> bool:
         """Whether requests to ``peer`` carry their host buffers through shared memory (the
         open connection's peer mapped this transport's region)."""

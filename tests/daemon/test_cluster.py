@@ -86,6 +86,12 @@ def test_long_prompt_spills_over_all_three_and_matches_one_instance(cluster, ref
         assert metrics["infllm_attend_serve_seconds_count"] >= 30  # one request a layer, at least
         assert metrics["infllm_kv_blocks_lent"] >= 0
     assert cluster[1].metrics()["infllm_remote_attention_seconds_count"] >= 30
+    # The home's spilled blocks went to its peers on this host through its shared memory.
+    shared = home.status()["peer_shared_memory"]
+    assert shared["region"] and len(shared["peers"]) == 2 and shared["committed_bytes"] > 0, shared
+    home_metrics = cluster[1].metrics()
+    assert home_metrics["infllm_peer_shared_memory_peers"] == 2
+    assert home_metrics['infllm_peer_shared_memory_bytes{state="committed"}'] == shared["committed_bytes"]
 
     # Finished: every creditor has freed what it held.
     deadline = time.monotonic() + 10

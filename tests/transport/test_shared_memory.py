@@ -129,19 +129,34 @@ def test_buffers_of_the_region_are_found_in_it_and_freed_with_their_last_view(re
     assert region.bytes_in_use == 0
 
 
-def test_a_full_region_or_tmpfs_gives_no_slot(region, monkeypatch):
+def test_a_full_region_gives_no_slot(region):
     assert region.allocate(region.max_bytes) is None  # the first page is the region's own
     held = region.allocate(60 * MiB)
     assert held is not None and region.allocate(8 * MiB) is None
     region.free(held)
+    assert region.allocate(8 * MiB) is not None
 
-    def full(fd, offset, length):
-        raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(shared_memory.os, "posix_fallocate", full)
-    assert region.allocate(2 * region.committed_bytes) is None  # past what is committed
-    assert region.bytes_in_use == 0
-    assert region.allocate(4096) is not None  # committed already: no fallocate needed
+def test_a_small_tmpfs_is_committed_as_far_as_it_goes(directory, monkeypatch):
+    """A tmpfs with room for 10 MiB (as a container's /dev/shm may have little): the region
+    commits what a slot needs where a whole step does not fit, and gives no slot beyond."""
+    real_fallocate = os.posix_fallocate
+
+    def fallocate_within_10_mib(fd, offset, length):
+        if offset + length > 10 * MiB:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_fallocate(fd, offset, length)
+
+    monkeypatch.setattr(shared_memory.os, "posix_fallocate", fallocate_within_10_mib)
+    region = SharedRegion(directory, max_bytes=256 * MiB)
+    try:
+        first = region.allocate(5 * MiB)
+        assert first is not None and region.committed_bytes == HEADER_BYTES + 5 * MiB
+        assert region.allocate(8 * MiB) is None  # past what the tmpfs holds
+        assert region.bytes_in_use == 5 * MiB
+        assert region.allocate(4 * MiB) is not None  # still fits
+    finally:
+        region.close()
 
 
 @pytest.mark.parametrize("name", ["../passwd", "infllm-1-ZZZZZZZZZZZZZZZZ", "infllm-1-0123456789abcdef/x",
