@@ -73,8 +73,8 @@ class InstanceConfig:
     peer_spin_s: float | None = None
     # Host buffers sent to instances on this host (a CPU pool's KV moves) go through a file of
     # this many bytes in peer_shared_memory_dir (sparse, committed as used), not TCP loopback;
-    # 0: over UCX. Instances of one host need the same directory, and the same user or a
-    # group that may read each other's files.
+    # 0: over UCX. Instances of one host need the same directory and the same user (the file
+    # is its owner's alone: mode 0600).
     peer_shared_memory_bytes: int = 1 << 30
     peer_shared_memory_dir: Path = Path("/dev/shm")
     # False: a static instance (vLLM-style): it admits only what its own pool holds, never

@@ -4,14 +4,16 @@ UCX carries host buffers between two local processes over TCP loopback: its own 
 transports leave out endpoints with peer error handling (every ucxx endpoint has it), and the
 option that lets them in (``MM_ERROR_HANDLING``) can wedge a receiver whose sender was killed
 mid-transfer (``docs/transport.md``). This path keeps UCX for the frame's header and moves the
-bulk through memory both processes map:
+bulk through a file in shared memory:
 
 - Each transport that sends requests owns one ``SharedRegion``: a file in ``/dev/shm``, sized
   up front (sparse) and committed with ``posix_fallocate`` as it is used, so that a full tmpfs
   shows as an allocation that fails (the buffer then travels over UCX), never as a SIGBUS.
 - On a new connection it offers the region (``SharedMemoryOffer``: file name and a nonce
-  written in the file's first page). A receiver that can open the file and finds the nonce is
-  on the same host and shares its ``/dev/shm``; it maps the file read-only and answers Ack.
+  written in the file's first page). A receiver that can open the file (a regular file of its
+  own user) and finds the nonce is on the same host and shares its ``/dev/shm``; it maps the
+  file read-only and answers Ack. It reads only what the owner has committed (a figure the
+  owner keeps in the first page): a hole would take a page on the read fault.
 - A request's host buffer that is not inline goes as an offset into the region: copied into a
   slot there (freed when the reply comes), or, where it lies in the region already (a staging
   buffer the caller took from it), with no copy. The receiver copies it into its destination.
@@ -32,6 +34,8 @@ import mmap
 import os
 import re
 import secrets
+import stat
+import threading
 import weakref
 
 import numpy as np
@@ -49,9 +53,9 @@ _REGION_NAME = re.compile(r"infllm-(\d{1,10})-([0-9a-f]{16})\Z")
 
 
 class ParallelCopy:
-    """Copies of large host buffers split over a few threads: one thread streams 5-10 GB/s on
-    the hosts measured, several reach more of the memory's bandwidth. numpy lets go of the GIL
-    while it copies. ``threads`` <= 1: one plain copy."""
+    """Copies of large host buffers split over a few threads: one thread streams 5-8 GB/s on
+    the H200 machine's host, four moved 11-15 GB/s. numpy and the kernel's reads let go of the
+    GIL while they copy. ``threads`` <= 1: one plain copy."""
 
     MIN_CHUNK_BYTES = 1 << 20  # no thread gets less
 
@@ -62,17 +66,18 @@ class ParallelCopy:
 
     def __call__(self, destination: np.ndarray, source: np.ndarray) -> None:
         """Copy flat uint8 ``source`` into ``destination`` (same length); returns when done."""
-        nbytes = destination.nbytes
+        self.split(destination.nbytes, lambda a, b: np.copyto(destination[a:b], source[a:b]))
+
+    def split(self, nbytes: int, copy_range) -> list:
+        """Run ``copy_range(start, end)`` over ``[0, nbytes)`` in page-aligned parts, one per
+        thread (this one included); returns their results in order."""
         parts = min(self.threads, nbytes // self.MIN_CHUNK_BYTES)
         if self._pool is None or parts <= 1:
-            np.copyto(destination, source)
-            return
+            return [copy_range(0, nbytes)]
         bounds = [nbytes * i // parts // SLOT_ALIGNMENT * SLOT_ALIGNMENT for i in range(parts)] + [nbytes]
-        others = [self._pool.submit(np.copyto, destination[a:b], source[a:b])
-                  for a, b in zip(bounds[1:-1], bounds[2:])]
-        np.copyto(destination[:bounds[1]], source[:bounds[1]])  # this thread copies the first part
-        for part in others:
-            part.result()
+        others = [self._pool.submit(copy_range, a, b) for a, b in zip(bounds[1:-1], bounds[2:])]
+        first = copy_range(0, bounds[1])  # this thread copies the first part
+        return [first, *(part.result() for part in others)]
 
 
 def default_copy_threads() -> int:
@@ -154,8 +159,9 @@ class SlotAllocator:
 class SharedRegion:
     """This process's region: a file in ``directory`` mapped read-write.
 
-    ``max_bytes`` is its size (sparse); it is committed in steps as slots reach further. Single
-    threaded: used from its transport's event loop.
+    ``max_bytes`` is its size (sparse); it is committed in steps as slots reach further. Used
+    from its transport's event loop; a slot of ``host_buffer`` is freed by the garbage collector,
+    on whichever thread drops the last view, so the slots are kept under a lock.
     """
 
     def __init__(self, directory: str = "/dev/shm", max_bytes: int = 1 << 30,
@@ -176,7 +182,9 @@ class SharedRegion:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held while this process lives
             os.ftruncate(fd, self.max_bytes)
             os.posix_fallocate(fd, 0, HEADER_BYTES)
-            os.pwrite(fd, self.nonce, 0)
+            # The first page: the nonce, then the bytes committed so far (u64, little-endian),
+            # beyond which a peer reads nothing.
+            os.pwrite(fd, self.nonce + HEADER_BYTES.to_bytes(8, "little"), 0)
             self._map = mmap.mmap(fd, self.max_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             os.rename(making, self.path)
         except BaseException:
@@ -187,7 +195,9 @@ class SharedRegion:
         self._bytes = np.frombuffer(self._map, dtype=np.uint8)
         self._base = self._bytes.ctypes.data
         self._allocator = SlotAllocator(HEADER_BYTES, self.max_bytes - HEADER_BYTES)
+        self._lock = threading.Lock()
         self._committed = HEADER_BYTES
+        self._committed_figure = self._bytes[NONCE_BYTES:NONCE_BYTES + 8].view("<u8")
         self._warned_full = False
         self._copy = copy or ParallelCopy(1)
         self.closed = False
@@ -196,14 +206,15 @@ class SharedRegion:
         """A slot of ``nbytes``, committed; None where the region or the tmpfs is full."""
         if self.closed:
             return None
-        offset = self._allocator.allocate(nbytes)
-        if offset is None:
-            return None
-        end = offset + nbytes
-        if end > self._committed and not self._commit(end):
-            self._allocator.free(offset)
-            return None
-        return offset
+        with self._lock:
+            offset = self._allocator.allocate(nbytes)
+            if offset is None:
+                return None
+            end = offset + nbytes
+            if end > self._committed and not self._commit(end):
+                self._allocator.free(offset)
+                return None
+            return offset
 
     def _commit(self, end: int) -> bool:
         """Commit the region up to at least ``end``: a step further where the tmpfs has room,
@@ -218,6 +229,7 @@ class SharedRegion:
                 error = e
                 continue
             self._committed = target
+            self._committed_figure[0] = target  # before any frame names the new slots
             return True
         if not self._warned_full:
             self._warned_full = True
@@ -226,7 +238,8 @@ class SharedRegion:
         return False
 
     def free(self, offset: int) -> None:
-        self._allocator.free(offset)
+        with self._lock:
+            self._allocator.free(offset)
 
     def view(self, offset: int, nbytes: int) -> np.ndarray:
         """The writable bytes ``[offset, offset + nbytes)`` of the region."""
@@ -241,7 +254,7 @@ class SharedRegion:
             return None
         array = self.view(offset, nbytes)
         # torch's storage keeps the numpy array alive while any view of the tensor lives.
-        weakref.finalize(array, self._allocator.free, offset)
+        weakref.finalize(array, self.free, offset)
         return torch.from_numpy(array)
 
     def offset_of(self, array: object) -> int | None:
@@ -273,7 +286,8 @@ class SharedRegion:
 
     @property
     def bytes_in_use(self) -> int:
-        return self._allocator.bytes_in_use
+        with self._lock:
+            return self._allocator.bytes_in_use
 
     @property
     def committed_bytes(self) -> int:
@@ -290,19 +304,26 @@ class SharedRegion:
 
 
 class PeerRegion:
-    """A peer's region, mapped read-only."""
+    """A peer's region, mapped read-only.
+
+    Reads stay within what the owner has committed (the figure it keeps in the first page):
+    a hole past it would take a page on the read fault, and a SIGBUS where the tmpfs is full. A
+    process of the same user that cuts the file short could still fault the reader; such a
+    process can do worse to it anyway (signal it, trace it), and no other user can open the file.
+    """
 
     def __init__(self, name: str, mapped: mmap.mmap, copy: ParallelCopy | None = None) -> None:
         self.name = name
         self._map = mapped
-        self._copy = copy or ParallelCopy(1)
-        self._bytes = np.frombuffer(mapped, dtype=np.uint8)
+        self._bytes: np.ndarray | None = np.frombuffer(mapped, dtype=np.uint8)
+        self._committed = self._bytes[NONCE_BYTES:NONCE_BYTES + 8].view("<u8")  # the owner's figure
         self.nbytes = len(mapped)
+        self._copy = copy or ParallelCopy(1)
 
     @classmethod
     def open(cls, directory: str, name: str, nonce_hex: str, copy: ParallelCopy | None = None) -> PeerRegion:
-        """Map the region ``name`` of ``directory`` if it is the one whose first bytes are the
-        nonce. Raises SharedMemoryUnavailable otherwise."""
+        """Map the region ``name`` of ``directory`` if it is a regular file of this user whose
+        first bytes are the nonce. Raises SharedMemoryUnavailable otherwise."""
         if not isinstance(name, str) or not _REGION_NAME.match(name):
             raise SharedMemoryUnavailable(f"not a region name: {name!r:.80}")
         try:
@@ -311,34 +332,32 @@ class PeerRegion:
             raise SharedMemoryUnavailable("the nonce is not hex") from None
         if len(nonce) != NONCE_BYTES:
             raise SharedMemoryUnavailable(f"a nonce of {len(nonce)} bytes")
-        try:
-            fd = os.open(os.path.join(directory, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError as e:
-            raise SharedMemoryUnavailable(f"cannot open {name}: {e.strerror}") from None
+        fd = _open_region_file(os.path.join(directory, name))
+        if fd is None:
+            raise SharedMemoryUnavailable(f"{name}: no region file of this user there")
         try:
             size = os.fstat(fd).st_size
-            if size < HEADER_BYTES + SLOT_ALIGNMENT:
-                raise SharedMemoryUnavailable(f"{name}: {size} bytes")
+            if size < HEADER_BYTES + SLOT_ALIGNMENT or os.pread(fd, NONCE_BYTES, 0) != nonce:
+                raise SharedMemoryUnavailable(f"{name}: another region under that name")
             mapped = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
         except OSError as e:
             raise SharedMemoryUnavailable(f"cannot map {name}: {e}") from None
         finally:
             os.close(fd)
-        if mapped[:NONCE_BYTES] != nonce:
-            mapped.close()
-            raise SharedMemoryUnavailable(f"{name}: another region under that name")
         return cls(name, mapped, copy)
 
     def read(self, offset: int, nbytes: int) -> np.ndarray | None:
         """The read-only bytes ``[offset, offset + nbytes)``; None where they are not wholly
-        in the region's slots, or the region was let go."""
-        if self._bytes is None or offset < HEADER_BYTES or nbytes < 0 or offset + nbytes > self.nbytes:
+        in the slots the owner committed, or the region was let go."""
+        data = self._bytes
+        if (data is None or offset < HEADER_BYTES or nbytes < 0
+                or offset + nbytes > min(self.nbytes, int(self._committed[0]))):
             return None
-        return self._bytes[offset:offset + nbytes]
+        return data[offset:offset + nbytes]
 
     def copy_to(self, destination_view: object, offset: int, nbytes: int) -> bool:
         """Copy ``[offset, offset + nbytes)`` into a byte view (host or device); False where
-        the range is not in the region."""
+        the range is not in the region's committed slots."""
         source = self.read(offset, nbytes)
         if source is None:
             return False
@@ -346,25 +365,47 @@ class PeerRegion:
             destination_view = destination_view.numpy()
         if isinstance(destination_view, np.ndarray):
             self._copy(destination_view, source)
-        elif is_cuda(destination_view):
-            # From a private copy: torch warns of (and would allow) writes to a read-only array.
-            torch.as_tensor(destination_view, device="cuda").copy_(torch.from_numpy(source.copy()))
+        elif isinstance(destination_view, torch.Tensor):
+            # On the destination's own device (a copy thread's current device is not the
+            # daemon's), from a private copy: torch warns of writes to a read-only array.
+            destination_view.copy_(torch.from_numpy(source.copy()))
+        elif is_cuda(destination_view):  # cupy
+            device = torch.device("cuda", destination_view.device.id)
+            torch.as_tensor(destination_view, device=device).copy_(torch.from_numpy(source.copy()))
         else:
             raise TypeError(f"cannot land in a {type(destination_view).__name__}")
         return True
 
     def close(self) -> None:
         """Let the mapping go: unmapped now, or with the last view of it (a copy on a thread)."""
-        self._bytes = None
+        self._bytes = self._committed = None
         try:
             self._map.close()
         except BufferError:
             pass  # a view of it lives on; unmapped with it
 
 
+def _open_region_file(path: str) -> int | None:
+    """A read-only descriptor of ``path`` if it is a regular file of this user (never blocking
+    on a FIFO, never following a link), else None."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        os.close(fd)
+        return None
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        os.close(fd)
+        return None
+    return fd
+
+
 def remove_stale_regions(directory: str) -> int:
-    """Remove the regions in ``directory`` whose owner is gone (no process holds their lock);
-    returns how many."""
+    """Remove the regions of this user in ``directory`` whose owner is gone (no process holds
+    their lock); returns how many. Anything else under a region's name is left alone."""
     removed = 0
     try:
         names = os.listdir(directory)
@@ -374,23 +415,24 @@ def remove_stale_regions(directory: str) -> int:
         if not _REGION_NAME.match(name):
             continue
         path = os.path.join(directory, name)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError:
+        fd = _open_region_file(path)
+        if fd is None:
             continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
-            os.close(fd)
             continue  # its owner lives
-        _unlink_quietly(path)
-        os.close(fd)
-        removed += 1
+        else:
+            _unlink_quietly(path)
+            removed += 1
+        finally:
+            os.close(fd)
     return removed
 
 
 def _unlink_quietly(path: str) -> None:
     try:
         os.unlink(path)
-    except FileNotFoundError:
-        pass
+    except OSError as e:
+        if not isinstance(e, FileNotFoundError):
+            log.warning("cannot remove %s: %s", path, e)

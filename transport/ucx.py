@@ -96,13 +96,15 @@ class _Connection:
     # of a task awaiting each one (a task per reply cost more than a small reply's round trip
     # has to spare).
     unsent: list[tuple[list, codec.EncodedFrame, float]] = field(default_factory=list)
-    # Outbound, where the peer mapped this process's region: requests' host buffers go there.
-    # The slots copied into for each request (by msg_id) are freed when its reply comes (the
-    # peer copied them out before it answered), or a frame timeout after the connection broke.
+    # Outbound, where the peer opened this process's region: requests' host buffers go there.
+    # What each request (by msg_id) has there is kept until its reply comes (the peer copied it
+    # out before it answered), or a frame timeout after the connection broke: the slots copied
+    # into (offsets, freed then) and the buffers that lay in the region already (kept alive, so
+    # that their slots are not used again while the peer may read them).
     shared_out: SharedRegion | None = None
-    shared_slots: dict[int, list[int]] = field(default_factory=dict)
-    new_slots: list[int] = field(default_factory=list)  # copied into by the frame being encoded
-    # Inbound, where the peer's region is mapped: its requests' buffers are read from there.
+    shared_slots: dict[int, list] = field(default_factory=dict)
+    new_slots: list = field(default_factory=list)  # of the frame being encoded
+    # Inbound, where the peer's region is open: its requests' buffers are read from there.
     shared_in: PeerRegion | None = None
 
     def __post_init__(self) -> None:
@@ -120,10 +122,12 @@ class _Connection:
         else copied into a new slot; None where the region is full (the buffer goes over UCX)."""
         region = self.shared_out
         offset = region.offset_of(array)
-        if offset is None:
-            offset = region.copy_in(array)
-            if offset is not None:
-                self.new_slots.append(offset)
+        if offset is not None:
+            self.new_slots.append(array)  # lent as it lies: alive until the peer has read it
+            return offset
+        offset = region.copy_in(array)
+        if offset is not None:
+            self.new_slots.append(offset)
         return offset
 
     def claim_slots(self, msg_id: int) -> None:
@@ -133,13 +137,11 @@ class _Connection:
             self.new_slots = []
 
     def free_new_slots(self) -> None:
-        for offset in self.new_slots:
-            self.shared_out.free(offset)
+        _free_slots(self.shared_out, self.new_slots)
         self.new_slots = []
 
     def free_slots(self, msg_id: int) -> None:
-        for offset in self.shared_slots.pop(msg_id, ()):
-            self.shared_out.free(offset)
+        _free_slots(self.shared_out, self.shared_slots.pop(msg_id, ()))
 
     def _check_open(self) -> None:
         if self.broken or self.endpoint.closed:
@@ -241,9 +243,11 @@ class _Connection:
         buf[:max(length, codec.PREAMBLE.size)] = 0
         return codec.decode_header(data, self.config.limits)
 
-    async def recv_buffers(self, header: codec.FrameHeader, destinations: list) -> None:
+    async def recv_buffers(self, header: codec.FrameHeader, destinations: list, land_shared: bool = True) -> None:
+        """Receive a frame's buffers into ``destinations``. ``land_shared`` False: those in the
+        peer's shared memory are left there (a refused frame has nothing of them to drain)."""
         views = codec.land_inline(header, destinations)
-        if header.shared_offsets:
+        if header.shared_offsets and land_shared:
             await self._copy_shared(codec.shared_destinations(header, destinations))
         if not views:
             return
@@ -262,6 +266,8 @@ class _Connection:
     async def _copy_shared(self, shared: list[tuple[object, int, int]]) -> None:
         """Copy a frame's buffers out of the peer's region into their destinations; a large
         one on a thread (numpy lets go of the GIL), so the event loop turns meanwhile."""
+        if self.broken:  # the sender may have given these slots to other frames already
+            raise ConnectionBroken(f"{self.label}: connection closed")
         region = self.shared_in
         if region is None:
             raise ProtocolError(ErrorCode.INVALID_FIELDS, "a buffer in shared memory never offered")
@@ -319,6 +325,7 @@ class UcxTransport:
         self._shared_region: SharedRegion | None = None  # made on the first connection
         self._shared_region_failed = False
         self._shared_copy: ParallelCopy | None = None  # made with the first region, ours or a peer's
+        self._offer_refused: set[PeerAddress] = set()  # peers that do not know SharedMemoryOffer
 
     @property
     def address(self) -> PeerAddress:
@@ -408,7 +415,7 @@ class UcxTransport:
 
     def _encode_request(self, message: Message, connection: _Connection) -> _RequestFrame:
         msg_id = next(self._next_msg_id)
-        place = connection.place_shared if connection.shared_out is not None else None
+        place = connection.place_shared if connection.shared_out is not None and not connection.broken else None
         try:
             frame = codec.encode(
                 message, msg_id, inline_limit_bytes=self._config.limits.inline_limit_bytes,
@@ -542,8 +549,10 @@ class UcxTransport:
         self._outbound[peer] = connection
         self._spawn(self._read_replies(peer, connection))
         region = self._region()
-        if region is not None:
+        if region is not None and peer not in self._offer_refused:
             await self._offer_shared_memory(peer, connection, region)
+            if connection.broken and peer in self._offer_refused:
+                return await self._connect(peer)  # once more, without the offer
         return connection
 
     def _region(self) -> SharedRegion | None:
@@ -572,8 +581,11 @@ class UcxTransport:
                                  self._config.connect_timeout_s, posted=None)
         except RemoteError as e:
             log.debug("%s: no shared memory: %s", peer, e)
+            if e.code == ErrorCode.UNKNOWN_TYPE:
+                self._offer_refused.add(peer)  # a peer that predates offers closed the connection
             return
         except RequestTimeout:
+            self._drop(peer, connection, PeerUnreachable(peer, "no answer to the connection's first request"))
             raise PeerUnreachable(peer, "cannot connect: no answer to the connection's first request") from None
         connection.shared_out = region
 
@@ -661,7 +673,7 @@ class UcxTransport:
         else:
             if destinations is None:  # fresh tensors, or scratch to drain a refused frame into
                 destinations = self._fresh_destinations(header)
-            await connection.recv_buffers(header, destinations)
+            await connection.recv_buffers(header, destinations, land_shared=refusal is None)
         wire_trace.record("in.landed", header.message.TYPE, header.msg_id)
         if refusal is not None:
             if header.wants_reply:
@@ -792,9 +804,11 @@ def _handler_failed(message: Message, error: Exception) -> ErrorReply:
 _SHARED_COPY_ON_THREAD_BYTES = 16 << 20
 
 
-def _free_slots(region: SharedRegion, offsets: list[int]) -> None:
-    for offset in offsets:
-        region.free(offset)
+def _free_slots(region: SharedRegion, slots) -> None:
+    """Free the slots copied into (offsets); the buffers lent as they lay (arrays) are let go."""
+    for slot in slots:
+        if type(slot) is int:
+            region.free(slot)
 
 
 def _expire(future: asyncio.Future) -> None:

@@ -167,7 +167,7 @@ def test_a_peer_refuses_names_that_are_not_regions(directory, name):
 
 
 def test_a_peer_refuses_a_missing_file_a_bad_nonce_and_a_foreign_file(region, directory):
-    with pytest.raises(SharedMemoryUnavailable, match="cannot open"):
+    with pytest.raises(SharedMemoryUnavailable, match="no region file"):
         PeerRegion.open(directory, "infllm-1-0123456789abcdef", region.nonce.hex())
     for nonce in ("00" * 16, "zz" * 16, "00" * 8):
         with pytest.raises(SharedMemoryUnavailable):
@@ -179,15 +179,33 @@ def test_a_peer_refuses_a_missing_file_a_bad_nonce_and_a_foreign_file(region, di
         PeerRegion.open(directory, "infllm-2-0123456789abcdef", "00" * 16)
 
 
-def test_a_peer_reads_only_within_the_region(region, directory):
+def test_a_peer_reads_only_what_the_owner_committed(directory):
+    region = SharedRegion(directory, max_bytes=256 * MiB)
     peer = PeerRegion.open(directory, region.name, region.nonce.hex())
-    assert peer.read(0, 16) is None  # the nonce page
-    assert peer.read(HEADER_BYTES, peer.nbytes) is None
-    assert peer.read(peer.nbytes - 4096, 4096) is not None
-    assert peer.read(peer.nbytes - 4096, 4097) is None
+    page = np.empty(4096, dtype=np.uint8)
+    assert not peer.copy_to(page[:16], 0, 16)  # the nonce page
+    assert not peer.copy_to(page, HEADER_BYTES, 4096)  # nothing committed past the first page yet
+    offset = region.copy_in(np.full(4096, 3, dtype=np.uint8))
+    assert peer.copy_to(page, offset, 4096) and (page == 3).all()
+    committed = region.committed_bytes
+    assert committed < peer.nbytes
+    assert peer.copy_to(page, committed - 4096, 4096)
+    assert not peer.copy_to(page, committed, 4096)  # a hole: reading it would take a page
     assert not peer.copy_to(np.empty(8, dtype=np.uint8), 1 << 40, 8)
     peer.close()
-    assert peer.read(HEADER_BYTES, 4096) is None  # let go: nothing is read any more
+    assert not peer.copy_to(page, offset, 4096)  # let go: nothing is read any more
+    region.close()
+
+
+def test_files_under_region_names_that_are_not_this_users_regions_are_left_alone(directory):
+    fifo = os.path.join(directory, "infllm-7-0000000000000000")
+    os.mkfifo(fifo)
+    folder = os.path.join(directory, "infllm-8-0000000000000000")
+    os.mkdir(folder)
+    with pytest.raises(SharedMemoryUnavailable):  # never blocks on the FIFO
+        PeerRegion.open(directory, "infllm-7-0000000000000000", "00" * 16)
+    assert remove_stale_regions(directory) == 0
+    assert os.path.exists(fifo) and os.path.isdir(folder)
 
 
 def test_a_peer_still_reads_after_the_owner_closed(directory):

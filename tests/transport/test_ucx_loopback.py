@@ -7,6 +7,7 @@ Peers are separate processes, killed for real with SIGKILL. Every wait is bounde
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import select
 import signal
@@ -22,7 +23,7 @@ from hypothesis import strategies as st
 
 from infinite_llm.transport import codec
 from infinite_llm.transport import messages as m
-from infinite_llm.transport.errors import PeerUnreachable, RemoteError, TransportError
+from infinite_llm.transport.errors import PeerUnreachable, ProtocolError, RemoteError, RequestTimeout, TransportError
 from infinite_llm.transport.interface import PeerAddress, TransportConfig
 from infinite_llm.transport.shared_memory import SharedRegion
 
@@ -452,6 +453,64 @@ def test_slots_of_requests_to_a_killed_peer_are_freed_a_frame_timeout_later(ucx_
             await asyncio.sleep(frame_timeout_s + 0.2)
             assert region.bytes_in_use == 0
         finally:
+            await sender.close()
+    run_bounded(ucx_loop, scenario(), 30)
+
+
+def test_a_buffer_lent_from_the_region_outlives_a_request_that_timed_out(ucx_loop):
+    """The caller gives up on a request and drops its buffer; the buffer's slot is not used
+    again until the peer, still working on it, has answered."""
+    async def slow_echo(message: m.Message):
+        await asyncio.sleep(0.5)
+        return m.EchoReply(message.payload[:1]) if isinstance(message, m.Echo) else None
+
+    async def scenario():
+        server = UcxTransport(TransportConfig(request_timeout_s=10))
+        sender = UcxTransport(TransportConfig(request_timeout_s=10))
+        await server.start(slow_echo)
+        await sender.start(lambda message: None)
+        try:
+            await sender.connect(server.address)
+            region = sender._shared_region
+            buffer = sender.shared_host_buffer(1 << 20)
+            with pytest.raises(RequestTimeout):
+                await sender.request(server.address, m.Echo(buffer), timeout_s=0.1)
+            del buffer
+            gc.collect()
+            assert region.bytes_in_use == 1 << 20  # the peer may still read it
+            deadline = time.monotonic() + 5
+            while region.bytes_in_use and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert region.bytes_in_use == 0  # answered: free again
+        finally:
+            await server.close()
+            await sender.close()
+    run_bounded(ucx_loop, scenario(), 30)
+
+
+def test_a_peer_that_does_not_know_the_offer_is_reached_without_shared_memory(ucx_loop, monkeypatch):
+    """A peer of an earlier version refuses the offer as an unknown type and closes the
+    connection: the sender connects again without offering, and its requests go over UCX."""
+    async def echo(message: m.Message):
+        return m.EchoReply(message.payload) if isinstance(message, m.Echo) else None
+
+    async def scenario():
+        server = UcxTransport(TransportConfig(request_timeout_s=10))
+        sender = UcxTransport(TransportConfig(request_timeout_s=10))
+
+        def unknown(connection, offer):
+            raise ProtocolError(m.ErrorCode.UNKNOWN_TYPE, repr(offer.TYPE))
+
+        monkeypatch.setattr(server, "_accept_shared_memory", unknown)
+        await server.start(echo)
+        await sender.start(lambda message: None)
+        try:
+            payload = torch.randn(1 << 18)
+            assert torch.equal((await sender.request(server.address, m.Echo(payload))).payload, payload)
+            assert not sender.uses_shared_memory(server.address)
+            assert torch.equal((await sender.request(server.address, m.Echo(payload))).payload, payload)
+        finally:
+            await server.close()
             await sender.close()
     run_bounded(ucx_loop, scenario(), 30)
 
