@@ -478,10 +478,14 @@ def test_a_buffer_lent_from_the_region_outlives_a_request_that_timed_out(ucx_loo
             del buffer
             gc.collect()
             assert region.bytes_in_use == 1 << 20  # the peer may still read it
+            connection = sender._outbound[server.address]
+            assert connection.shared_slots  # the connection holds it
             deadline = time.monotonic() + 5
-            while region.bytes_in_use and time.monotonic() < deadline:
+            while connection.shared_slots and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
-            assert region.bytes_in_use == 0  # answered: free again
+            assert not connection.shared_slots  # answered: the connection lets it go
+            gc.collect()  # the timed-out request's traceback may hold the message in a cycle
+            assert region.bytes_in_use == 0
         finally:
             await server.close()
             await sender.close()
@@ -594,3 +598,33 @@ def test_inline_frames_land_on_the_host_others_on_the_device(ucx_loop, start_pee
     frame = codec.encode(m.Echo(torch.randn(1 << 16)), msg_id=1)  # 256 KiB: a separate buffer
     header = codec.decode_header(frame.header, codec.FrameLimits())
     assert [d.is_cuda for d in transport._fresh_destinations(header)] == [True]
+
+
+@pytest.mark.gpu
+def test_host_buffers_through_shared_memory_land_on_a_gpu_receiver(ucx_loop):
+    """A CPU sender's buffer in shared memory, received into fresh device memory."""
+    seen: list[torch.Tensor] = []
+
+    def keep(message: m.Message):
+        if isinstance(message, m.Echo):
+            seen.append(message.payload)
+        return None
+
+    async def scenario():
+        receiver = UcxTransport(TransportConfig(request_timeout_s=10, receive_device="cuda"))
+        sender = UcxTransport(TransportConfig(request_timeout_s=10))
+        await receiver.start(keep)
+        await sender.start(lambda message: None)
+        try:
+            payloads = [torch.randn(1 << 18), torch.randn(5 << 20)]  # 1 MiB, and 20 MiB (a worker thread)
+            for payload in payloads:
+                assert await sender.request(receiver.address, m.Echo(payload)) == m.Ack()
+            assert sender.uses_shared_memory(receiver.address)
+            return payloads
+        finally:
+            await receiver.close()
+            await sender.close()
+    payloads = run_bounded(ucx_loop, scenario(), 60)
+    assert [p.is_cuda for p in seen] == [True, True]
+    assert all(torch.equal(p.cpu(), q) for p, q in zip(seen, payloads))
+
