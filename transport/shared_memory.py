@@ -54,8 +54,8 @@ _REGION_NAME = re.compile(r"infllm-(\d{1,10})-([0-9a-f]{16})\Z")
 
 class ParallelCopy:
     """Copies of large host buffers split over a few threads: one thread streams 5-8 GB/s on
-    the H200 machine's host, four moved 11-15 GB/s. numpy and the kernel's reads let go of the
-    GIL while they copy. ``threads`` <= 1: one plain copy."""
+    the H200 machine's host, four moved 11-15 GB/s. numpy lets go of the GIL while it copies.
+    ``threads`` <= 1: one plain copy."""
 
     MIN_CHUNK_BYTES = 1 << 20  # no thread gets less
 
@@ -65,19 +65,19 @@ class ParallelCopy:
                       if self.threads > 1 else None)
 
     def __call__(self, destination: np.ndarray, source: np.ndarray) -> None:
-        """Copy flat uint8 ``source`` into ``destination`` (same length); returns when done."""
-        self.split(destination.nbytes, lambda a, b: np.copyto(destination[a:b], source[a:b]))
-
-    def split(self, nbytes: int, copy_range) -> list:
-        """Run ``copy_range(start, end)`` over ``[0, nbytes)`` in page-aligned parts, one per
-        thread (this one included); returns their results in order."""
+        """Copy flat uint8 ``source`` into ``destination`` (same length), in page-aligned parts,
+        one per thread (this one included); returns when done."""
+        nbytes = destination.nbytes
         parts = min(self.threads, nbytes // self.MIN_CHUNK_BYTES)
         if self._pool is None or parts <= 1:
-            return [copy_range(0, nbytes)]
+            np.copyto(destination, source)
+            return
         bounds = [nbytes * i // parts // SLOT_ALIGNMENT * SLOT_ALIGNMENT for i in range(parts)] + [nbytes]
-        others = [self._pool.submit(copy_range, a, b) for a, b in zip(bounds[1:-1], bounds[2:])]
-        first = copy_range(0, bounds[1])  # this thread copies the first part
-        return [first, *(part.result() for part in others)]
+        others = [self._pool.submit(np.copyto, destination[a:b], source[a:b])
+                  for a, b in zip(bounds[1:-1], bounds[2:])]
+        np.copyto(destination[:bounds[1]], source[:bounds[1]])  # this thread copies the first part
+        for part in others:
+            part.result()
 
 
 def default_copy_threads() -> int:
@@ -170,7 +170,6 @@ class SharedRegion:
             raise ValueError(f"a region needs at least {HEADER_BYTES + SLOT_ALIGNMENT} bytes")
         remove_stale_regions(directory)
         self.name = f"infllm-{os.getpid()}-{secrets.token_hex(8)}"
-        self.directory = directory
         self.path = os.path.join(directory, self.name)
         self.max_bytes = max_bytes - max_bytes % SLOT_ALIGNMENT
         self.nonce = secrets.token_bytes(NONCE_BYTES)

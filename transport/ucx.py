@@ -558,10 +558,8 @@ class UcxTransport:
     def _region(self) -> SharedRegion | None:
         """This transport's shared-memory region, made on first use; None where it is turned
         off or cannot be made (then every buffer travels over UCX)."""
-        if self._shared_region is None and not self._shared_region_failed and not self._closed:
-            if self._config.shared_memory_bytes <= 0:
-                self._shared_region_failed = True
-                return None
+        if (self._shared_region is None and not self._shared_region_failed and not self._closed
+                and self._config.shared_memory_bytes > 0):
             try:
                 self._shared_region = SharedRegion(self._config.shared_memory_dir,
                                                    self._config.shared_memory_bytes, self._copier())

@@ -7,13 +7,14 @@ Peers are separate processes, killed for real with SIGKILL. Every wait is bounde
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import os
 import select
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import numpy as np
 import pytest
@@ -84,13 +85,24 @@ def start_peer(peer_command) -> Iterator:
         peer.kill()
 
 
+async def serve_echo(message: m.Message) -> m.Message | None:
+    return m.EchoReply(message.payload) if isinstance(message, m.Echo) else None
+
+
+@contextlib.asynccontextmanager
+async def started(handler=serve_echo, **config) -> AsyncIterator[UcxTransport]:
+    """A transport of this process, listening, closed on the way out."""
+    transport = UcxTransport(TransportConfig(**{"request_timeout_s": 10, **config}))
+    await transport.start(handler)
+    try:
+        yield transport
+    finally:
+        await transport.close()
+
+
 @pytest.fixture
 def client(ucx_loop) -> Iterator[UcxTransport]:
     transport = UcxTransport(TransportConfig(request_timeout_s=10))
-
-    async def serve_echo(message: m.Message) -> m.Message | None:
-        return m.EchoReply(message.payload) if isinstance(message, m.Echo) else None
-
     run_bounded(ucx_loop, transport.start(serve_echo), 10)
     yield transport
     run_bounded(ucx_loop, transport.close(), 20)
@@ -223,21 +235,14 @@ def test_listeners_whose_clients_were_killed_mid_transfer_are_still_reached(ucx_
     """Four times: a fresh transport listens, a flooder is killed while its 16 MiB requests to it
     are in flight, and the transport's own request to its listener is answered: one process's
     UCX worker outlives its peers' deaths (see docs/transport.md on shared memory)."""
-    async def serve_echo(message: m.Message) -> m.Message | None:
-        return m.EchoReply(message.payload) if isinstance(message, m.Echo) else None
-
     async def scenario():
         for _ in range(4):
-            transport = UcxTransport(TransportConfig(request_timeout_s=10))
-            await transport.start(serve_echo)
-            try:
+            async with started() as transport:
                 flooder = start_peer("flood", transport.address.host, str(transport.address.port))
                 await asyncio.sleep(0.5)
                 flooder.kill()
                 reply = await transport.request(transport.address, m.Echo(torch.arange(3)))
                 assert torch.equal(reply.payload, torch.arange(3))
-            finally:
-                await transport.close()
     run_bounded(ucx_loop, scenario(), 90)
 
 
@@ -433,11 +438,9 @@ def test_slots_of_requests_to_a_killed_peer_are_freed_a_frame_timeout_later(ucx_
     slots are used again only after the frame timeout (the peer might still have been reading)."""
     peer = start_peer("serve")
     frame_timeout_s = 0.5
-    sender = UcxTransport(TransportConfig(request_timeout_s=10, frame_timeout_s=frame_timeout_s))
 
     async def scenario():
-        await sender.start(lambda message: None)
-        try:
+        async with started(frame_timeout_s=frame_timeout_s) as sender:
             await sender.connect(peer.address)
             region = sender._shared_region
             in_flight = [asyncio.ensure_future(sender.request(peer.address, m.Echo(torch.randn(4 << 20))))
@@ -452,8 +455,6 @@ def test_slots_of_requests_to_a_killed_peer_are_freed_a_frame_timeout_later(ucx_
                 assert region.bytes_in_use > 0  # not yet
             await asyncio.sleep(frame_timeout_s + 0.2)
             assert region.bytes_in_use == 0
-        finally:
-            await sender.close()
     run_bounded(ucx_loop, scenario(), 30)
 
 
@@ -465,11 +466,7 @@ def test_a_buffer_lent_from_the_region_outlives_a_request_that_timed_out(ucx_loo
         return m.EchoReply(message.payload[:1]) if isinstance(message, m.Echo) else None
 
     async def scenario():
-        server = UcxTransport(TransportConfig(request_timeout_s=10))
-        sender = UcxTransport(TransportConfig(request_timeout_s=10))
-        await server.start(slow_echo)
-        await sender.start(lambda message: None)
-        try:
+        async with started(slow_echo) as server, started() as sender:
             await sender.connect(server.address)
             region = sender._shared_region
             buffer = sender.shared_host_buffer(1 << 20)
@@ -486,57 +483,33 @@ def test_a_buffer_lent_from_the_region_outlives_a_request_that_timed_out(ucx_loo
             assert not connection.shared_slots  # answered: the connection lets it go
             gc.collect()  # the timed-out request's traceback may hold the message in a cycle
             assert region.bytes_in_use == 0
-        finally:
-            await server.close()
-            await sender.close()
     run_bounded(ucx_loop, scenario(), 30)
 
 
 def test_a_peer_that_does_not_know_the_offer_is_reached_without_shared_memory(ucx_loop, monkeypatch):
     """A peer of an earlier version refuses the offer as an unknown type and closes the
     connection: the sender connects again without offering, and its requests go over UCX."""
-    async def echo(message: m.Message):
-        return m.EchoReply(message.payload) if isinstance(message, m.Echo) else None
+    def unknown(connection, offer):
+        raise ProtocolError(m.ErrorCode.UNKNOWN_TYPE, repr(offer.TYPE))
 
     async def scenario():
-        server = UcxTransport(TransportConfig(request_timeout_s=10))
-        sender = UcxTransport(TransportConfig(request_timeout_s=10))
-
-        def unknown(connection, offer):
-            raise ProtocolError(m.ErrorCode.UNKNOWN_TYPE, repr(offer.TYPE))
-
-        monkeypatch.setattr(server, "_accept_shared_memory", unknown)
-        await server.start(echo)
-        await sender.start(lambda message: None)
-        try:
+        async with started() as server, started() as sender:
+            monkeypatch.setattr(server, "_accept_shared_memory", unknown)
             payload = torch.randn(1 << 18)
             assert torch.equal((await sender.request(server.address, m.Echo(payload))).payload, payload)
             assert not sender.uses_shared_memory(server.address)
             assert torch.equal((await sender.request(server.address, m.Echo(payload))).payload, payload)
-        finally:
-            await server.close()
-            await sender.close()
     run_bounded(ucx_loop, scenario(), 30)
 
 
 def test_with_shared_memory_off_on_either_side_buffers_go_over_ucx(ucx_loop, client):
-    async def serve_echo(message: m.Message) -> m.Message | None:
-        return m.EchoReply(message.payload) if isinstance(message, m.Echo) else None
-
     async def scenario():
-        server = UcxTransport(TransportConfig(request_timeout_s=10, shared_memory_bytes=0))
-        sender = UcxTransport(TransportConfig(request_timeout_s=10, shared_memory_bytes=0))
-        await server.start(serve_echo)
-        await sender.start(serve_echo)
-        try:
+        async with started(shared_memory_bytes=0) as server, started(shared_memory_bytes=0) as sender:
             payload = torch.randn(1 << 20)
             for source, destination in ((client, server.address), (sender, client.address)):
                 reply = await source.request(destination, m.Echo(payload))
                 assert torch.equal(reply.payload, payload)
                 assert not source.uses_shared_memory(destination)
-        finally:
-            await server.close()
-            await sender.close()
     run_bounded(ucx_loop, scenario(), 30)
 
 
@@ -558,11 +531,9 @@ def test_a_frame_pointing_outside_the_shared_region_is_refused(ucx_loop, start_p
 
 def test_a_frame_in_shared_memory_never_offered_is_refused(ucx_loop, start_peer):
     peer = start_peer("serve")
-    sender = UcxTransport(TransportConfig(request_timeout_s=10, shared_memory_bytes=0))
 
     async def scenario():
-        await sender.start(lambda message: None)
-        try:
+        async with started(shared_memory_bytes=0) as sender:
             await sender.connect(peer.address)
             region = SharedRegion(max_bytes=8 << 20)  # never offered to the peer
             try:
@@ -573,8 +544,6 @@ def test_a_frame_in_shared_memory_never_offered_is_refused(ucx_loop, start_peer)
             finally:
                 region.close()
             assert await sender.request(peer.address, m.Ack()) == m.Ack()
-        finally:
-            await sender.close()
     run_bounded(ucx_loop, scenario(), 30)
 
 
@@ -611,19 +580,12 @@ def test_host_buffers_through_shared_memory_land_on_a_gpu_receiver(ucx_loop):
         return None
 
     async def scenario():
-        receiver = UcxTransport(TransportConfig(request_timeout_s=10, receive_device="cuda"))
-        sender = UcxTransport(TransportConfig(request_timeout_s=10))
-        await receiver.start(keep)
-        await sender.start(lambda message: None)
-        try:
+        async with started(keep, receive_device="cuda") as receiver, started() as sender:
             payloads = [torch.randn(1 << 18), torch.randn(5 << 20)]  # 1 MiB, and 20 MiB (a worker thread)
             for payload in payloads:
                 assert await sender.request(receiver.address, m.Echo(payload)) == m.Ack()
             assert sender.uses_shared_memory(receiver.address)
             return payloads
-        finally:
-            await receiver.close()
-            await sender.close()
     payloads = run_bounded(ucx_loop, scenario(), 60)
     assert [p.is_cuda for p in seen] == [True, True]
     assert all(torch.equal(p.cpu(), q) for p, q in zip(seen, payloads))
