@@ -27,6 +27,7 @@ No UCX here: the region, its slots and a peer's mapping.
 from __future__ import annotations
 
 import bisect
+import collections
 import concurrent.futures
 import fcntl
 import logging
@@ -50,6 +51,8 @@ SLOT_ALIGNMENT = 4096  # slots start on page boundaries, bytes
 COMMIT_STEP_BYTES = 64 << 20  # the region is committed in steps of this many bytes
 NONCE_BYTES = 16
 _REGION_NAME = re.compile(r"infllm-(\d{1,10})-([0-9a-f]{16})\Z")
+# A region's file while its owner makes it (left so by an owner killed then): swept as well.
+_MAKING_NAME = re.compile(r"\.infllm-(\d{1,10})-([0-9a-f]{16})\Z")
 
 
 class ParallelCopy:
@@ -161,7 +164,9 @@ class SharedRegion:
 
     ``max_bytes`` is its size (sparse); it is committed in steps as slots reach further. Used
     from its transport's event loop; a slot of ``host_buffer`` is freed by the garbage collector,
-    on whichever thread drops the last view, so the slots are kept under a lock.
+    on whichever thread drops the last view, so the slots are kept under a lock. The collector
+    may run on a thread that holds the lock (inside ``allocate``), so a collected slot is only
+    queued (``_collected``) and freed under the lock by the next call that takes it.
     """
 
     def __init__(self, directory: str = "/dev/shm", max_bytes: int = 1 << 30,
@@ -195,6 +200,7 @@ class SharedRegion:
         self._base = self._bytes.ctypes.data
         self._allocator = SlotAllocator(HEADER_BYTES, self.max_bytes - HEADER_BYTES)
         self._lock = threading.Lock()
+        self._collected: collections.deque[int] = collections.deque()  # appended without the lock
         self._committed = HEADER_BYTES
         self._committed_figure = self._bytes[NONCE_BYTES:NONCE_BYTES + 8].view("<u8")
         self._warned_full = False
@@ -206,6 +212,7 @@ class SharedRegion:
         if self.closed:
             return None
         with self._lock:
+            self._free_collected()
             offset = self._allocator.allocate(nbytes)
             if offset is None:
                 return None
@@ -238,7 +245,14 @@ class SharedRegion:
 
     def free(self, offset: int) -> None:
         with self._lock:
+            self._free_collected()
             self._allocator.free(offset)
+
+    def _free_collected(self) -> None:
+        """Free the slots the collector released (the caller holds the lock)."""
+        collected = self._collected
+        while collected:
+            self._allocator.free(collected.popleft())
 
     def view(self, offset: int, nbytes: int) -> np.ndarray:
         """The writable bytes ``[offset, offset + nbytes)`` of the region."""
@@ -252,8 +266,9 @@ class SharedRegion:
         if offset is None:
             return None
         array = self.view(offset, nbytes)
-        # torch's storage keeps the numpy array alive while any view of the tensor lives.
-        weakref.finalize(array, self.free, offset)
+        # torch's storage keeps the numpy array alive while any view of the tensor lives. The
+        # collector may free it on a thread inside ``allocate``: it only queues the slot.
+        weakref.finalize(array, self._collected.append, offset)
         return torch.from_numpy(array)
 
     def offset_of(self, array: object) -> int | None:
@@ -276,16 +291,21 @@ class SharedRegion:
     def copy_in(self, array: object) -> int | None:
         """A new slot holding the bytes of host ``array``; None where full."""
         nbytes = nbytes_of(array)
+        source = wire_view(array)  # raises for a non-contiguous array: before a slot is taken
         offset = self.allocate(nbytes)
         if offset is None:
             return None
-        source = wire_view(array)
-        self._copy(self.view(offset, nbytes), source.numpy() if isinstance(source, torch.Tensor) else source)
+        try:
+            self._copy(self.view(offset, nbytes), source.numpy() if isinstance(source, torch.Tensor) else source)
+        except BaseException:
+            self.free(offset)
+            raise
         return offset
 
     @property
     def bytes_in_use(self) -> int:
         with self._lock:
+            self._free_collected()
             return self._allocator.bytes_in_use
 
     @property
@@ -314,8 +334,10 @@ class PeerRegion:
     def __init__(self, name: str, mapped: mmap.mmap, copy: ParallelCopy | None = None) -> None:
         self.name = name
         self._map = mapped
-        self._bytes: np.ndarray | None = np.frombuffer(mapped, dtype=np.uint8)
-        self._committed = self._bytes[NONCE_BYTES:NONCE_BYTES + 8].view("<u8")  # the owner's figure
+        data = np.frombuffer(mapped, dtype=np.uint8)
+        # The bytes and the owner's committed figure, in one attribute: a copy on a thread reads
+        # both at once, whatever ``close`` does meanwhile.
+        self._state: tuple[np.ndarray, np.ndarray] | None = (data, data[NONCE_BYTES:NONCE_BYTES + 8].view("<u8"))
         self.nbytes = len(mapped)
         self._copy = copy or ParallelCopy(1)
 
@@ -348,9 +370,11 @@ class PeerRegion:
     def read(self, offset: int, nbytes: int) -> np.ndarray | None:
         """The read-only bytes ``[offset, offset + nbytes)``; None where they are not wholly
         in the slots the owner committed, or the region was let go."""
-        data = self._bytes
-        if (data is None or offset < HEADER_BYTES or nbytes < 0
-                or offset + nbytes > min(self.nbytes, int(self._committed[0]))):
+        state = self._state
+        if state is None:
+            return None
+        data, committed = state
+        if offset < HEADER_BYTES or nbytes < 0 or offset + nbytes > min(self.nbytes, int(committed[0])):
             return None
         return data[offset:offset + nbytes]
 
@@ -377,7 +401,7 @@ class PeerRegion:
 
     def close(self) -> None:
         """Let the mapping go: unmapped now, or with the last view of it (a copy on a thread)."""
-        self._bytes = self._committed = None
+        self._state = None
         try:
             self._map.close()
         except BufferError:
@@ -411,7 +435,7 @@ def remove_stale_regions(directory: str) -> int:
     except OSError:
         return 0
     for name in names:
-        if not _REGION_NAME.match(name):
+        if not (_REGION_NAME.match(name) or _MAKING_NAME.match(name)):
             continue
         path = os.path.join(directory, name)
         fd = _open_region_file(path)

@@ -263,15 +263,26 @@ class _Connection:
             self.abort()
             raise ConnectionBroken(f"{self.label}: receive failed: {e!r}") from e
 
+    def _ensure_open(self) -> None:
+        """ConnectionBroken unless the connection is open: a peer whose connection broke may
+        give the slots of its frames to others (a frame timeout later)."""
+        try:
+            self._check_open()
+        except UCXError as e:
+            self.abort()
+            raise ConnectionBroken(f"{self.label}: connection closed: {e!r}") from e
+
     async def _copy_shared(self, shared: list[tuple[object, int, int]]) -> None:
         """Copy a frame's buffers out of the peer's region into their destinations; a large
-        one on a thread (numpy lets go of the GIL), so the event loop turns meanwhile."""
-        if self.broken:  # the sender may have given these slots to other frames already
-            raise ConnectionBroken(f"{self.label}: connection closed")
+        one on a thread (numpy lets go of the GIL), so the event loop turns meanwhile. The
+        connection is checked before each copy and after the last: a frame whose connection
+        broke meanwhile is dropped, never delivered (the sender frees its slots a frame timeout
+        after the break, far longer than any one copy takes)."""
         region = self.shared_in
         if region is None:
             raise ProtocolError(ErrorCode.INVALID_FIELDS, "a buffer in shared memory never offered")
         for view, offset, nbytes in shared:
+            self._ensure_open()
             if nbytes >= _SHARED_COPY_ON_THREAD_BYTES:
                 landed = await asyncio.get_running_loop().run_in_executor(
                     None, region.copy_to, view, offset, nbytes)
@@ -280,6 +291,7 @@ class _Connection:
             if not landed:
                 raise ProtocolError(ErrorCode.LENGTH_MISMATCH,
                                     f"{nbytes} bytes at {offset}: outside the shared region")
+        self._ensure_open()
 
     def abort(self) -> None:
         if not self.broken:
@@ -618,6 +630,9 @@ class UcxTransport:
             self._drop(peer, connection, e)
         except ConnectionBroken as e:
             self._drop(peer, connection, PeerUnreachable(peer, str(e)))
+        except Exception as e:  # a bug or no memory for a reply: the connection is of no more use
+            log.exception("reading replies from %s failed", peer)
+            self._drop(peer, connection, PeerUnreachable(peer, f"reading replies failed: {e!r}"))
 
     def _drop(self, peer: PeerAddress, connection: _Connection | None, error: Exception) -> None:
         if connection is None:

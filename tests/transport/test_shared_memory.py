@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 
@@ -129,6 +130,30 @@ def test_buffers_of_the_region_are_found_in_it_and_freed_with_their_last_view(re
     assert region.bytes_in_use == 0
 
 
+def test_a_slot_collected_while_its_region_is_locked_is_freed_later_without_a_deadlock(region):
+    """The collector runs on whichever thread allocates, also inside ``allocate`` while the
+    region's lock is held: the last view of a buffer, dropped there, only queues its slot."""
+    buffer = region.host_buffer(MiB)
+    cycle: list = [buffer]
+    cycle.append(cycle)  # collected only by the cycle collector
+    del buffer, cycle
+    done = threading.Event()
+
+    def collect_under_the_lock():
+        with region._lock:
+            gc.collect()
+        done.set()
+    threading.Thread(target=collect_under_the_lock, daemon=True).start()
+    assert done.wait(10), "the collector's free waited for the lock its own thread held"
+    assert region.bytes_in_use == 0
+
+
+def test_a_copy_that_fails_takes_no_slot(region):
+    with pytest.raises(ValueError):
+        region.copy_in(torch.randn(512, 1024).t())  # not contiguous
+    assert region.bytes_in_use == 0
+
+
 def test_a_full_region_gives_no_slot(region):
     assert region.allocate(region.max_bytes) is None  # the first page is the region's own
     held = region.allocate(60 * MiB)
@@ -216,6 +241,15 @@ def test_a_peer_still_reads_after_the_owner_closed(directory):
     assert not os.path.exists(owner.path)
     landed = np.empty(MiB, dtype=np.uint8)
     assert peer.copy_to(landed, offset, MiB) and (landed == 7).all()
+
+
+def test_a_region_file_left_half_made_is_removed(directory):
+    """An owner killed between creating its file and renaming it leaves the file under its
+    hidden name, unlocked."""
+    path = os.path.join(directory, ".infllm-99999-0123456789abcdef")
+    with open(path, "wb") as f:
+        f.write(b"\0" * 8192)
+    assert remove_stale_regions(directory) == 1 and not os.path.exists(path)
 
 
 def test_regions_of_killed_processes_are_removed_and_live_ones_kept(region, directory):

@@ -502,6 +502,65 @@ def test_a_peer_that_does_not_know_the_offer_is_reached_without_shared_memory(uc
     run_bounded(ucx_loop, scenario(), 30)
 
 
+def test_a_frame_whose_connection_breaks_while_it_is_copied_out_is_not_delivered(ucx_loop, monkeypatch):
+    """The sender drops the connection while the receiver copies a frame out of its shared
+    memory: it may give those slots to other frames, so the frame is dropped, never handed to
+    the handler."""
+    from infinite_llm.transport.shared_memory import PeerRegion
+    seen: list[m.Message] = []
+
+    def keep(message: m.Message):
+        seen.append(message)
+        return None
+
+    async def scenario():
+        async with started(keep) as server, started() as sender:
+            await sender.connect(server.address)
+            copy_to = PeerRegion.copy_to
+
+            def copy_then_break(region, view, offset, nbytes):
+                """Copy, then the sender drops the connection, and UCX tells the receiver."""
+                landed = copy_to(region, view, offset, nbytes)
+                sender._outbound[server.address].abort()
+                [inbound] = server._inbound
+                deadline = time.monotonic() + 5
+                while time.monotonic() < deadline:
+                    server._progress._worker.progress()
+                    try:
+                        inbound._ucx_endpoint.raise_on_error()
+                    except Exception:
+                        break
+                    time.sleep(0.001)
+                return landed
+            monkeypatch.setattr(PeerRegion, "copy_to", copy_then_break)
+            runs = (m.BlockRun(0, 16), m.BlockRun(32, 16))  # 128 KiB each: not inline
+            with pytest.raises((PeerUnreachable, RequestTimeout)):
+                await sender.request(server.address, m.KVBlocks(1, 7, runs, (filled_blocks(0, 16), filled_blocks(32, 16))),
+                                     timeout_s=5)
+            assert seen == []
+    run_bounded(ucx_loop, scenario(), 30)
+
+
+def test_a_reply_that_cannot_be_read_fails_its_request_at_once(ucx_loop, monkeypatch):
+    """An error while reading a reply (here: no memory for its buffer) drops the connection:
+    the request fails now rather than at its timeout, and the next one connects again."""
+    async def scenario():
+        async with started() as server, started() as sender:
+            payload = torch.randn(1 << 18)  # 1 MiB: its reply's buffer is allocated fresh
+            assert torch.equal((await sender.request(server.address, m.Echo(payload))).payload, payload)
+
+            def no_memory(header):
+                raise MemoryError("no room for the reply")
+            monkeypatch.setattr(sender, "_fresh_destinations", no_memory)
+            started_at = time.monotonic()
+            with pytest.raises(PeerUnreachable):
+                await sender.request(server.address, m.Echo(payload), timeout_s=8)
+            assert time.monotonic() - started_at < 4
+            monkeypatch.undo()
+            assert torch.equal((await sender.request(server.address, m.Echo(payload))).payload, payload)
+    run_bounded(ucx_loop, scenario(), 30)
+
+
 def test_with_shared_memory_off_on_either_side_buffers_go_over_ucx(ucx_loop, client):
     async def scenario():
         async with started(shared_memory_bytes=0) as server, started(shared_memory_bytes=0) as sender:
