@@ -11,6 +11,7 @@ Both call an :class:`InstanceService`; this module does HTTP and nothing else.
 
 from __future__ import annotations
 
+import asyncio
 import grp
 import logging
 import os
@@ -36,6 +37,8 @@ from .openai_protocol import (
     new_id,
     parse_chat_request,
     parse_completion_request,
+    parse_messages,
+    parse_prompt,
     usage_chunk,
 )
 
@@ -60,7 +63,7 @@ class GenerationEvent:
     new_text: str
     new_token_ids: tuple[int, ...]
     finished: bool
-    finish_reason: str | None  # "stop", "length", "abort" once finished
+    finish_reason: str | None  # "stop", "length", "abort", or "error" (it failed here) once finished
     num_prompt_tokens: int
     num_output_tokens: int
 
@@ -173,6 +176,12 @@ class OpenAIApp:
         finally:
             await events.aclose()
             await stream.aclose()
+        if last.finish_reason == "error":
+            # OpenAI's clients retry a server error; a 200 with a finish reason they do not
+            # know would hand them a cut-off text as if it were whole.
+            return _openai_error(OpenAIError(
+                f"the request failed on this instance after {last.num_output_tokens} tokens (see its log); "
+                "it may be sent again", status=500, error_type="server_error"))
         render = chat_response if chat else completion_response
         rid = new_id("chatcmpl" if chat else "cmpl")
         return _json(render(rid, req.model, "".join(text), last.finish_reason, last.num_prompt_tokens, last.num_output_tokens))
@@ -245,12 +254,13 @@ class LocalApp:
     async def drain(self, request: web.Request) -> web.Response:
         if (refusal := self._forbidden(request)) is not None:
             return refusal
-        return _json(await self.service.drain())
+        # Shielded: a caller that goes away (its handler is cancelled) does not cut a drain short.
+        return _json(await asyncio.shield(self.service.drain()))
 
     async def uncordon(self, request: web.Request) -> web.Response:
         if (refusal := self._forbidden(request)) is not None:
             return refusal
-        return _json(await self.service.uncordon())
+        return _json(await asyncio.shield(self.service.uncordon()))
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         if (refusal := self._forbidden(request)) is not None:
@@ -265,10 +275,10 @@ class LocalApp:
             prompt, messages = body.get("prompt"), body.get("messages")
             if (prompt is None) == (messages is None):
                 raise OpenAIError("give exactly one of prompt and messages")
-            if isinstance(prompt, list):
-                prompt = tuple(prompt)
-            if messages is not None:
-                messages = tuple(messages)
+            if prompt is not None:
+                prompt = parse_prompt(prompt)
+            else:
+                messages = parse_messages(messages)
             params_body = body.get("params", {})
             if not isinstance(params_body, Mapping):
                 raise OpenAIError("params must be an object")

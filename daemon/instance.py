@@ -297,12 +297,14 @@ class InstanceDaemon:
     async def _start_http(self) -> list[web.AppRunner]:
         c = self.config
         runners = []
-        local = web.AppRunner(LocalApp(self, admin_group_id(c.admin_group)).build())
+        # handler_cancellation: a client that goes away cancels its handler, whose generator
+        # then aborts the request (otherwise a non-streaming request ran on to its end).
+        local = web.AppRunner(LocalApp(self, admin_group_id(c.admin_group)).build(), handler_cancellation=True)
         await local.setup()
         await start_local_site(local, Path(c.socket_path), c.admin_group)
         runners.append(local)
         if c.http_port is not None:
-            api = web.AppRunner(OpenAIApp(self).build())
+            api = web.AppRunner(OpenAIApp(self).build(), handler_cancellation=True)
             await api.setup()
             site = web.TCPSite(api, c.http_host, c.http_port)
             await site.start()
@@ -507,6 +509,8 @@ class InstanceDaemon:
                              f"asked to move blocks of a request of instance {message.home_inst_id}")
         if message.dst_inst_id == own:
             raise ValueError(f"instance {own} does not take blocks back home on command")
+        if message.src_inst_id == message.dst_inst_id:
+            raise ValueError(f"a move from instance {message.src_inst_id} to itself")
         for inst_id in {message.src_inst_id, message.dst_inst_id} - {own}:
             try:
                 self.peers.by_inst(inst_id)
@@ -533,6 +537,13 @@ class InstanceDaemon:
                 done.set_result(ok)
         moves, self._ordered_moves = self._ordered_moves, []
         for message, done in moves:
+            if message.epoch < self.fence.newest_epoch:
+                # A newer leader spoke while this waited for the step boundary.
+                self.metrics.stale_epoch_commands.inc()
+                self.metrics.moves.labels(result="stale_epoch").inc()
+                if not done.done():
+                    done.set_result(False)
+                continue
             if message.src_inst_id == self.config.instance_id:
                 task = asyncio.ensure_future(self._send_ordered_move(message, done))
                 self._moves_in_flight.add(task)
@@ -559,7 +570,7 @@ class InstanceDaemon:
             # may be under way. It ends within a piece's round trips; then this move goes on.
             await self.lender.until_not_moving(str(message.req_id), self.config.timeouts.peer_request_s)
             moved = await self.lender.move(self.engine, str(message.req_id), message.num_blocks, dst,
-                                           switch=self._switch_at_step_boundary)
+                                           switch=self._switch_at_step_boundary, epoch=message.epoch)
         except Exception as exc:  # the gManager hears of it; the engine goes on
             log.warning("ordered move %d failed: %s", message.move_id, exc)
         if 0 < moved < message.num_blocks:
@@ -575,14 +586,15 @@ class InstanceDaemon:
         return await switched
 
     def _try_move(self, message: TryMoveKV) -> MoveReserved | MoveRejected:
-        free = self.engine.block_manager.num_free_blocks(self.engine.home_instance_id)
+        # A refusal's figure is what the requester may count on here: the home keeps it as this
+        # instance's free blocks until the next membership tick.
         if message.epoch and not self.fence.admit(message.epoch):
             self.metrics.stale_epoch_commands.inc()
-            return MoveRejected(message.move_id, MoveRejectReason.STALE_EPOCH, free)
+            return MoveRejected(message.move_id, MoveRejectReason.STALE_EPOCH, max(0, self._free_for_others()))
         if message.block_nbytes != self.block_nbytes:
-            return MoveRejected(message.move_id, MoveRejectReason.LAYOUT_MISMATCH, free)
+            return MoveRejected(message.move_id, MoveRejectReason.LAYOUT_MISMATCH, 0)  # none of its blocks fit
         if self.draining:
-            return MoveRejected(message.move_id, MoveRejectReason.DRAINING, free)
+            return MoveRejected(message.move_id, MoveRejectReason.DRAINING, 0)
         # What this pool keeps for the request (its home asked before it started) is its own.
         spare = self._free_for_others() + self.ledger.hold_of(message.home_inst_id, message.req_id)
         reservation = None

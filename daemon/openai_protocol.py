@@ -91,8 +91,9 @@ def _sampling_params(body: Mapping[str, Any], max_tokens: int | None) -> Samplin
     for name in ("presence_penalty", "frequency_penalty"):
         if _number(body, name, 0.0, -2.0, 2.0) != 0.0:
             raise OpenAIError(f"{name} is not supported (it must be 0)", param=name)
-    if body.get("logprobs") not in (None, False, 0):
-        raise OpenAIError("logprobs are not supported", param="logprobs")
+    for name in ("logprobs", "top_logprobs"):
+        if body.get(name) not in (None, False, 0):
+            raise OpenAIError(f"{name} is not supported", param=name)
     stop = body.get("stop")
     if stop is None:
         stop = ()
@@ -174,7 +175,16 @@ def parse_chat_request(body: object, served_model: str) -> GenerationRequest:
     body = _require_object(body)
     _check_fields(body, _CHAT_FIELDS)
     model = _model(body, served_model)
-    messages = body.get("messages")
+    parsed = parse_messages(body.get("messages"))
+    max_tokens = _integer(body, "max_completion_tokens", None, 1)
+    if max_tokens is None:
+        max_tokens = _integer(body, "max_tokens", None, 1)
+    stream, include_usage = _stream_flags(body)
+    return GenerationRequest(model, None, parsed, _sampling_params(body, max_tokens), stream, include_usage)
+
+
+def parse_messages(messages: object) -> tuple[dict[str, str], ...]:
+    """Chat messages as ``{"role", "content"}`` with string content; raises :class:`OpenAIError`."""
     if not isinstance(messages, list) or not messages:
         raise OpenAIError("messages must be a non-empty list", param="messages")
     parsed = []
@@ -190,11 +200,17 @@ def parse_chat_request(body: object, served_model: str) -> GenerationRequest:
         if not isinstance(content, str):
             raise OpenAIError(f"messages[{i}].content must be a string", param=f"messages[{i}].content")
         parsed.append({"role": message["role"], "content": content})
-    max_tokens = _integer(body, "max_completion_tokens", None, 1)
-    if max_tokens is None:
-        max_tokens = _integer(body, "max_tokens", None, 1)
-    stream, include_usage = _stream_flags(body)
-    return GenerationRequest(model, None, tuple(parsed), _sampling_params(body, max_tokens), stream, include_usage)
+    return tuple(parsed)
+
+
+def parse_prompt(prompt: object) -> str | tuple[int, ...]:
+    """A prompt: a non-empty string or a non-empty list of token ids; raises :class:`OpenAIError`."""
+    if isinstance(prompt, str) and prompt:
+        return prompt
+    if (isinstance(prompt, list) and prompt
+            and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt)):
+        return tuple(prompt)
+    raise OpenAIError("prompt must be a non-empty string or a non-empty list of token ids", param="prompt")
 
 
 def new_id(prefix: str) -> str:

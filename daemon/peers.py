@@ -31,7 +31,7 @@ from infinite_llm.engine.dist_attention import AttendBatch, RemoteAttention
 from infinite_llm.engine.engine import LLMEngine
 from infinite_llm.kernels import AttentionState
 from infinite_llm.transport import wire_trace
-from infinite_llm.transport.errors import TransportError
+from infinite_llm.transport.errors import RemoteError, TransportError
 from infinite_llm.transport.interface import PeerAddress, Transport
 from infinite_llm.transport.kv_packing import HostStaging, pack_kv_runs
 from infinite_llm.transport.messages import (
@@ -203,6 +203,9 @@ class TransportRemoteAttention(RemoteAttention):
 MOVE_PIECE_BYTES = 256 << 20
 # The slowest transfer a move's data request allows for, on top of the peer request timeout.
 MOVE_BYTES_PER_S_FLOOR = 1e9
+# Pauses before a FreeSegment is sent again after it could not be sent, s: a peer busy in a
+# long step, or restarting, is reached within them; one gone for good frees nothing anyway.
+FREE_RETRY_PAUSES_S = (0.5, 2.0, 5.0, 10.0, 20.0)
 
 # A request whose holds were refused asks again after about this long, s (randomised).
 HOLD_RETRY_S = 0.5
@@ -362,19 +365,20 @@ class TransportLender:
         return self.engine.config.block_size
 
     async def move(self, engine: LLMEngine, request_id: str, num_blocks: int, peer: Peer,
-                   switch: Callable[[SegmentMove, Peer], Awaitable[bool]] | None = None) -> int:
+                   switch: Callable[[SegmentMove, Peer], Awaitable[bool]] | None = None, epoch: int = 0) -> int:
         """Move the request's oldest ``num_blocks`` home blocks to ``peer``, in pieces of at
         most :func:`move_piece_blocks`, each reserved, sent, committed and switched before the
         next; it stops, as a partial move, once none of the rest is written. ``switch``: how a
         piece switches (None: at once, for a caller that holds the engine between steps; a
-        background move passes one that waits for the next step boundary). Returns the blocks
-        moved."""
+        background move passes one that waits for the next step boundary). ``epoch``: the
+        gManager's, for a move it ordered (the peer refuses it once a newer leader spoke); 0 for
+        this instance's own spills. Returns the blocks moved."""
         moved = 0
         while moved < num_blocks:
             room = peer.num_blocks_free + self.held_on(request_id, peer.inst_id)
             if moved and not (self.lendable_now(engine, request_id) and room > 0):
                 break
-            move = await self.send_move(engine, request_id, num_blocks - moved, peer)
+            move = await self.send_move(engine, request_id, num_blocks - moved, peer, epoch)
             if move is None:
                 break
             if not (self.switch_move(engine, move, peer) if switch is None else await switch(move, peer)):
@@ -400,7 +404,7 @@ class TransportLender:
         return engine.block_manager.num_lendable_blocks(request_id, engine.num_written_tokens().get(request_id, 0))
 
     async def send_move(self, engine: LLMEngine, request_id: str, num_blocks: int,
-                        peer: Peer) -> SegmentMove | None:
+                        peer: Peer, epoch: int = 0) -> SegmentMove | None:
         """The first three phases of a move of the request's oldest ``num_blocks`` home blocks:
         reserve on ``peer``, send the data, have the peer commit. Returns the pending move, or
         None when it did not happen (nothing is left behind).
@@ -420,21 +424,21 @@ class TransportLender:
         self._moving.add(request_id)
         move = None
         try:
-            move = await self._send_move_piece(engine, request_id, num_blocks, peer, pool, block_nbytes)
+            move = await self._send_move_piece(engine, request_id, num_blocks, peer, pool, block_nbytes, epoch)
         finally:
             if move is None:  # nothing pending: a later move of the request may start
                 self._moving.discard(request_id)
         return move
 
     async def _send_move_piece(self, engine: LLMEngine, request_id: str, num_blocks: int, peer: Peer,
-                               pool: torch.Tensor, block_nbytes: int) -> SegmentMove | None:
+                               pool: torch.Tensor, block_nbytes: int, epoch: int) -> SegmentMove | None:
         bm = engine.block_manager
         own = self.peers.own_inst_id
         for attempt in range(2):
             move_id = next(self._move_ids)
             try:
                 reply = await self.transport.request(peer.address, TryMoveKV(
-                    epoch=0, move_id=move_id, req_id=int(request_id), home_inst_id=own, src_inst_id=own,
+                    epoch=epoch, move_id=move_id, req_id=int(request_id), home_inst_id=own, src_inst_id=own,
                     num_blocks=num_blocks, block_nbytes=block_nbytes), timeout_s=self.timeout_s)
             except TransportError as exc:
                 log.warning("move of request %s to instance %d: %s", request_id, peer.inst_id, exc)
@@ -454,7 +458,12 @@ class TransportLender:
             self.metrics.moves.labels(result="rejected").inc()
             return None
         if not isinstance(reply, MoveReserved) or len(reply.dst_block_ids) != num_blocks:
-            raise RuntimeError(f"instance {peer.inst_id} answered a try-move with {reply!r}")
+            # A peer's bug, not this request's: the move fails, the request goes on (a
+            # reservation made there expires).
+            log.warning("move of request %s: instance %d answered a try-move of %d blocks with %r",
+                        request_id, peer.inst_id, num_blocks, reply)
+            self.metrics.moves.labels(result="failed").inc()
+            return None
         # Taken there, until the peer's next figure says otherwise: the blocks beyond what it kept
         # for the request (its figure left its holds out already). Counted once, here, whatever
         # becomes of the move: an abandoned reservation comes back with the peer's next figure.
@@ -520,6 +529,8 @@ class TransportLender:
         Called between steps (the ordered moves of the engine loop): the table switches only
         once ``dst`` committed each copy, and ``src`` frees its copy only after the switch.
         """
+        if src.inst_id == dst.inst_id:
+            raise ValueError(f"a move from instance {src.inst_id} to itself")
         bm = engine.block_manager
         picked, total = [], 0
         for segment in bm.block_table(request_id):
@@ -562,22 +573,32 @@ class TransportLender:
             self.metrics.moves.labels(result="rejected").inc()
             return False
         if not isinstance(reply, MoveReserved) or len(reply.dst_block_ids) != num_blocks:
-            raise RuntimeError(f"instance {dst.inst_id} answered a try-move with {reply!r}")
+            log.warning("instance %d answered a try-move of request %s's segment %d (%d blocks) with %r",
+                        dst.inst_id, request_id, segment_id, num_blocks, reply)
+            self.metrics.moves.labels(result="failed").inc()
+            return False
         committed = False
         try:
+            # The source sends the blocks within its own allowance for their size
+            # (``forward_timeout_s``); this waits one more request's time for its answer.
             stored = await self.transport.request(src.address, ForwardSegment(
                 epoch=epoch, move_id=move_id, home_inst_id=own, req_id=int(request_id), segment_id=segment_id,
                 dst_inst_id=dst.inst_id, dst_host=dst.address.host, dst_port=dst.address.port,
-                reservation_id=reply.reservation_id, dst_block_ids=reply.dst_block_ids), timeout_s=self.timeout_s)
+                reservation_id=reply.reservation_id, dst_block_ids=reply.dst_block_ids),
+                timeout_s=forward_timeout_s(self.timeout_s, num_blocks * block_nbytes) + self.timeout_s)
             if not isinstance(stored, KVBlocksStored) or stored.num_blocks != num_blocks:
                 raise RuntimeError(f"instance {src.inst_id} forwarded {stored!r}")
             if segment not in bm.block_table(request_id):
                 # The request ended (or its table changed) while the data travelled: no commit,
                 # the reservation expires there.
                 raise RuntimeError(f"request {request_id} no longer has segment {segment_id} on {src.inst_id}")
-            committed = True
-            await self.transport.request(dst.address, MoveCommit(
-                move_id, reply.reservation_id, int(request_id), own, segment_id), timeout_s=self.timeout_s)
+            committed = True  # from here a failure may leave a committed copy there
+            try:
+                await self.transport.request(dst.address, MoveCommit(
+                    move_id, reply.reservation_id, int(request_id), own, segment_id), timeout_s=self.timeout_s)
+            except RemoteError:
+                committed = False  # refused: nothing was committed there (the reservation expires)
+                raise
             # No await between the commit's answer and the switch: the next step attends at dst.
             bm.relocate_remote(request_id, segment.token_start, src.engine_id, dst.engine_id, reply.dst_block_ids)
         except (TransportError, RuntimeError, ValueError, KeyError) as exc:
@@ -599,15 +620,26 @@ class TransportLender:
         task.add_done_callback(self._background.discard)
 
     async def _send_free(self, peer: Peer, message: FreeSegment) -> None:
-        try:
-            await self.transport.send(peer.address, message, timeout_s=self.timeout_s)
-        except TransportError as exc:
-            # The peer frees segments of a silent home after its own timeout.
-            log.warning("freeing request %d's segment on instance %d: %s", message.req_id, peer.inst_id, exc)
+        """Send a FreeSegment, again after pauses while it cannot be sent: a peer hears from
+        this home at every tick, so it would never free the segment of itself."""
+        for pause in (0.0, *FREE_RETRY_PAUSES_S):
+            if pause:
+                await asyncio.sleep(pause)
+            try:
+                await self.transport.send(peer.address, message, timeout_s=self.timeout_s)
+                return
+            except TransportError as exc:
+                log.warning("freeing request %d's segment %d on instance %d: %s%s", message.req_id,
+                            message.segment_id, peer.inst_id, exc, "" if pause == FREE_RETRY_PAUSES_S[-1] else "; again later")
 
     async def close(self) -> None:
         if self._background:
             await asyncio.wait(self._background, timeout=self.timeout_s)
+
+
+def forward_timeout_s(request_timeout_s: float, nbytes: int) -> float:
+    """How long a creditor's forward of ``nbytes`` of KV to another creditor may take, s."""
+    return request_timeout_s + nbytes / MOVE_BYTES_PER_S_FLOOR
 
 
 async def forward_segment(transport: Transport, ledger: CreditorLedger, pool: torch.Tensor, message: ForwardSegment,
@@ -624,8 +656,10 @@ async def forward_segment(transport: Transport, ledger: CreditorLedger, pool: to
         raise ValueError(f"segment {message.segment_id} of request {message.req_id} has {len(segment.block_ids)} "
                          f"blocks here, {len(message.dst_block_ids)} were reserved")
     runs, data = pack_kv_runs(pool, segment.block_ids, message.dst_block_ids)
+    nbytes = sum(d.numel() * d.element_size() for d in data)
     stored = await transport.request(PeerAddress(message.dst_host, message.dst_port),
-                                     KVBlocks(message.move_id, message.reservation_id, runs, data), timeout_s=timeout_s)
+                                     KVBlocks(message.move_id, message.reservation_id, runs, data),
+                                     timeout_s=forward_timeout_s(timeout_s, nbytes))
     if not isinstance(stored, KVBlocksStored):
         raise RuntimeError(f"instance {message.dst_inst_id} answered the blocks with {type(stored).__name__}")
     ledger.heard_from(message.home_inst_id, time.monotonic())

@@ -164,10 +164,20 @@ class LLMEngine:
     def _prompt_token_ids(self, prompt: object) -> list[int]:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)
-        items = list(prompt)  # type: ignore[call-overload]
+        try:
+            items = list(prompt)  # type: ignore[call-overload]
+        except TypeError:
+            items = None
         if items and all(isinstance(m, (ChatMessage, dict)) for m in items):
-            return self.tokenizer.encode(self.tokenizer.apply_chat_template(items), add_special_tokens=False)
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in items):
+            from jinja2 import TemplateError
+
+            try:
+                text = self.tokenizer.apply_chat_template(items)
+            except (ValueError, TypeError, KeyError, TemplateError) as exc:
+                # No template, or one that refuses these messages (roles out of its order).
+                raise RequestRejected(f"the chat template cannot render these messages: {exc}") from None
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        if items is not None and all(isinstance(t, int) and not isinstance(t, bool) for t in items):
             return list(items)
         raise RequestRejected("a prompt is a string, a list of token ids or a list of chat messages")
 

@@ -8,11 +8,16 @@ from typing import Sequence
 import torch
 
 
+# Temperatures below this sample greedily, so that logits / temperature stays finite.
+MIN_TEMPERATURE = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request picks its tokens and when it stops.
 
-    ``temperature == 0`` is greedy decoding (the other sampling fields are then unused).
+    ``temperature`` below ``MIN_TEMPERATURE`` (0 included) is greedy decoding (the other sampling
+    fields are then unused): logits divided by a smaller one overflow to inf and NaN.
     ``top_k == 0`` and ``top_p == 1`` switch those filters off. With a ``seed`` a request's
     samples are reproducible whatever else is in its batch.
     """
@@ -29,9 +34,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0 or self.temperature == float("inf"):
+        if (isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float))
+                or not self.temperature >= 0 or self.temperature == float("inf")):
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0: off), got {self.top_k!r}")
@@ -49,7 +55,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < MIN_TEMPERATURE
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

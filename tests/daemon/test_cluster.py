@@ -150,6 +150,13 @@ def test_bad_input_gets_clear_errors_and_harms_no_one(cluster):
     assert code == 200 and body["usage"]["completion_tokens"] >= 1
     code, lines = inst.local("POST", "/v1/generate", {"prompt": "x", "params": {"top_p": 7}})
     assert code == 400 and "top_p" in lines["error"]
+    for bad in ({"prompt": 5}, {"prompt": [1, "2"]}, {"messages": [5]}, {"messages": [{"role": "user"}]}):
+        code, lines = inst.local("POST", "/v1/generate", bad)
+        assert code == 400 and ("prompt" in lines["error"] or "messages" in lines["error"]), (bad, lines)
+    # A temperature too small to divide by samples greedily rather than failing the batch.
+    code, body = inst.post("/v1/completions", {"model": MODEL, "prompt": "The sky is", "max_tokens": 3,
+                                               "temperature": 1e-300})
+    assert code == 200 and body["choices"][0]["finish_reason"] in ("length", "stop")
 
 
 def status_codes_as(uid: int, socket_path: Path, calls: list[tuple[str, str]]) -> list[int]:
@@ -208,3 +215,24 @@ def test_a_client_that_leaves_mid_stream_cancels_only_its_request(cluster, refer
     assert tokens == reference_tokens(reference_engine, "Say hello.", 4)
     log = home.log_path.read_text()
     assert "engine step failed" not in log and "requests ended" not in log
+
+
+def test_a_client_that_leaves_a_non_streaming_request_cancels_it(cluster):
+    """A non-streaming completion writes nothing until it ends: the client's leaving is seen
+    through the handler's cancellation, which aborts the request (else it ran to its end)."""
+    from urllib.parse import urlsplit
+
+    from infinite_llm.daemon.local_cluster import wait_for
+
+    inst = cluster[2]
+    where = urlsplit(inst.url)
+    body = json.dumps({"model": MODEL, "prompt": "Once upon a time", "max_tokens": 1000, "ignore_eos": True,
+                       "temperature": 0}).encode()
+    with socket.create_connection((where.hostname, where.port), timeout=30) as sock:
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        wait_for("the request to run", lambda: inst.status()["requests"], timeout_s=60)
+    # 1000 tokens take over a minute here: gone within seconds means it was cancelled.
+    wait_for("the left request to be cancelled", lambda: not inst.status()["requests"], timeout_s=20)
+    code, body = inst.post("/v1/completions", {"model": MODEL, "prompt": "The sky is", "max_tokens": 3, "temperature": 0})
+    assert code == 200

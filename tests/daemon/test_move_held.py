@@ -8,6 +8,7 @@ import asyncio
 import math
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from infinite_llm.daemon.ledger import CreditorLedger
@@ -112,6 +113,15 @@ class Setup:
             raise ValueError("the home serves nothing here")
         await self.home.start(serves_nothing)
 
+    def move_held(self, num_blocks: int = 2) -> bool:
+        """The home's ``move_held`` of ``num_blocks`` of "7" from D to X, the network settled after."""
+        async def scenario() -> bool:
+            await self.start()
+            moved = await self.lender.move_held(self.engine, "7", num_blocks, self.src, self.dst, epoch=4)
+            await self.network.settle()
+            return moved
+        return asyncio.run(scenario())
+
     def types(self) -> list[tuple[int, int, str]]:
         return [(int(src.rsplit(":", 1)[-1]), int(dst.rsplit(":", 1)[-1]), t) for src, dst, t in self.network.messages()]
 
@@ -140,12 +150,7 @@ def test_the_home_moves_a_held_segment_to_another_creditor() -> None:
 def test_a_refusal_at_the_destination_changes_nothing() -> None:
     s = Setup(x_blocks=1)
     before = s.bm.block_table("7")
-
-    async def scenario() -> bool:
-        await s.start()
-        return await s.lender.move_held(s.engine, "7", 2, s.src, s.dst, epoch=4)
-
-    assert asyncio.run(scenario()) is False
+    assert s.move_held() is False
     assert s.bm.block_table("7") == before
     assert list(s.d.ledger.held) == [(H, 7, 0)] and s.x.ledger.reservations == {} and s.x.ledger.held == {}
     assert s.dst.num_blocks_free == 1  # learnt from the refusal
@@ -166,19 +171,20 @@ def test_a_failed_forward_leaves_the_table_and_the_reservation_expires() -> None
     assert len(s.x.ledger.release_expired(now=10.0)) == 1 and sorted(s.x.free) == list(range(8))
 
 
-def test_only_whole_segments_that_fit_move() -> None:
-    s = Setup()
-
+def move_held_refusal(s: Setup, num_blocks: int, dst) -> str:
+    """Why ``move_held`` of ``num_blocks`` from D to ``dst`` is refused (it must be)."""
     async def scenario() -> None:
         await s.start()
-        try:
-            await s.lender.move_held(s.engine, "7", 1, s.src, s.dst, epoch=4)
-        except ValueError as exc:
-            assert "no whole segment of at most 1 blocks" in str(exc)
-        else:
-            raise AssertionError("a move of part of a held segment must be refused")
+        await s.lender.move_held(s.engine, "7", num_blocks, s.src, dst, epoch=4)
 
-    asyncio.run(scenario())
+    with pytest.raises(ValueError) as info:
+        asyncio.run(scenario())
+    return str(info.value)
+
+
+def test_only_whole_segments_that_fit_move() -> None:
+    s = Setup()
+    assert "no whole segment of at most 1 blocks" in move_held_refusal(s, 1, s.dst)
     assert s.network.messages() == []
 
 
@@ -258,3 +264,72 @@ def test_a_home_move_takes_its_blocks_off_the_peers_figure_once_and_its_hold_fir
     assert moved_figure(8, hold=0) == (5, 0)
     assert moved_figure(6, hold=2) == (5, 0)  # two of the three came out of the hold
     assert moved_figure(4, hold=5) == (4, 2)  # all three did
+
+
+def test_a_move_from_a_creditor_to_itself_is_refused() -> None:
+    """A command naming one creditor as source and destination would have it commit a copy of
+    a segment it holds, and the home free the only copy."""
+    s = Setup()
+    assert "to itself" in move_held_refusal(s, 2, s.src)
+    assert s.network.messages() == [] and list(s.d.ledger.held) == [(H, 7, 0)]
+
+
+def test_a_refused_commit_frees_nothing_at_the_destination() -> None:
+    """The destination refuses the commit (an error reply): nothing was committed there, so
+    the home sends it no FreeSegment (which would free any segment it holds under that name)."""
+    s = Setup()
+    serve = s.x.handle
+
+    async def refuse_commits(message):
+        if isinstance(message, MoveCommit):
+            raise ValueError("no such reservation")
+        return await serve(message)
+    s.x.handle = refuse_commits
+    before = s.bm.block_table("7")
+    assert s.move_held() is False
+    assert s.bm.block_table("7") == before and list(s.d.ledger.held) == [(H, 7, 0)]
+    assert (H, X, "free_segment") not in s.types() and (H, D, "free_segment") not in s.types()
+
+
+def test_a_try_move_answered_with_something_else_fails_the_move_only() -> None:
+    """A peer that answers a try-move with anything but a reservation of the blocks asked for:
+    the move fails (counted), the request's table stays, nothing is raised into the engine."""
+    s = Setup()
+    serve = s.x.handle
+
+    async def answer_wrongly(message):
+        if isinstance(message, TryMoveKV):
+            return MoveReserved(message.move_id, 99, (0,), 5000)  # one block of the two
+        return await serve(message)
+    s.x.handle = answer_wrongly
+    before = s.bm.block_table("7")
+    assert s.move_held() is False
+    assert s.bm.block_table("7") == before
+
+    home = HomeMove(x_blocks=8, figure=8)
+    home.x.handle = lambda message: MoveReserved(message.move_id, 99, (0,), 5000)
+    assert home.move(3) == 0 and home.bm.block_table("7")[0].instance_id == 0
+
+
+def test_a_free_that_cannot_be_sent_is_sent_again(monkeypatch) -> None:
+    """The creditor is unreachable when its segment is freed (busy in a long step, or
+    restarting): the home sends the FreeSegment again, and the creditor frees it once it is
+    back. It would not free it of itself: it hears from the live home at every tick."""
+    from infinite_llm.daemon import peers as peers_module
+    monkeypatch.setattr(peers_module, "FREE_RETRY_PAUSES_S", (0.01, 0.01, 0.05))
+    s = Setup()
+
+    async def scenario() -> None:
+        async def serves_nothing(message):
+            raise ValueError("the home serves nothing here")
+        await s.home.start(serves_nothing)
+        s.lender._free_later(s.src, FreeSegment(H, 7, 0))  # D is not listening yet
+        await asyncio.sleep(0.005)
+        assert list(s.d.ledger.held) == [(H, 7, 0)]
+        await s.d.start()
+        await asyncio.sleep(0.2)
+        await s.network.settle()
+        await s.lender.close()
+
+    asyncio.run(scenario())
+    assert s.d.ledger.held == {}

@@ -6,6 +6,8 @@ from infinite_llm.daemon.openai_protocol import (
     completion_response,
     parse_chat_request,
     parse_completion_request,
+    parse_messages,
+    parse_prompt,
 )
 
 MODEL = "smollm2-135m-instruct"
@@ -66,11 +68,25 @@ def test_bad_completion_requests(body, status, param, message) -> None:
         ({"model": MODEL, "messages": [{"role": "user", "content": 5}]}, "content must be a string"),
         ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "only text parts"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": []}, "Unrecognized request argument supplied: tools"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "top_logprobs is not supported"),
     ],
 )
 def test_bad_chat_requests(body, message) -> None:
     with pytest.raises(OpenAIError, match=message):
         parse_chat_request(body, MODEL)
+
+
+@pytest.mark.parametrize("prompt", [5, "", [], [1, "2"], [True], [-1], {"text": "x"}, None])
+def test_a_local_prompt_that_is_neither_text_nor_token_ids_is_refused(prompt) -> None:
+    with pytest.raises(OpenAIError, match="prompt must be") as info:
+        parse_prompt(prompt)
+    assert info.value.status == 400
+
+
+@pytest.mark.parametrize("messages", [[5], [{"role": "user"}], [{"content": "x"}], "hi", []])
+def test_local_messages_are_checked_as_chat_messages(messages) -> None:
+    with pytest.raises(OpenAIError):
+        parse_messages(messages)
 
 
 def test_response_bodies() -> None:

@@ -90,3 +90,23 @@ def test_dequantize_matches_the_gguf_package(qtype):
     expected = gguf_quants.dequantize(raw, qtype)
     got = dequantize(raw, qtype, (8, 512), "w").numpy()
     np.testing.assert_array_equal(got, expected.astype(np.float32))
+
+
+def test_chat_messages_the_template_cannot_render_are_refused():
+    """No chat template, or one that refuses the messages (a role out of its order), is the
+    request's error, not the server's."""
+    from types import SimpleNamespace
+
+    def no_template(messages):
+        raise ValueError("this checkpoint has no chat template; pass a plain prompt instead")
+
+    def strict_template(messages):
+        from jinja2 import TemplateError
+        raise TemplateError("conversation roles must alternate user/assistant")
+
+    for render in (no_template, strict_template):
+        stub = SimpleNamespace(tokenizer=SimpleNamespace(apply_chat_template=render))
+        with pytest.raises(RequestRejected, match="chat template cannot render"):
+            LLMEngine._prompt_token_ids(stub, [{"role": "assistant", "content": "hi"}])
+    with pytest.raises(RequestRejected, match="a prompt is a string"):
+        LLMEngine._prompt_token_ids(SimpleNamespace(), 5)

@@ -12,6 +12,8 @@ from infinite_llm.engine.sampling import Sampler, SamplingParams, filter_logits
         ({"max_tokens": 0}, "max_tokens must be an integer >= 1"),
         ({"temperature": -0.5}, "temperature must be a finite number >= 0"),
         ({"temperature": float("nan")}, "temperature must be a finite number >= 0"),
+        ({"temperature": True}, "temperature must be a finite number >= 0"),
+        ({"top_p": True}, r"top_p must be in \(0, 1\]"),
         ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
         ({"top_k": -1}, "top_k must be an integer >= 0"),
         ({"seed": "x"}, "seed must be an integer or None"),
@@ -22,6 +24,17 @@ from infinite_llm.engine.sampling import Sampler, SamplingParams, filter_logits
 def test_bad_params_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+def test_a_temperature_too_small_to_divide_by_samples_greedily():
+    """Logits divided by 1e-300 are inf and NaN, and the sampler's multinomial fails the whole
+    batch (on a GPU, a device-side assert that ends the process)."""
+    logits = torch.tensor([[0.5, 3.0, -1.0, 2.9]])
+    for temperature in (1e-300, 5e-324, 1e-6):
+        params = SamplingParams(temperature=temperature)
+        assert params.greedy
+        assert Sampler().sample(logits, ["r"], [params]) == [1]
+    assert not SamplingParams(temperature=1e-4).greedy
 
 
 def test_a_single_stop_string_becomes_a_tuple():
