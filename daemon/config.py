@@ -7,6 +7,7 @@ misspelt setting is never silently ignored.
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +23,9 @@ class ConfigError(ValueError):
 
 GPU_PEER_SPIN_S = 0.02  # default peer_spin_s of an instance on a GPU, s
 CPU_PEER_SPIN_S = 500e-6  # default peer_spin_s of an instance on the CPU, s
+
+
+MIN_TIMEOUT_S = 0.01  # the shortest wait a timeout may set, s
 
 
 @dataclass(frozen=True)
@@ -152,8 +156,12 @@ class InstanceConfig:
         if not isinstance(self.etcd_prefix, str) or not self.etcd_prefix.startswith("/") or self.etcd_prefix.endswith("/"):
             raise ConfigError(f"etcd_prefix must start with '/' and not end with one, got {self.etcd_prefix!r}")
         for name, value in dataclasses.asdict(self.timeouts).items():
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ConfigError(f"timeouts.{name} must be a positive number of seconds, got {value!r}")
+            # Finite (TOML has inf: a stop that never ends), and not so small that a loop
+            # paced by it spins.
+            if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+                    or not value >= MIN_TIMEOUT_S):
+                raise ConfigError(f"timeouts.{name} must be a finite number of seconds >= {MIN_TIMEOUT_S}, "
+                                  f"got {value!r}")
         if self.timeouts.etcd_lease_s < 2:  # etcd's shortest lease with its default election timeout
             raise ConfigError(f"timeouts.etcd_lease_s must be at least 2 s, got {self.timeouts.etcd_lease_s!r}")
 

@@ -27,6 +27,7 @@ import asyncio
 import json
 import logging
 import math
+import time
 from dataclasses import asdict, dataclass
 from typing import Any, Iterable
 
@@ -280,6 +281,16 @@ class EtcdMembership:
         self._withdrawn.discard(member.inst_id)
         self._pending = member
         self._wake.set()
+
+    async def wait_published(self, inst_id: int, timeout_s: float) -> bool:
+        """Whether ``inst_id``'s record is in etcd within ``timeout_s``: ``publish`` only hands it
+        to the writer task, which puts it under the lease."""
+        deadline = time.monotonic() + timeout_s
+        while self._published is None or self._published.inst_id != inst_id:
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.01)
+        return True
 
     def withdraw(self, inst_id: int) -> None:
         self._withdrawn.add(inst_id)

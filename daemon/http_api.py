@@ -260,7 +260,10 @@ class LocalApp:
     async def uncordon(self, request: web.Request) -> web.Response:
         if (refusal := self._forbidden(request)) is not None:
             return refusal
-        return _json(await asyncio.shield(self.service.uncordon()))
+        try:
+            return _json(await asyncio.shield(self.service.uncordon()))
+        except RequestRefused as exc:
+            return _json({"error": str(exc)}, status=exc.status)
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         if (refusal := self._forbidden(request)) is not None:

@@ -115,6 +115,12 @@ class InstanceDaemon:
         self.fence = EpochFence()
         self.draining = False
         self._stopping = asyncio.Event()
+        # When the engine loop last turned, and whether it waits for work now: the watchdog
+        # pings only while it turns (a step stuck on a hung device keeps the event loop alive).
+        self._engine_turned_at = time.monotonic()
+        self._engine_idle = True
+        self._watchdog_withheld = False
+        self._engine_task: asyncio.Task | None = None
         self._work = asyncio.Event()  # set when the engine may have something to do
         self._queues: dict[str, asyncio.Queue[GenerationEvent]] = {}
         self._request_ids = itertools.count(1)
@@ -153,11 +159,15 @@ class InstanceDaemon:
             await self._start_engine_and_transport()
             runners = await self._start_http()
             self._publish()
+            # READY only once peers and the gManager can see this instance.
+            registration_s = 3 * self.config.timeouts.etcd_request_s
+            if not await self.membership.wait_published(self.config.instance_id, registration_s):
+                raise RuntimeError(f"instance {self.config.instance_id} could not register within {registration_s:.0f} s")
             self.notifier.ready(f"instance {self.config.instance_id} serving on {self.transport.address}")
             log.info("instance %d ready: peers at %s, HTTP on %s:%d, socket %s", self.config.instance_id,
                      self.transport.address, self.config.http_host, self.http_port, self.config.socket_path)
-            tasks = [asyncio.create_task(self._engine_loop(), name="engine"),
-                     asyncio.create_task(self._maintenance_loop(), name="maintenance")]
+            self._engine_task = asyncio.create_task(self._engine_loop(), name="engine")
+            tasks = [self._engine_task, asyncio.create_task(self._maintenance_loop(), name="maintenance")]
             done, _ = await asyncio.wait([stop, *tasks], return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 if task is not stop and task.exception() is not None:
@@ -197,6 +207,9 @@ class InstanceDaemon:
             os._exit(1)
         log.info("stop signal: admitting no new requests; handing over KV held for others and finishing "
                  "running requests (at most %.0f s)", self.config.timeouts.drain_s)
+        # A second SIGTERM ends the process in the kernel: a handler of the event loop runs only
+        # when the loop turns, which a thread blocked in a device call never lets it do.
+        asyncio.get_running_loop().remove_signal_handler(signal.SIGTERM)
         self.draining = True
         self._stopping.set()
 
@@ -223,6 +236,9 @@ class InstanceDaemon:
                 break
             now = time.monotonic()
             if now >= deadline:
+                break
+            if self._engine_task is not None and self._engine_task.done():
+                log.error("the engine loop ended during the stop: its requests cannot finish")
                 break
             if held:
                 await handover.ask_if_due(now, deadline, describe_held(held))
@@ -321,12 +337,15 @@ class InstanceDaemon:
         engine = self.engine
         idle_s = 0.0  # back-off while no request can be scheduled for want of blocks
         while True:
+            self._engine_turned_at = time.monotonic()
+            self._engine_idle = False
             for request_id in self._pending_aborts:
                 engine.abort(request_id)
             self._pending_aborts.clear()
             await self._carry_out_ordered_moves()
             if not engine.has_unfinished:
                 self._work.clear()
+                self._engine_idle = True
                 await self._work.wait()
                 continue
             try:
@@ -486,6 +505,8 @@ class InstanceDaemon:
                 return ErrorReply(ErrorCode.STALE_EPOCH,
                                   f"epoch {message.epoch} is older than {self.fence.newest_epoch}")
             if isinstance(message, (Drain, Uncordon)):
+                if isinstance(message, Uncordon) and self._stopping.is_set():
+                    raise ValueError(f"instance {self.config.instance_id} is stopping: it admits nothing again")
                 # Published at once, so that peers stop spilling here before the next tick.
                 self.draining = isinstance(message, Drain)
                 self._publish()
@@ -636,8 +657,21 @@ class InstanceDaemon:
             except Exception:  # one bad tick must not stop the upkeep
                 log.exception("maintenance tick failed")
             if watchdog:
-                self.notifier.watchdog()
+                self._ping_watchdog(2 * watchdog)
             await asyncio.sleep(period)
+
+    def _ping_watchdog(self, watchdog_s: float) -> None:
+        """WATCHDOG=1, unless the engine loop has been inside one turn for ``watchdog_s`` (systemd's
+        WatchdogSec): a step stuck on a hung device leaves the event loop turning, and only the
+        missing pings get the daemon restarted."""
+        stuck_s = time.monotonic() - self._engine_turned_at
+        if self._engine_idle or stuck_s < watchdog_s:
+            self.notifier.watchdog()
+            self._watchdog_withheld = False
+        elif not self._watchdog_withheld:
+            self._watchdog_withheld = True
+            log.error("the engine loop has not turned for %.0f s: no more watchdog pings (systemd restarts "
+                      "this instance after WatchdogSec)", stuck_s)
 
     def _tick(self) -> None:
         now = time.monotonic()
@@ -819,7 +853,9 @@ class InstanceDaemon:
         }
 
     async def uncordon(self) -> dict[str, Any]:
-        """Admit requests again after a drain."""
+        """Admit requests again after a drain (not once stopping)."""
+        if self._stopping.is_set():
+            raise RequestRefused(f"instance {self.config.instance_id} is stopping: it admits nothing again", status=409)
         self.draining = False
         self._publish()
         return {"draining": False}

@@ -55,6 +55,10 @@ class LocalMembership:
         tmp.write_text(json.dumps(asdict(member)))
         os.replace(tmp, path)
 
+    async def wait_published(self, inst_id: int, timeout_s: float) -> bool:
+        """Whether ``inst_id``'s record is written: ``publish`` writes it before it returns."""
+        return (self.folder / f"{inst_id}.json").exists()
+
     def withdraw(self, inst_id: int) -> None:
         (self.folder / f"{inst_id}.json").unlink(missing_ok=True)
 

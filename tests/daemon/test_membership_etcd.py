@@ -122,7 +122,9 @@ def test_a_publisher_whose_lease_expired_registers_again(etcd) -> None:
         try:
             await reader.start()
             await publisher.start()
+            assert not await publisher.wait_published(3, 0.05)  # nothing published yet
             publisher.publish(member(3))
+            assert await publisher.wait_published(3, 5)  # in etcd: what READY waits for
             await until(lambda: 3 in reader.members(), 5, "member 3 seen")
             await publisher._client.revoke_lease(publisher._lease.id)  # as if it expired in a pause
             await until(lambda: 3 not in reader.members(), 5, "gone with the lease")

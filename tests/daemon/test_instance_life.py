@@ -1,0 +1,136 @@
+"""An instance's life apart from its engine: the watchdog, a second stop signal, uncordon while
+stopping. The daemon is built without starting it; its engine is a stand-in."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import pytest
+
+from infinite_llm.daemon.config import InstanceConfig
+from infinite_llm.daemon.http_api import RequestRefused
+from infinite_llm.daemon.instance import InstanceDaemon
+from infinite_llm.transport.messages import Uncordon
+
+
+class RecordingNotifier:
+    """sd_notify's calls, counted; systemd's WatchdogSec of 0.1 s."""
+
+    watchdog_interval_s = 0.05
+
+    def __init__(self) -> None:
+        self.pings = 0
+
+    def watchdog(self) -> bool:
+        self.pings += 1
+        return True
+
+    def status(self, text: str) -> None: ...
+    def ready(self, text: str) -> None: ...
+    def stopping(self, text: str) -> None: ...
+
+
+class StuckEngine:
+    """Has work, and its step never ends, though it lets the event loop turn (a hung device
+    polled for its event)."""
+
+    has_unfinished = True
+
+    async def step_async(self):
+        while True:
+            await asyncio.sleep(0.001)
+
+    def abort(self, request_id: str) -> None: ...
+
+
+class IdleEngine:
+    has_unfinished = False
+
+    def abort(self, request_id: str) -> None: ...
+
+
+def daemon(tmp_path) -> InstanceDaemon:
+    made = InstanceDaemon(InstanceConfig(state_dir=str(tmp_path), http_port=None), notifier=RecordingNotifier())
+    made._tick = lambda: None  # no membership, peers or heartbeats here
+    made._publish = lambda: None
+    return made
+
+
+def pings_in(d: InstanceDaemon, engine, seconds: float) -> int:
+    d.engine = engine
+
+    async def run() -> int:
+        loops = [asyncio.create_task(d._engine_loop()), asyncio.create_task(d._maintenance_loop())]
+        await asyncio.sleep(seconds)
+        for task in loops:
+            task.cancel()
+        await asyncio.gather(*loops, return_exceptions=True)
+        return d.notifier.pings
+
+    return asyncio.run(run())
+
+
+def test_the_watchdog_stops_when_a_step_never_ends_and_goes_on_while_idle(tmp_path):
+    """A step stuck on a hung device leaves the event loop turning: only the missing pings get
+    systemd to restart the instance. An engine with nothing to do is healthy."""
+    assert pings_in(daemon(tmp_path), StuckEngine(), 1.0) <= 4  # pings for WatchdogSec at most, then none
+    assert pings_in(daemon(tmp_path), IdleEngine(), 1.0) >= 12
+
+
+def test_a_second_stop_signal_is_left_to_the_kernel(tmp_path):
+    """After the first SIGTERM the event loop's handler is gone: the second ends the process
+    even while the loop's thread is blocked in a device call and runs no handler."""
+    d = daemon(tmp_path)
+
+    async def run() -> object:
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, d._on_signal)
+        try:
+            d._on_signal()
+            return signal.getsignal(signal.SIGTERM)
+        finally:
+            loop.remove_signal_handler(signal.SIGTERM)
+
+    assert asyncio.run(run()) is signal.SIG_DFL
+    assert d._stopping.is_set() and d.draining
+
+
+def test_an_instance_that_is_stopping_cannot_be_uncordoned(tmp_path):
+    """Neither the gManager nor the local API opens admission again mid-stop: new work would
+    only wait for the stop's deadline and then fail."""
+    d = daemon(tmp_path)
+
+    async def run() -> None:
+        d._on_signal()
+        with pytest.raises(ValueError, match="is stopping"):
+            d._handle(Uncordon(epoch=1, drain_id=1, inst_id=d.config.instance_id))
+        with pytest.raises(RequestRefused, match="is stopping") as info:
+            await d.uncordon()
+        assert info.value.status == 409
+
+    asyncio.run(run())
+    assert d.draining
+
+
+def test_a_stop_does_not_wait_out_its_deadline_for_an_engine_loop_that_ended(tmp_path):
+    """The engine loop died (a bug): its requests can never finish, so the stop goes on to
+    shut down rather than poll until ``drain_s``."""
+    from types import SimpleNamespace
+
+    from infinite_llm.daemon.ledger import CreditorLedger
+
+    d = daemon(tmp_path)
+    d.engine = SimpleNamespace(has_unfinished=True, scheduler=SimpleNamespace(requests={"1": None}))
+    d.ledger = CreditorLedger(allocate=lambda n: None, free=lambda ids: None, reservation_ttl_s=5.0)
+
+    async def run() -> float:
+        async def died() -> None:
+            raise RuntimeError("a bug in the engine loop")
+        d._engine_task = asyncio.ensure_future(died())
+        await asyncio.gather(d._engine_task, return_exceptions=True)
+        started = asyncio.get_running_loop().time()
+        await asyncio.wait_for(d._drain_for_stop(), timeout=10)
+        return asyncio.get_running_loop().time() - started
+
+    assert asyncio.run(run()) < 2
