@@ -173,19 +173,31 @@ class _Connection:
             raise ConnectionBroken(f"{self.label}: send failed: {e!r}") from e
         return requests
 
-    async def wait_sent(self, requests: list, deadline: float | None = None) -> None:
-        """Until every request of a posted frame completed, by ``deadline`` (time.monotonic(),
-        None: the frame timeout). A failure (or cancellation) part-way breaks the connection,
-        since the peer would read the next frame's bytes as this one's."""
+    async def wait_sent(self, requests: list, frame: codec.EncodedFrame,
+                        deadline: float | None = None) -> None:
+        """Until every request of posted ``frame`` completed, by ``deadline`` (time.monotonic(),
+        None: the frame timeout). A failed send, or one past the frame timeout, breaks the
+        connection. A caller that stops waiting first (its own deadline: TimeoutError, or
+        cancelled) leaves the frame to UCX: its messages are all posted, so it goes whole, and
+        the connection keeps its memory until it went (``keep_until_sent``). Breaking the
+        connection then would fail every other request on it."""
         frame_deadline = time.monotonic() + self.config.frame_timeout_s
-        deadline = frame_deadline if deadline is None else min(deadline, frame_deadline)
+        wait_deadline = frame_deadline if deadline is None else min(deadline, frame_deadline)
         try:
             for request in requests:
-                await self.progress.wait(request, deadline)
-        except BaseException as e:
+                await self.progress.wait(request, wait_deadline)
+        except UCXError as e:
             self.abort()
-            if isinstance(e, (UCXError, TimeoutError)):
+            raise ConnectionBroken(f"{self.label}: send failed: {e!r}") from e
+        except TimeoutError as e:
+            if wait_deadline >= frame_deadline:
+                self.abort()
                 raise ConnectionBroken(f"{self.label}: send failed: {e!r}") from e
+            self.keep_until_sent(requests, frame)
+            raise
+        except asyncio.CancelledError:
+            if not self.broken:
+                self.keep_until_sent(requests, frame)
             raise
 
     def keep_until_sent(self, requests: list, frame: codec.EncodedFrame) -> None:
@@ -219,7 +231,7 @@ class _Connection:
 
     async def send_frame(self, frame: codec.EncodedFrame, deadline: float | None = None) -> None:
         """Send one frame whole (see ``post_frame`` and ``wait_sent``)."""
-        await self.wait_sent(self.post_frame(frame), deadline)
+        await self.wait_sent(self.post_frame(frame), frame, deadline)
 
     async def recv_header(self, timeout_s: float) -> codec.FrameHeader:
         """The next frame's header. Raises ProtocolError for a bad frame, ConnectionBroken
@@ -453,7 +465,7 @@ class UcxTransport:
             if posted is None:
                 posted = connection.post_frame(frame.frame)
             if frame.frame.buffers:
-                await connection.wait_sent(posted, deadline)
+                await connection.wait_sent(posted, frame.frame, deadline)
             # A header alone is not awaited: its reply says it arrived, and a failed send breaks
             # the connection, which fails this reply. ``frame`` and ``posted`` live until then.
             # One timer on the reply rather than asyncio.timeout around the whole request:
@@ -470,6 +482,8 @@ class UcxTransport:
         finally:
             if timer is not None:
                 timer.cancel()
+            if not reply.done():  # cancelled before the reply came: nothing waits for it
+                connection.pending.pop(frame.msg_id, None)
             if posted is not None and not all(r.completed for r in posted):
                 connection.keep_until_sent(posted, frame.frame)  # a timeout or a cancel: UCX may still read it
             connection.pending.pop(frame.msg_id, None)
@@ -504,6 +518,16 @@ class UcxTransport:
 
     async def close(self) -> None:
         self._closed = True
+        # No new inbound connection from here on (one accepted now would be served after the
+        # wait below), and no connect attempt left running.
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        attempts = list(self._connecting.values())
+        for attempt in attempts:
+            attempt.cancel()
+        if attempts:
+            await asyncio.gather(*attempts, return_exceptions=True)
         for peer, connection in list(self._outbound.items()):
             self._drop(peer, connection, PeerUnreachable(peer, "transport closed"))
         for connection in list(self._inbound):
@@ -514,12 +538,12 @@ class UcxTransport:
         if tasks:
             await asyncio.wait(tasks, timeout=self._config.frame_timeout_s)
         # The listener's serving loops end once their receives see the aborted endpoints.
-        async with asyncio.timeout(self._config.frame_timeout_s):
-            while self._inbound:
-                await asyncio.sleep(0.001)
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
+        try:
+            async with asyncio.timeout(self._config.frame_timeout_s):
+                while self._inbound:
+                    await asyncio.sleep(0.001)
+        except TimeoutError:
+            log.warning("%d inbound connections still served after the frame timeout", len(self._inbound))
         if self._shared_region is not None:
             self._shared_region.close()  # peers' mappings of it stay valid
 
@@ -545,8 +569,19 @@ class UcxTransport:
         if attempt is None:
             attempt = asyncio.ensure_future(self._connect(peer))
             self._connecting[peer] = attempt
-            attempt.add_done_callback(lambda _: self._connecting.pop(peer, None))
-        return await asyncio.shield(attempt)
+            attempt.add_done_callback(lambda done: self._connect_ended(peer, done))
+        try:
+            return await asyncio.shield(attempt)
+        except asyncio.CancelledError:
+            # The attempt was cancelled by ``close``, not this caller: say so.
+            if attempt.cancelled() and self._closed and not asyncio.current_task().cancelling():
+                raise PeerUnreachable(peer, "transport closed") from None
+            raise
+
+    def _connect_ended(self, peer: PeerAddress, attempt: asyncio.Future) -> None:
+        self._connecting.pop(peer, None)
+        if not attempt.cancelled():
+            attempt.exception()  # retrieved: every waiter may have timed out before it ended
 
     async def _connect(self, peer: PeerAddress) -> _Connection:
         if self._progress is None:
@@ -557,6 +592,9 @@ class UcxTransport:
                     peer.host, peer.port, connect_timeout=self._config.connect_timeout_s)
         except (UCXError, TimeoutError, OSError) as e:
             raise PeerUnreachable(peer, f"cannot connect: {e!r}") from None
+        if self._closed:  # closed while this connected: nothing may stay open
+            endpoint.abort()
+            raise PeerUnreachable(peer, "transport closed")
         connection = _Connection(endpoint, str(peer), self._config, self._progress)
         self._outbound[peer] = connection
         self._spawn(self._read_replies(peer, connection))
@@ -645,6 +683,9 @@ class UcxTransport:
     # --- inbound connections: serving requests ---
 
     async def _serve_connection(self, endpoint: ucxx._lib_async.Endpoint) -> None:
+        if self._closed:  # accepted while closing
+            endpoint.abort()
+            return
         connection = _Connection(endpoint, f"inbound {endpoint.uid:#x}", self._config,
                                  self._progress)
         self._inbound.add(connection)
@@ -752,6 +793,16 @@ class UcxTransport:
         return [allocate(s, device) for s in header.specs]
 
     def _encode_reply(self, msg_id: int, reply: Message) -> codec.EncodedFrame:
+        """The reply's frame; one that cannot be encoded (a handler's bad tensor) becomes an
+        ErrorReply, so that the requester hears why and the connection serves on."""
+        try:
+            return self._encode(reply, msg_id)
+        except Exception as e:  # noqa: BLE001
+            log.error("a %s reply could not be encoded", reply.TYPE, exc_info=e)
+            return self._encode(ErrorReply(ErrorCode.HANDLER_FAILED, f"the {reply.TYPE} reply could not be encoded: "
+                                                                      f"{type(e).__name__}: {e}"), msg_id)
+
+    def _encode(self, reply: Message, msg_id: int) -> codec.EncodedFrame:
         return codec.encode(reply, next(self._next_msg_id), reply_to=msg_id, wants_reply=False,
                             inline_limit_bytes=self._config.limits.inline_limit_bytes,
                             inline_cuda_limit_bytes=self._config.limits.inline_cuda_limit_bytes)

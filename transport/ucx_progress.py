@@ -67,6 +67,8 @@ class UcxProgress:
             while True:
                 await asyncio.sleep(0)
                 worker.progress()
+                if self._sleepers:  # this progress may have completed a sleeper's request
+                    self._wake_completed()
                 if request.completed:
                     break
                 now = time.monotonic()
@@ -76,6 +78,7 @@ class UcxProgress:
                     await self._sleep(request, deadline)
                     break
         if self._sleepers:  # the spin's progress may have taken the event they sleep on
+            self._wake_completed()
             self._arm()
         request.check_error()
 

@@ -67,3 +67,57 @@ def test_a_diff_from_another_base_is_a_gap():
     with pytest.raises(PlacementGap):
         apply_heartbeat(held, heartbeat(3, 5))
     assert apply_heartbeat(held, heartbeat(0, 9, [entry(1, 1, 1)])).version == 9
+
+
+def test_a_request_completed_by_another_waits_progress_wakes_its_sleeper(monkeypatch):
+    """One wait sleeps on the worker's fd; another's spin progresses the worker, which completes
+    both requests and takes the event the sleeper waited for: the spinner wakes the sleeper,
+    rather than the safety tick (made 5 s here) some time later."""
+    import asyncio
+    import os
+    import time
+
+    from infinite_llm.transport import ucx_progress
+
+    monkeypatch.setattr(ucx_progress, "SAFETY_TICK_S", 5.0)
+
+    class Request:
+        completed = False
+
+        def check_error(self) -> None: ...
+
+    class Worker:
+        """Completes its requests once ``ready``; its fd never fires (the event was taken)."""
+
+        def __init__(self) -> None:
+            self.read_fd, self.write_fd = os.pipe()
+            self.epoll_file_descriptor = self.read_fd
+            self.requests: list[Request] = []
+            self.ready = False
+
+        def progress(self) -> None:
+            if self.ready:
+                for request in self.requests:
+                    request.completed = True
+
+        def arm(self) -> bool:
+            return True
+
+    async def scenario() -> float:
+        worker = Worker()
+        progress = ucx_progress.UcxProgress(worker, asyncio.get_running_loop(), spin_s=0.0)
+        sleeper, spinner = Request(), Request()
+        worker.requests = [sleeper, spinner]
+        asleep = asyncio.ensure_future(progress.wait(sleeper))
+        await asyncio.sleep(0.01)  # it went to sleep at once (no spin)
+        progress.spin_s = 1.0
+        worker.ready = True
+        started = time.monotonic()
+        await progress.wait(spinner)  # its spin completes both
+        await asyncio.wait_for(asleep, 2.0)
+        progress.close()
+        os.close(worker.read_fd)
+        os.close(worker.write_fd)
+        return time.monotonic() - started
+
+    assert asyncio.run(scenario()) < 0.5

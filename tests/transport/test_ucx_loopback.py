@@ -649,3 +649,66 @@ def test_host_buffers_through_shared_memory_land_on_a_gpu_receiver(ucx_loop):
     assert [p.is_cuda for p in seen] == [True, True]
     assert all(torch.equal(p.cpu(), q) for p, q in zip(seen, payloads))
 
+
+
+def test_a_request_that_stops_waiting_mid_send_leaves_the_others_on_its_connection(ucx_loop, start_peer):
+    """A large request whose caller times out or is cancelled while UCX still sends it: its
+    frame is posted whole and goes on; the connection, and the requests on it, are unharmed."""
+    peer = start_peer("serve")
+
+    async def scenario():
+        async with started(shared_memory_bytes=0) as sender:  # the bytes go over UCX: slow enough
+            await sender.connect(peer.address)
+            big = torch.randn(16 << 20)  # 64 MiB
+            slow = asyncio.ensure_future(sender.request(peer.address, m.Drain(epoch=1, drain_id=300, inst_id=5)))
+            with pytest.raises(RequestTimeout):
+                await sender.request(peer.address, m.Echo(big), timeout_s=0.001)
+            cancelled = asyncio.ensure_future(sender.request(peer.address, m.Echo(big)))
+            await asyncio.sleep(0.005)
+            cancelled.cancel()
+            await asyncio.gather(cancelled, return_exceptions=True)
+            assert await slow == m.Ack()  # not PeerUnreachable: the connection lived on
+            payload = torch.randn(1 << 16)
+            assert torch.equal((await sender.request(peer.address, m.Echo(payload))).payload, payload)
+            assert not sender._outbound[peer.address].pending
+    run_bounded(ucx_loop, scenario(), 60)
+
+
+@pytest.mark.parametrize("answers_at_once", [True, False])
+def test_a_reply_that_cannot_be_encoded_is_an_error_reply(ucx_loop, answers_at_once):
+    """A handler whose reply cannot travel (a non-contiguous tensor): the requester hears why at
+    once, and the connection serves on."""
+    def reply_of(message: m.Message):
+        if isinstance(message, m.Echo) and message.payload.numel() == 64:
+            return m.EchoReply(message.payload.view(8, 8).t())
+        return m.EchoReply(message.payload) if isinstance(message, m.Echo) else None
+
+    async def later(message: m.Message):
+        return reply_of(message)
+
+    async def scenario():
+        async with started(reply_of if answers_at_once else later) as server, started() as sender:
+            started_at = time.monotonic()
+            with pytest.raises(RemoteError) as info:
+                await sender.request(server.address, m.Echo(torch.randn(64)), timeout_s=5)
+            assert info.value.code == m.ErrorCode.HANDLER_FAILED and "could not be encoded" in info.value.detail
+            assert time.monotonic() - started_at < 2
+            payload = torch.randn(16)
+            assert torch.equal((await sender.request(server.address, m.Echo(payload))).payload, payload)
+    run_bounded(ucx_loop, scenario(), 30)
+
+
+def test_close_ends_a_connect_in_progress(ucx_loop, start_peer):
+    """A request that is still connecting when its transport closes fails; nothing stays open."""
+    peer = start_peer("serve")
+
+    async def scenario():
+        transport = UcxTransport(TransportConfig(request_timeout_s=10))
+        await transport.start(serve_echo)
+        request = asyncio.ensure_future(transport.request(peer.address, m.Ack()))
+        await asyncio.sleep(0)  # connecting
+        await transport.close()
+        with pytest.raises(PeerUnreachable):
+            await request
+        assert not transport._outbound and not transport._tasks and not transport._connecting
+    run_bounded(ucx_loop, scenario(), 30)
