@@ -121,6 +121,7 @@ class InstanceDaemon:
         self._engine_idle = True
         self._watchdog_withheld = False
         self._engine_task: asyncio.Task | None = None
+        self._member_runs: dict[int, tuple[str, int]] = {}  # instance id -> (host, pid) last seen
         self._work = asyncio.Event()  # set when the engine may have something to do
         self._queues: dict[str, asyncio.Queue[GenerationEvent]] = {}
         self._request_ids = itertools.count(1)
@@ -683,6 +684,7 @@ class InstanceDaemon:
                 peer = self.peers.update(member.inst_id, PeerAddress(member.peer_host, member.peer_port),
                                          member.num_blocks_free, member.draining, member.num_blocks_total)
                 self._connect_ahead(peer)
+        self._forget_restarted_homes(members)
         # A home that keeps publishing is alive even while its requests wait and send nothing.
         for home in list(self.ledger.last_heard):
             if home in members:
@@ -692,6 +694,22 @@ class InstanceDaemon:
             self.creditor.forget(home)
         self._update_metrics(now)
         self._send_heartbeat()
+
+    def _forget_restarted_homes(self, members: dict[int, Member]) -> None:
+        """Free what this instance holds for a home whose process is another than before: a home
+        restarted within ``debtor_lost_s`` keeps publishing under its instance id, so it never
+        looks silent, and its new run knows nothing of the old one's segments (and numbers its
+        requests from 1 again)."""
+        for inst_id, member in members.items():
+            run = (member.peer_host, member.pid)
+            before = self._member_runs.get(inst_id)
+            self._member_runs[inst_id] = run
+            if before is None or before == run or inst_id not in self.ledger.last_heard:
+                continue
+            freed = self.ledger.forget_home(inst_id)
+            self.creditor.forget(inst_id)
+            log.warning("instance %d restarted (pid %d, before %d): freed %d blocks held for its previous run",
+                        inst_id, member.pid, before[1], freed)
 
     def _connect_ahead(self, peer: Peer) -> None:
         """Open the connection to a peer before any step needs it: the handshake waits for the

@@ -200,18 +200,20 @@ class CreditorLedger:
     def free_lost_debtors(self, now: float, timeout_s: float) -> dict[int, int]:
         """Free everything held for homes silent longer than ``timeout_s``: {home: blocks freed}."""
         lost = [home for home, t in self.last_heard.items() if now - t > timeout_s]
-        freed: dict[int, int] = {}
-        for home in lost:
-            count = 0
-            for key in [k for k in self.held if k[0] == home]:
-                count += self.free_segment(*key)
-            for rid in [r.reservation_id for r in self.reservations.values() if r.home_inst_id == home]:
-                count += self._release(rid)
-            for key in [k for k in self.holds if k[0] == home]:
-                del self.holds[key]
-            del self.last_heard[home]
-            freed[home] = count
-        return freed
+        return {home: self.forget_home(home) for home in lost}
+
+    def forget_home(self, home_inst_id: int) -> int:
+        """Free every segment, reservation and hold of one home (gone, or restarted: a new run
+        knows nothing of them); returns the blocks freed."""
+        count = 0
+        for key in [k for k in self.held if k[0] == home_inst_id]:
+            count += self.free_segment(*key)
+        for rid in [r.reservation_id for r in self.reservations.values() if r.home_inst_id == home_inst_id]:
+            count += self._release(rid)
+        for key in [k for k in self.holds if k[0] == home_inst_id]:
+            del self.holds[key]
+        self.last_heard.pop(home_inst_id, None)
+        return count
 
     def _release(self, reservation_id: int) -> int:
         reservation = self.reservations.pop(reservation_id)

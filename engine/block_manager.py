@@ -344,10 +344,15 @@ class BlockManager:
 
     def commit_move(self, move: SegmentMove) -> None:
         """The data is in the destination blocks: switch the table, free the source blocks."""
-        if self._pending.pop((move.request_id, move.token_start), None) != move:
-            raise ValueError(f"move of request {move.request_id} at token {move.token_start} is not pending")
+        key = (move.request_id, move.token_start)
+        self._require_pending(move)
         table = self._tables[move.request_id]
-        index = next(i for i, s in enumerate(table) if s.token_start == move.token_start)
+        index = next((i for i, s in enumerate(table) if s.token_start == move.token_start
+                      and s.block_ids[:len(move.src_block_ids)] == move.src_block_ids), None)
+        if index is None:
+            raise ValueError(f"move of request {move.request_id} at token {move.token_start}: "
+                             "its source segment is no longer in the table")
+        del self._pending[key]
         source = table[index]
         moved = Segment(move.dst_instance_id, move.dst_block_ids, move.token_start, move.num_tokens)
         rest = source.block_ids[len(move.src_block_ids):]
@@ -361,10 +366,16 @@ class BlockManager:
 
     def abort_move(self, move: SegmentMove) -> None:
         """Give back the destination blocks of a move that will not happen."""
-        if self._pending.pop((move.request_id, move.token_start), None) != move:
-            raise ValueError(f"move of request {move.request_id} at token {move.token_start} is not pending")
+        self._require_pending(move)
+        del self._pending[(move.request_id, move.token_start)]
         if self.is_local(move.dst_instance_id):
             self._allocator(move.dst_instance_id).free(move.dst_block_ids)
+
+    def _require_pending(self, move: SegmentMove) -> None:
+        """ValueError unless ``move`` itself (not another at the same place) is pending; a stale
+        move leaves the pending one as it is."""
+        if self._pending.get((move.request_id, move.token_start)) is not move:
+            raise ValueError(f"move of request {move.request_id} at token {move.token_start} is not pending")
 
     def plan_spill(self, num_blocks: int, num_written: dict[str, int]) -> list[tuple[str, int, int]]:
         """Choose lends that free ``num_blocks`` home blocks: ``[(request_id, num_blocks, dst)]``.

@@ -134,3 +134,33 @@ def test_a_stop_does_not_wait_out_its_deadline_for_an_engine_loop_that_ended(tmp
         return asyncio.get_running_loop().time() - started
 
     assert asyncio.run(run()) < 2
+
+
+def test_what_a_creditor_holds_for_a_home_that_restarted_is_freed(tmp_path):
+    """A home restarted within debtor_lost_s keeps publishing under its id, so it never looks
+    silent; its new process knows nothing of the old one's segments. The creditor frees them
+    when the home's record names another process."""
+    from infinite_llm.daemon.ledger import CreditorLedger
+    from infinite_llm.daemon.membership import Member
+
+    d = daemon(tmp_path)
+    free = list(range(8))
+    d.ledger = CreditorLedger(allocate=lambda n: [free.pop(0) for _ in range(n)], free=free.extend,
+                              reservation_ttl_s=5.0)
+    forgotten = []
+    d.creditor = type("Creditor", (), {"forget": lambda self, home: forgotten.append(home)})()
+
+    def home(pid: int) -> dict[int, Member]:
+        return {2: Member(inst_id=2, pid=pid, peer_host="10.0.0.2", peer_port=5002, http_port=0, socket_path="",
+                          num_blocks_total=8, num_blocks_free=8, draining=False, updated_at=0.0)}
+
+    d._forget_restarted_homes(home(100))
+    reservation = d.ledger.reserve(2, 1, 3, 0.0)
+    d.ledger.commit(reservation.reservation_id, 2, 1, 0, 0.0)
+    d.ledger.heard_from(2, 0.0)
+    d._forget_restarted_homes(home(100))  # the same run: kept
+    assert list(d.ledger.held) == [(2, 1, 0)] and len(free) == 5
+    d._forget_restarted_homes(home(200))  # another process under instance id 2
+    assert d.ledger.held == {} and len(free) == 8 and forgotten == [2]
+    reservation = d.ledger.reserve(2, 1, 3, 1.0)  # the new run's request 1 is taken in again
+    assert d.ledger.commit(reservation.reservation_id, 2, 1, 0, 1.0) is not None

@@ -156,3 +156,37 @@ def test_relocate_remote_refuses_what_does_not_match():
     with pytest.raises(KeyError):
         bm.relocate_remote("b", 0, 1, 2, (5, 6))
     assert bm.block_table("a") == before
+
+
+def test_a_stale_move_leaves_the_pending_one_at_its_place_alone():
+    """A move of an earlier life of the request (freed, allocated again, lent again) is refused
+    without taking the live move's place: the live one still commits or aborts."""
+    bm = BlockManager(block_size=4, pool_blocks=[4, 4])
+    bm.allocate("a", 8)
+    stale = bm.lend("a", 2, 1, num_written=8)
+    bm.free("a")  # aborts the pending move with the request
+    bm.allocate("a", 8)
+    live = bm.lend("a", 2, 1, num_written=8)
+    with pytest.raises(ValueError, match="not pending"):
+        bm.commit_move(stale)
+    with pytest.raises(ValueError, match="not pending"):
+        bm.abort_move(stale)
+    bm.abort_move(live)
+    assert bm.num_free_blocks(1) == 4 and bm.num_free_blocks(0) == 2
+
+
+def test_a_move_whose_source_segment_is_gone_is_refused_and_stays_pending():
+    """Committing a lend whose source no longer starts the table where it did (a take-back
+    joined the home segments meanwhile) raises ValueError, not StopIteration, and the move
+    can still be aborted: its destination blocks are not lost."""
+    bm = BlockManager(block_size=4, pool_blocks=[6, 4])
+    bm.allocate("a", 16)
+    bm.commit_move(bm.lend("a", 2, 1, num_written=16))  # tokens 0..7 on instance 1
+    back = bm.take_back("a", 0)
+    lend = bm.lend("a", 1, 1, num_written=16)  # the home segment at token 8
+    bm.commit_move(back)  # joins tokens 0..15 at home: no segment starts at 8 now
+    with pytest.raises(ValueError, match="no longer in the table"):
+        bm.commit_move(lend)
+    free_before = bm.num_free_blocks(1)
+    bm.abort_move(lend)
+    assert bm.num_free_blocks(1) == free_before + 1
