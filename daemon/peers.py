@@ -124,6 +124,30 @@ class PeerDirectory:
                    for p in self._by_inst.values() if not p.draining)
 
 
+_ATTEND_OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _attend_result_problem(result: Message, request: AttendRequest) -> str | None:
+    """What is wrong with a creditor's answer to ``request`` (None: nothing): its ids, the shape
+    of its rows (one per query row, as many heads, the same head size), its dtypes, and (where it
+    lies on the host, at no cost) NaN in its log-sum-exp. A bad part merged would be garbage in
+    every row of those requests, or an error that ends every running request."""
+    if not isinstance(result, AttendResult):
+        return f"answered an attend request with {type(result).__name__}"
+    if (result.step_id, result.layer, result.creditor_inst_id) != (request.step_id, request.layer,
+                                                                  request.creditor_inst_id):
+        return (f"answered step {result.step_id} layer {result.layer} (from {result.creditor_inst_id}) "
+                f"for step {request.step_id} layer {request.layer}")
+    out, lse = torch.as_tensor(result.out), torch.as_tensor(result.lse)
+    if tuple(out.shape) != tuple(request.q.shape):
+        return f"answered rows of shape {tuple(out.shape)} for queries of {tuple(request.q.shape)}"
+    if out.dtype not in _ATTEND_OUT_DTYPES:
+        return f"answered an output of {out.dtype}"
+    if not lse.is_cuda and bool(torch.isnan(lse).any()):
+        return "answered a log-sum-exp with NaN"
+    return None
+
+
 class PeerPartFailed(Exception):
     """A creditor's part of a step's attention did not come: the step did not complete.
 
@@ -175,18 +199,24 @@ class TransportRemoteAttention(RemoteAttention):
                                 q.contiguous())
         wire_trace.record("attend.built", AttendRequest.TYPE)
         reply = self.transport.request_soon(peer.address, request, timeout_s=self.timeout_s)
-        return self._finish(peer, reply, started, q.device)
+        # A task, not a bare coroutine: a step that fails before it awaits this part can cancel
+        # it, and the reply's bookkeeping in the transport ends with it.
+        return asyncio.ensure_future(self._finish(peer, reply, started, request))
 
     async def _finish(self, peer: Peer, reply: Awaitable[Message], started: float,
-                      device: torch.device) -> AttentionState:
+                      request: AttendRequest) -> AttentionState:
         try:
             result = await reply
         except TransportError as exc:
             raise PeerPartFailed(peer.inst_id, peer.engine_id, exc) from exc
         self.metrics.observe_remote_wait(time.perf_counter() - started)
-        if not isinstance(result, AttendResult):
-            raise RuntimeError(f"instance {peer.inst_id} answered an attend request with {type(result).__name__}")
+        problem = _attend_result_problem(result, request)
+        if problem is not None:
+            # The peer's part is unusable: as if it had not come (only its requests may end).
+            log.error("instance %d: %s", peer.inst_id, problem)
+            raise PeerPartFailed(peer.inst_id, peer.engine_id, ValueError(problem))
         wire_trace.record("attend.resumed", AttendResult.TYPE)
+        device = request.q.device
         # The creditor's dtype is kept: the merge reads it as it is.
         out = torch.as_tensor(result.out).to(device=device)
         lse = torch.as_tensor(result.lse).to(device=device, dtype=torch.float32)

@@ -303,7 +303,17 @@ class DistAttention:
             raise
         if simple:
             return local.out
-        states = dict(zip(self.remote_ids, await asyncio.gather(*pending)))
+        try:
+            parts = await asyncio.gather(*pending)
+        except BaseException:
+            # One part failed: the others are not awaited by anyone else, so they are ended
+            # here and their outcomes retrieved.
+            for part in pending:
+                if not asyncio.iscoroutine(part):
+                    part.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            raise
+        states = dict(zip(self.remote_ids, parts))
         states[home] = local
         return self._merge(states, q)
 

@@ -74,3 +74,47 @@ def test_sticky_device_errors_are_told_from_other_step_failures():
     assert not device_failed(RuntimeError("CUDA error: out of memory"))  # the context stays usable
     assert not device_failed(RuntimeError("request 3: cannot lend 4 blocks"))
     assert not device_failed(ValueError("CUDA error: an illegal memory access"))  # only the runtime's own errors
+
+
+def bad_answers(request: m.AttendRequest) -> list[tuple[m.Message, str]]:
+    """Answers to ``request`` (one row, two heads of 8) that must not be merged, and why."""
+    rows, lse = torch.zeros(1, 2, 8), torch.zeros(1, 2)
+
+    def result(**changes) -> m.AttendResult:
+        fields = dict(home_inst_id=1, creditor_inst_id=2, step_id=request.step_id, layer=request.layer, out=rows, lse=lse)
+        return m.AttendResult(**{**fields, **changes})
+    return [
+        (m.Ack(), "answered an attend request with Ack"),
+        (result(step_id=request.step_id + 99), "answered step"),
+        (result(layer=request.layer + 5), "answered step"),
+        (result(out=torch.zeros(2, 2, 8), lse=torch.zeros(2, 2)), "rows of shape (2, 2, 8)"),
+        (result(out=torch.zeros(1, 1, 8), lse=torch.zeros(1, 1)), "rows of shape (1, 1, 8)"),
+        (result(out=torch.zeros(1, 2, 8, dtype=torch.int64)), "an output of torch.int64"),
+        (result(lse=torch.tensor([[0.0, float("nan")]])), "log-sum-exp with NaN"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(7))
+def test_a_creditor_part_that_cannot_be_merged_is_a_failed_part(case):
+    """Wrong ids, rows, heads or dtypes, or NaN: the part is refused as if it had not come, so
+    only the requests with KV on that creditor may end (merged, it would be garbage in their
+    rows, or an error that ends every running request)."""
+    async def scenario():
+        net = InMemoryNetwork()
+        home, creditor = net.transport(HOME), net.transport(CREDITOR)
+        seen: list[m.AttendRequest] = []
+
+        async def answer_badly(message: m.Message) -> m.Message | None:
+            seen.append(message)
+            return bad_answers(message)[case][0]
+
+        await home.start(lambda message: None)
+        await creditor.start(answer_badly)
+        peers = PeerDirectory(own_inst_id=1)
+        peer = peers.update(2, CREDITOR, num_blocks_free=8, draining=False, num_blocks_total=8)
+        remote = TransportRemoteAttention(home, peers, block_size=16, metrics=InstanceMetrics(), timeout_s=2.0)
+        batch = AttendBatch(**{**one_entry_batch().__dict__, "instance_id": peer.engine_id})
+        with pytest.raises(PeerPartFailed) as info:
+            await remote.start(batch, layer=3, q=torch.zeros(1, 2, 8), sm_scale=1.0)
+        assert info.value.inst_id == 2 and bad_answers(seen[0])[case][1] in str(info.value.error)
+    run(scenario())
