@@ -365,7 +365,8 @@ class InstanceDaemon:
                 log.exception("engine step failed; ending the running requests")
                 self._fail_running(f"{type(exc).__name__}: {exc}")
                 continue
-            self._peer_step_failures.clear()
+            if self._peer_step_failures:
+                self._peers_answered(outputs)
             if not outputs and not engine.scheduler.running:
                 idle_s = min(0.5, max(0.01, 2 * idle_s))
                 self._work.clear()
@@ -417,6 +418,21 @@ class InstanceDaemon:
         self._fail_requests(stranded, f"instance {exc.inst_id}, which holds part of their KV, "
                                       f"{'left the cluster' if gone else f'failed {failures} steps in a row'}: {exc.error}")
         return False
+
+    def _peers_answered(self, outputs) -> None:
+        """A step completed: the peers that held KV of the requests it advanced answered their
+        parts, so their failures in a row end. A peer the step did not use keeps its count: steps
+        without it say nothing of it."""
+        bm = self.engine.block_manager
+        used = {segment.instance_id for out in outputs if bm.has_request(out.request_id)
+                for segment in bm.block_table(out.request_id)}
+        for inst_id in list(self._peer_step_failures):
+            try:
+                engine_id = self.peers.by_inst(inst_id).engine_id
+            except KeyError:
+                continue
+            if engine_id in used:
+                del self._peer_step_failures[inst_id]
 
     def _fail_running(self, reason: str) -> None:
         self._fail_requests(list(self.engine.scheduler.requests), reason)

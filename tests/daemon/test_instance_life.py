@@ -164,3 +164,26 @@ def test_what_a_creditor_holds_for_a_home_that_restarted_is_freed(tmp_path):
     assert d.ledger.held == {} and len(free) == 8 and forgotten == [2]
     reservation = d.ledger.reserve(2, 1, 3, 1.0)  # the new run's request 1 is taken in again
     assert d.ledger.commit(reservation.reservation_id, 2, 1, 0, 1.0) is not None
+
+
+def test_a_peers_failures_in_a_row_end_only_with_a_step_that_used_it(tmp_path):
+    """A step that completes without the failing peer (its requests not in it) says nothing of
+    that peer: its count stays, so a peer that keeps failing cannot escape the limit."""
+    from types import SimpleNamespace
+
+    from infinite_llm.engine.block_manager import BlockManager
+    from infinite_llm.transport.interface import PeerAddress
+
+    d = daemon(tmp_path)
+    bm = BlockManager(block_size=4, pool_blocks=[8, 8])
+    d.engine = SimpleNamespace(block_manager=bm)
+    peer = d.peers.update(2, PeerAddress("127.0.0.1", 5002), 8, False, 8)
+    assert peer.engine_id == 1  # the block manager's instance 1 stands for it
+    bm.allocate("with_peer", 12)
+    bm.commit_move(bm.lend("with_peer", 2, 1, num_written=12))
+    bm.allocate("home_only", 4)
+    d._peer_step_failures = {2: 2}
+    d._peers_answered([SimpleNamespace(request_id="home_only")])
+    assert d._peer_step_failures == {2: 2}
+    d._peers_answered([SimpleNamespace(request_id="with_peer")])
+    assert d._peer_step_failures == {}
