@@ -173,14 +173,13 @@ class _Connection:
             raise ConnectionBroken(f"{self.label}: send failed: {e!r}") from e
         return requests
 
-    async def wait_sent(self, requests: list, frame: codec.EncodedFrame,
-                        deadline: float | None = None) -> None:
-        """Until every request of posted ``frame`` completed, by ``deadline`` (time.monotonic(),
+    async def wait_sent(self, requests: list, deadline: float | None = None) -> None:
+        """Until every request of a posted frame completed, by ``deadline`` (time.monotonic(),
         None: the frame timeout). A failed send, or one past the frame timeout, breaks the
         connection. A caller that stops waiting first (its own deadline: TimeoutError, or
-        cancelled) leaves the frame to UCX: its messages are all posted, so it goes whole, and
-        the connection keeps its memory until it went (``keep_until_sent``). Breaking the
-        connection then would fail every other request on it."""
+        cancelled) leaves the frame to UCX: its messages are all posted, so it goes whole; the
+        caller keeps its memory until it went (``keep_until_sent``). Breaking the connection
+        then would fail every other request on it."""
         frame_deadline = time.monotonic() + self.config.frame_timeout_s
         wait_deadline = frame_deadline if deadline is None else min(deadline, frame_deadline)
         try:
@@ -193,11 +192,6 @@ class _Connection:
             if wait_deadline >= frame_deadline:
                 self.abort()
                 raise ConnectionBroken(f"{self.label}: send failed: {e!r}") from e
-            self.keep_until_sent(requests, frame)
-            raise
-        except asyncio.CancelledError:
-            if not self.broken:
-                self.keep_until_sent(requests, frame)
             raise
 
     def keep_until_sent(self, requests: list, frame: codec.EncodedFrame) -> None:
@@ -231,7 +225,12 @@ class _Connection:
 
     async def send_frame(self, frame: codec.EncodedFrame, deadline: float | None = None) -> None:
         """Send one frame whole (see ``post_frame`` and ``wait_sent``)."""
-        await self.wait_sent(self.post_frame(frame), frame, deadline)
+        requests = self.post_frame(frame)
+        try:
+            await self.wait_sent(requests, deadline)
+        except (TimeoutError, asyncio.CancelledError):
+            self.keep_until_sent(requests, frame)  # the caller gave up: UCX may still read it
+            raise
 
     async def recv_header(self, timeout_s: float) -> codec.FrameHeader:
         """The next frame's header. Raises ProtocolError for a bad frame, ConnectionBroken
@@ -465,7 +464,7 @@ class UcxTransport:
             if posted is None:
                 posted = connection.post_frame(frame.frame)
             if frame.frame.buffers:
-                await connection.wait_sent(posted, frame.frame, deadline)
+                await connection.wait_sent(posted, deadline)  # a timeout or a cancel: kept below
             # A header alone is not awaited: its reply says it arrived, and a failed send breaks
             # the connection, which fails this reply. ``frame`` and ``posted`` live until then.
             # One timer on the reply rather than asyncio.timeout around the whole request:
@@ -482,8 +481,6 @@ class UcxTransport:
         finally:
             if timer is not None:
                 timer.cancel()
-            if not reply.done():  # cancelled before the reply came: nothing waits for it
-                connection.pending.pop(frame.msg_id, None)
             if posted is not None and not all(r.completed for r in posted):
                 connection.keep_until_sent(posted, frame.frame)  # a timeout or a cancel: UCX may still read it
             connection.pending.pop(frame.msg_id, None)

@@ -26,6 +26,20 @@ def one_entry_batch() -> AttendBatch:
                        max_query_len=1, max_kv_len=16, entry_keys=(("3", 0),))
 
 
+async def home_and_creditor(serve):
+    """The home's remote attention to a creditor served by ``serve``, on an in-memory network:
+    (network, the creditor as a peer, the remote attention, a batch of one entry there)."""
+    net = InMemoryNetwork()
+    home, creditor = net.transport(HOME), net.transport(CREDITOR)
+    await home.start(lambda message: None)
+    await creditor.start(serve)
+    peers = PeerDirectory(own_inst_id=1)
+    peer = peers.update(2, CREDITOR, num_blocks_free=8, draining=False, num_blocks_total=8)
+    remote = TransportRemoteAttention(home, peers, block_size=16, metrics=InstanceMetrics(), timeout_s=2.0)
+    batch = AttendBatch(**{**one_entry_batch().__dict__, "instance_id": peer.engine_id})
+    return net, peer, remote, batch
+
+
 def run(coroutine):
     async def bounded():
         async with asyncio.timeout(20):
@@ -36,19 +50,10 @@ def run(coroutine):
 @pytest.mark.parametrize("fault", ["killed", "silent"])
 def test_a_creditor_that_fails_its_part_is_named(fault):
     async def scenario():
-        net = InMemoryNetwork()
-        home, creditor = net.transport(HOME), net.transport(CREDITOR)
-
         async def never_answer(message: m.Message) -> m.Message | None:
             await asyncio.Event().wait()
 
-        await home.start(lambda message: None)
-        await creditor.start(never_answer)
-        peers = PeerDirectory(own_inst_id=1)
-        peer = peers.update(2, CREDITOR, num_blocks_free=8, draining=False, num_blocks_total=8)
-        remote = TransportRemoteAttention(home, peers, block_size=16, metrics=InstanceMetrics(), timeout_s=2.0)
-        batch = one_entry_batch()
-        batch = AttendBatch(**{**batch.__dict__, "instance_id": peer.engine_id})
+        net, peer, remote, batch = await home_and_creditor(never_answer)
         part = asyncio.ensure_future(remote.start(batch, layer=0, q=torch.zeros(1, 2, 8), sm_scale=1.0))
         for _ in range(20):  # the request reaches the creditor, which keeps it
             await asyncio.sleep(0)
@@ -100,20 +105,13 @@ def test_a_creditor_part_that_cannot_be_merged_is_a_failed_part(case):
     only the requests with KV on that creditor may end (merged, it would be garbage in their
     rows, or an error that ends every running request)."""
     async def scenario():
-        net = InMemoryNetwork()
-        home, creditor = net.transport(HOME), net.transport(CREDITOR)
         seen: list[m.AttendRequest] = []
 
         async def answer_badly(message: m.Message) -> m.Message | None:
             seen.append(message)
             return bad_answers(message)[case][0]
 
-        await home.start(lambda message: None)
-        await creditor.start(answer_badly)
-        peers = PeerDirectory(own_inst_id=1)
-        peer = peers.update(2, CREDITOR, num_blocks_free=8, draining=False, num_blocks_total=8)
-        remote = TransportRemoteAttention(home, peers, block_size=16, metrics=InstanceMetrics(), timeout_s=2.0)
-        batch = AttendBatch(**{**one_entry_batch().__dict__, "instance_id": peer.engine_id})
+        _net, _peer, remote, batch = await home_and_creditor(answer_badly)
         with pytest.raises(PeerPartFailed) as info:
             await remote.start(batch, layer=3, q=torch.zeros(1, 2, 8), sm_scale=1.0)
         assert info.value.inst_id == 2 and bad_answers(seen[0])[case][1] in str(info.value.error)
