@@ -37,6 +37,7 @@ class Timeouts:
     reservation_s: float = 10.0  # a reserved move not committed in time is released
     kv_hold_s: float = 300.0  # blocks kept for another home's starting request, released after this
     debtor_lost_s: float = 30.0  # segments held for a silent debtor are freed after this
+    held_audit_s: float = 60.0  # a creditor asks each home this often which held segments it still counts on
     drain_s: float = 600.0  # graceful stop: time to finish or hand over work
     connect_s: float = 1.0  # opening a connection to a peer
     etcd_request_s: float = 2.0  # one request to etcd, the first connection included

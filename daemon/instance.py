@@ -31,6 +31,7 @@ from infinite_llm.transport.errors import PlacementRefused, TransportError
 from infinite_llm.transport.interface import PeerAddress, Transport, TransportConfig
 from infinite_llm.transport.messages import (
     AttendRequest,
+    AuditHeld,
     Drain,
     Echo,
     EchoReply,
@@ -65,7 +66,15 @@ from .ledger import CreditorLedger, EpochFence
 from .local_auth import admin_group_id
 from .membership import Member, membership_for, process_alive
 from .metrics import InstanceMetrics
-from .peers import Peer, PeerDirectory, PeerPartFailed, TransportLender, TransportRemoteAttention, forward_segment
+from .peers import (
+    Peer,
+    PeerDirectory,
+    PeerPartFailed,
+    TransportLender,
+    TransportRemoteAttention,
+    audit_held,
+    forward_segment,
+)
 from .sd_notify import SystemdNotifier
 
 log = logging.getLogger(__name__)
@@ -87,6 +96,19 @@ class DeviceFailed(RuntimeError):
 _STICKY_CUDA_ERRORS = ("illegal memory access", "illegal address", "illegal instruction", "misaligned address",
                        "unspecified launch failure", "device-side assert", "uncorrectable ECC",
                        "hardware stack error", "launch timed out")
+
+
+# At a stop, how long each HTTP API waits for its handlers to end (aiohttp's default is 60 s).
+# The running requests have ended by then: streams close at once.
+HTTP_SHUTDOWN_S = 5.0
+
+
+def cleanup_budget_s(config: InstanceConfig, frame_timeout_s: float) -> float:
+    """The most the last phase of a stop takes, s: the membership record withdrawn (one etcd
+    request), the two HTTP APIs shut, the lender's last frees awaited, the transport closed
+    (its connections' frames, then its inbound connections, each within a frame timeout)."""
+    t = config.timeouts
+    return t.etcd_request_s + 2 * HTTP_SHUTDOWN_S + t.peer_request_s + 2 * frame_timeout_s
 
 
 def device_failed(exc: BaseException) -> bool:
@@ -144,6 +166,10 @@ class InstanceDaemon:
         self._pending_aborts: set[str] = set()  # requests whose clients left, ended at the next step boundary
         self._peer_step_failures: dict[int, int] = {}  # cluster id -> steps failed in a row for its part
         self._connecting: dict[int, asyncio.Task] = {}  # cluster id -> connection being opened ahead of use
+        # Audits of the segments held here for other homes: home -> when it was first seen
+        # holding or last audited, and home -> its audit under way.
+        self._audited_at: dict[int, float] = {}
+        self._audits: dict[int, asyncio.Task] = {}
         self._frame_timeout_s = TransportConfig().frame_timeout_s  # the transport's bound on one frame's receive
 
     # ---- life --------------------------------------------------------------------------
@@ -177,7 +203,9 @@ class InstanceDaemon:
                 raise DeviceFailed(str(self._device_failure)) from self._device_failure
             await self._drain_for_stop()
         finally:
-            self.notifier.stopping("stopping")
+            # What follows is bounded (cleanup_budget_s); should the drain have used up the
+            # unit's TimeoutStopSec margin, systemd waits for it rather than SIGKILL it midway.
+            self.notifier.stopping("stopping", extend_timeout_s=cleanup_budget_s(self.config, self._frame_timeout_s))
             self.membership.withdraw(self.config.instance_id)
             if self._heartbeat_task is not None:
                 tasks.append(self._heartbeat_task)
@@ -185,6 +213,7 @@ class InstanceDaemon:
             # a peer's reservation expires (or, committed, is freed when this debtor is lost).
             tasks.extend(self._moves_in_flight)
             tasks.extend(self._connecting.values())
+            tasks.extend(self._audits.values())
             for task in (stop, *tasks):
                 task.cancel()
             await asyncio.gather(stop, *tasks, return_exceptions=True)
@@ -316,12 +345,13 @@ class InstanceDaemon:
         runners = []
         # handler_cancellation: a client that goes away cancels its handler, whose generator
         # then aborts the request (otherwise a non-streaming request ran on to its end).
-        local = web.AppRunner(LocalApp(self, admin_group_id(c.admin_group)).build(), handler_cancellation=True)
+        local = web.AppRunner(LocalApp(self, admin_group_id(c.admin_group)).build(), handler_cancellation=True,
+                              shutdown_timeout=HTTP_SHUTDOWN_S)
         await local.setup()
         await start_local_site(local, Path(c.socket_path), c.admin_group)
         runners.append(local)
         if c.http_port is not None:
-            api = web.AppRunner(OpenAIApp(self).build(), handler_cancellation=True)
+            api = web.AppRunner(OpenAIApp(self).build(), handler_cancellation=True, shutdown_timeout=HTTP_SHUTDOWN_S)
             await api.setup()
             site = web.TCPSite(api, c.http_host, c.http_port)
             await site.start()
@@ -532,6 +562,8 @@ class InstanceDaemon:
                 return forward_segment(self.transport, self.ledger, self.pool, message,
                                        self.config.timeouts.peer_request_s)
             return self._order_move(message)
+        if isinstance(message, AuditHeld):
+            return self.lender.stale_held(self.engine, message)
         if isinstance(message, Echo):
             return EchoReply(message.payload)
         raise ValueError(f"instance {self.config.instance_id} does not serve {message.TYPE}")
@@ -708,8 +740,47 @@ class InstanceDaemon:
         for home, freed in self.ledger.free_lost_debtors(now, self.config.timeouts.debtor_lost_s).items():
             log.warning("instance %d went silent: freed %d blocks held for it", home, freed)
             self.creditor.forget(home)
+        self._audit_held(now)
         self._update_metrics(now)
         self._send_heartbeat()
+
+    def _audit_held(self, now: float) -> None:
+        """Ask each home whose segments are held here, every ``held_audit_s``, which of them it
+        still counts on, and free the others: a FreeSegment whose every retry failed would
+        otherwise hold them for as long as the home lives (it publishes, so it never looks lost)."""
+        period = self.config.timeouts.held_audit_s
+        homes = {key[0] for key in self.ledger.held}
+        for home in list(self._audited_at):
+            if home not in homes:
+                del self._audited_at[home]
+        for home in homes:
+            since = self._audited_at.setdefault(home, now)  # first seen holding: one period from now
+            if home in self._audits or now - since < period:
+                continue
+            try:
+                address = self.peers.by_inst(home).address
+            except KeyError:  # not in the membership: free_lost_debtors deals with it
+                continue
+            self._audited_at[home] = now
+            task = asyncio.get_running_loop().create_task(self._audit_home(home, address))
+            self._audits[home] = task
+            task.add_done_callback(lambda _, home=home: self._audits.pop(home, None))
+
+    async def _audit_home(self, home: int, address: PeerAddress) -> None:
+        try:
+            freed = await audit_held(self.transport, self.ledger, self.config.instance_id, home, address,
+                                     self.config.timeouts.peer_request_s)
+        except (TransportError, RuntimeError) as exc:  # the next period asks again
+            log.info("audit of the segments held for instance %d: %s", home, exc)
+            self.metrics.held_audits.labels(result="failed").inc()
+            return
+        self.metrics.held_audits.labels(result="answered").inc()
+        if freed:
+            log.warning("instance %d no longer counts on %d blocks held here for it (its free never arrived): "
+                        "freed", home, freed)
+            self.metrics.held_blocks_reclaimed.inc(freed)
+            if not self.ledger.has_segments_of(home):
+                self.creditor.forget(home)
 
     def _forget_restarted_homes(self, members: dict[int, Member]) -> None:
         """Free what this instance holds for a home whose process is another than before: a home

@@ -3,7 +3,8 @@
 The creditor side of a KV move: ``reserve`` takes free blocks first-come-first-served (or
 refuses), ``commit`` turns a reservation into a held segment, ``release_expired`` frees
 reservations whose commit never came, ``free_segment`` and ``free_lost_debtors`` give blocks
-back. Time is passed in (seconds on any monotonic clock), so tests drive it by hand.
+back, ``held_for`` and ``free_audited`` let a home's audit free what it no longer counts on.
+Time is passed in (seconds on any monotonic clock), so tests drive it by hand.
 """
 
 from __future__ import annotations
@@ -154,6 +155,21 @@ class CreditorLedger:
     def has_segments_of(self, home_inst_id: int) -> bool:
         """Whether any segment of the home's requests is held here."""
         return any(key[0] == home_inst_id for key in self.held)
+
+    def held_for(self, home_inst_id: int) -> list[HeldSegment]:
+        """The segments held here for one home's requests."""
+        return [s for key, s in self.held.items() if key[0] == home_inst_id]
+
+    def free_audited(self, audited: Iterable[HeldSegment]) -> int:
+        """Free the segments a home's audit found stale, each only if it is still the one
+        audited: a segment freed and committed again under the same id since the audit was
+        sent (a new move of that request) is the new move's. Returns the blocks freed."""
+        freed = 0
+        for segment in audited:
+            key = (segment.home_inst_id, segment.req_id, segment.segment_id)
+            if self.held.get(key) is segment:
+                freed += self.free_segment(*key)
+        return freed
 
     def free_segment(self, home_inst_id: int, req_id: int, segment_id: int) -> int:
         """Free one held segment; returns the blocks freed (0 if it was not held: frees repeat)."""

@@ -54,6 +54,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict]
     parser.add_argument("--heartbeat-interval-s", type=float, dest="timeouts.heartbeat_interval_s")
     parser.add_argument("--reservation-s", type=float, dest="timeouts.reservation_s")
     parser.add_argument("--debtor-lost-s", type=float, dest="timeouts.debtor_lost_s")
+    parser.add_argument("--held-audit-s", type=float, dest="timeouts.held_audit_s",
+                        help="how often a creditor asks each home which held segments it still counts on, s")
     parser.add_argument("--drain-s", type=float, dest="timeouts.drain_s")
     parser.add_argument("--log-level", default=os.environ.get("INFLLM_LOG_LEVEL", "INFO"))
     args = parser.parse_args(argv)

@@ -98,6 +98,14 @@ class InstanceMetrics:
         self.moves = Counter("infllm_kv_moves", "KV block moves by result", ["result"], registry=r)
         for result in MOVE_RESULTS:
             self.moves.labels(result=result)
+        self.held_audits = Counter(
+            "infllm_held_audits", "Audits of the segments held here for another home, by result: answered, failed",
+            ["result"], registry=r)
+        for result in ("answered", "failed"):
+            self.held_audits.labels(result=result)
+        self.held_blocks_reclaimed = Counter(
+            "infllm_held_blocks_reclaimed", "Blocks held for other homes freed because an audit found their home "
+            "no longer counted on them (a free that never arrived)", registry=r)
         self.stale_epoch_commands = Counter(
             "infllm_stale_epoch_commands", "gManager commands refused for an epoch older than the newest seen", registry=r)
         self.remote_attention_seconds = Histogram(

@@ -38,11 +38,15 @@ from infinite_llm.transport.messages import (
     AttendRequest,
     AttendResult,
     AttendSlice,
+    AuditHeld,
+    AuditHeldReply,
     ForwardSegment,
     FreeSegment,
     HoldKV,
     KVBlocks,
     KVBlocksStored,
+    MAX_AUDITED_SEGMENTS,
+    HeldSegmentRef,
     KVHoldReply,
     Message,
     MoveCommit,
@@ -262,6 +266,9 @@ class TransportLender:
         # Requests with a move of home blocks between its reservation and its switch: a second
         # move of the same request would find no block left to lend once its reservation came.
         self._moving: set[str] = set()
+        # Creditor-to-creditor moves under way, (request, token_start, destination engine id):
+        # the destination may hold the committed copy before the table points there.
+        self._relocating: set[tuple[str, int, int]] = set()
         # Gathers of scattered home blocks (a host pool's), used again move after move, in the
         # transport's shared memory where it has some (sent to a local peer with no copy).
         self._staging = HostStaging(allocate=transport.shared_host_buffer)
@@ -580,7 +587,17 @@ class TransportLender:
 
     async def _relocate(self, engine: LLMEngine, request_id: str, segment: Segment, src: Peer, dst: Peer,
                         epoch: int) -> bool:
-        """One segment from creditor ``src`` to creditor ``dst``: reserve, forward, commit, switch, free."""
+        """One segment from creditor ``src`` to creditor ``dst``: reserve, forward, commit, switch, free.
+        While it runs, an audit from ``dst`` counts the segment as this home's there."""
+        relocating = (request_id, segment.token_start, dst.engine_id)
+        self._relocating.add(relocating)
+        try:
+            return await self._relocate_audited(engine, request_id, segment, src, dst, epoch)
+        finally:
+            self._relocating.discard(relocating)
+
+    async def _relocate_audited(self, engine: LLMEngine, request_id: str, segment: Segment, src: Peer, dst: Peer,
+                                epoch: int) -> bool:
         bm = engine.block_manager
         pool = engine.pools[engine.home_instance_id]
         block_nbytes = pool[0].numel() * pool.element_size()  # the cluster shares one layout
@@ -644,6 +661,26 @@ class TransportLender:
         self.metrics.moves.labels(result="committed").inc()
         return True
 
+    def stale_held(self, engine: LLMEngine, audit: AuditHeld) -> AuditHeldReply:
+        """The home's answer to a creditor's audit: of the segments it names, those this home no
+        longer counts on there (no table points at them, no move lands them there). Each is
+        freed, or its FreeSegment is on its way: the creditor may free them. ValueError for a
+        creditor that is not a peer yet (nothing can be said of it: the creditor frees nothing)."""
+        try:
+            creditor = self.peers.by_inst(audit.creditor_inst_id)
+        except KeyError:
+            raise ValueError(f"instance {audit.creditor_inst_id} is not a peer of instance "
+                             f"{self.peers.own_inst_id} yet") from None
+        bm = engine.block_manager
+        block_size = engine.config.block_size
+        stale = []
+        for ref in audit.segments:
+            request_id, token_start = str(ref.req_id), ref.segment_id * block_size
+            if not (bm.counts_on(request_id, token_start, creditor.engine_id)
+                    or (request_id, token_start, creditor.engine_id) in self._relocating):
+                stale.append(ref)
+        return AuditHeldReply(tuple(stale))
+
     def _free_later(self, peer: Peer, message: FreeSegment) -> None:
         task = asyncio.get_running_loop().create_task(self._send_free(peer, message))
         self._background.add(task)
@@ -665,6 +702,24 @@ class TransportLender:
     async def close(self) -> None:
         if self._background:
             await asyncio.wait(self._background, timeout=self.timeout_s)
+
+
+async def audit_held(transport: Transport, ledger: CreditorLedger, own_inst_id: int, home_inst_id: int,
+                     home: PeerAddress, timeout_s: float) -> int:
+    """The creditor's audit of what it holds for one home: name the segments to the home, free
+    those it answers it no longer counts on. Returns the blocks freed.
+
+    A FreeSegment lost for good (the home's retries all failed) would otherwise keep its blocks
+    for as long as the home lives: the home publishes all along, so it never looks lost."""
+    audited = ledger.held_for(home_inst_id)[:MAX_AUDITED_SEGMENTS]
+    if not audited:
+        return 0
+    reply = await transport.request(home, AuditHeld(own_inst_id, tuple(
+        HeldSegmentRef(s.req_id, s.segment_id) for s in audited)), timeout_s=timeout_s)
+    if not isinstance(reply, AuditHeldReply):
+        raise RuntimeError(f"instance {home_inst_id} answered an audit with {type(reply).__name__}")
+    by_ref = {HeldSegmentRef(s.req_id, s.segment_id): s for s in audited}
+    return ledger.free_audited(by_ref[ref] for ref in reply.stale if ref in by_ref)
 
 
 def forward_timeout_s(request_timeout_s: float, nbytes: int) -> float:

@@ -2,7 +2,7 @@
 
 ``READY=1`` once the listeners are up and the instance is registered, ``STATUS=...`` lines for
 ``systemctl status``, ``WATCHDOG=1`` at half of ``$WATCHDOG_USEC``, and ``STOPPING=1`` when a
-graceful stop begins. Outside systemd (no ``NOTIFY_SOCKET``) every call does nothing.
+graceful stop begins (with ``EXTEND_TIMEOUT_USEC`` for its last phase). Outside systemd (no ``NOTIFY_SOCKET``) every call does nothing.
 """
 
 from __future__ import annotations
@@ -55,8 +55,13 @@ class SystemdNotifier:
     def watchdog(self) -> bool:
         return self.notify(watchdog=1)
 
-    def stopping(self, status: str) -> bool:
-        return self.notify(stopping=1, status=status)
+    def stopping(self, status: str, extend_timeout_s: float | None = None) -> bool:
+        """``STOPPING=1``; with ``extend_timeout_s``, also ``EXTEND_TIMEOUT_USEC``: systemd then
+        waits that much longer for the stop to end should it run past ``TimeoutStopSec`` (the
+        last phase of a stop that used up its drain time)."""
+        if extend_timeout_s is None:
+            return self.notify(stopping=1, status=status)
+        return self.notify(stopping=1, status=status, extend_timeout_usec=max(1, round(extend_timeout_s * 1e6)))
 
 
 def _watchdog_usec(env: Mapping[str, str]) -> int | None:

@@ -159,6 +159,15 @@ class BlockManager:
     def block_table(self, request_id: str) -> tuple[Segment, ...]:
         return tuple(self._tables.get(request_id, ()))
 
+    def counts_on(self, request_id: str, token_start: int, instance_id: int) -> bool:
+        """Whether the request counts on a segment starting at ``token_start`` in the pool of
+        ``instance_id``: its table points there, or a pending move of it lands there (the copy
+        may be committed there before the table switches)."""
+        if any(s.token_start == token_start and s.instance_id == instance_id for s in self._tables.get(request_id, ())):
+            return True
+        move = self._pending.get((request_id, token_start))
+        return move is not None and move.dst_instance_id == instance_id
+
     def is_split(self, request_id: str) -> bool:
         """Whether some of the request's KV lives outside the home pool."""
         return any(s.instance_id != self.home_instance_id for s in self._tables.get(request_id, ()))

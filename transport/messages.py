@@ -28,6 +28,8 @@ from enum import StrEnum
 from typing import ClassVar, Protocol, runtime_checkable
 
 PROTOCOL_VERSION = 1
+# Segments named in one AuditHeld: a creditor with more held for one home audits them in turns.
+MAX_AUDITED_SEGMENTS = 4096
 
 
 @runtime_checkable
@@ -114,6 +116,14 @@ class AttendSlice:
     segment_id: int  # the first segment (run of this request's blocks) held by the creditor
     # Tokens to attend over from that segment's start, on across the consecutive segments held there.
     num_tokens: int
+
+
+@dataclass(frozen=True)
+class HeldSegmentRef:
+    """Names one segment a creditor holds for a home."""
+
+    req_id: int  # request id, unique per home instance
+    segment_id: int  # the home's id for the segment (its first block's index in the request)
 
 
 @dataclass(frozen=True)
@@ -339,6 +349,33 @@ class FreeSegment:
 
 
 @dataclass(frozen=True)
+class AuditHeld:
+    """Creditor -> home, now and then: the segments of the home's requests held here. The home
+    answers with those it no longer counts on, and the creditor frees them: what a FreeSegment
+    lost for good (every retry failed) would otherwise keep held for as long as the home lives."""
+
+    TYPE: ClassVar[str] = "audit_held"
+    VERSION: ClassVar[int] = 1
+
+    creditor_inst_id: int  # sender
+    segments: tuple[HeldSegmentRef, ...]  # held here for the receiver's requests
+
+    def __post_init__(self) -> None:
+        _require(len(self.segments) <= MAX_AUDITED_SEGMENTS,
+                 f"at most {MAX_AUDITED_SEGMENTS} segments in one audit")
+
+
+@dataclass(frozen=True)
+class AuditHeldReply:
+    TYPE: ClassVar[str] = "audit_held_reply"
+    VERSION: ClassVar[int] = 1
+
+    # Of the audit's segments, those the home's tables do not point at on the creditor and no
+    # move of the home is landing there: the creditor may free them.
+    stale: tuple[HeldSegmentRef, ...]
+
+
+@dataclass(frozen=True)
 class ForwardSegment:
     """Home -> a creditor holding one of its segments: send the segment's blocks to another
     creditor's reservation (a creditor-to-creditor move, driven by the home).
@@ -476,7 +513,7 @@ class ErrorReply:
 
 Message = (
     Heartbeat | HeartbeatReply | AttendRequest | AttendResult | TryMoveKV | MoveReserved
-    | MoveRejected | HoldKV | KVHoldReply | KVBlocks | KVBlocksStored | MoveCommit | FreeSegment | ForwardSegment | MoveKV
+    | MoveRejected | HoldKV | KVHoldReply | KVBlocks | KVBlocksStored | MoveCommit | FreeSegment | AuditHeld | AuditHeldReply | ForwardSegment | MoveKV
     | Drain | Uncordon | Echo | EchoReply | SharedMemoryOffer | Ack | ErrorReply
 )
 
@@ -484,7 +521,7 @@ MESSAGE_TYPES: dict[str, type] = {
     cls.TYPE: cls
     for cls in (
         Heartbeat, HeartbeatReply, AttendRequest, AttendResult, TryMoveKV, MoveReserved,
-        MoveRejected, HoldKV, KVHoldReply, KVBlocks, KVBlocksStored, MoveCommit, FreeSegment, ForwardSegment, MoveKV,
+        MoveRejected, HoldKV, KVHoldReply, KVBlocks, KVBlocksStored, MoveCommit, FreeSegment, AuditHeld, AuditHeldReply, ForwardSegment, MoveKV,
         Drain, Uncordon, Echo, EchoReply, SharedMemoryOffer, Ack, ErrorReply,
     )
 }

@@ -29,7 +29,9 @@ MODEL = "SmolLM2-135M-Instruct.Q4_1"
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     root = tmp_path_factory.mktemp("cluster")
-    cluster = LocalCluster(root, num_instances=3, pool_blocks=POOL_BLOCKS)
+    # Creditors audit what they hold for the home every half second: while the long request
+    # spills, moves and attends, no audit may free a segment the home still counts on.
+    cluster = LocalCluster(root, num_instances=3, pool_blocks=POOL_BLOCKS, extra_args=["--held-audit-s", "0.5"])
     try:
         cluster.wait_ready()
         yield cluster
@@ -86,6 +88,10 @@ def test_long_prompt_spills_over_all_three_and_matches_one_instance(cluster, ref
         assert metrics["infllm_attend_serve_seconds_count"] >= 30  # one request a layer, at least
         assert metrics["infllm_kv_blocks_lent"] >= 0
     assert cluster[1].metrics()["infllm_remote_attention_seconds_count"] >= 30
+    # The creditors audited the home's segments while the request ran, and freed none of them.
+    audits = sum(cluster[i].metrics()['infllm_held_audits_total{result="answered"}'] for i in (2, 3))
+    assert audits >= 1
+    assert all(inst.metrics()["infllm_held_blocks_reclaimed_total"] == 0 for inst in cluster)
     # The home's spilled blocks went to its peers on this host through its shared memory.
     shared = home.status()["peer_shared_memory"]
     assert shared["region"] and len(shared["peers"]) == 2 and shared["committed_bytes"] > 0, shared

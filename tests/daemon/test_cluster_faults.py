@@ -76,6 +76,15 @@ def test_systemd_sees_ready_watchdog_and_stopping(tmp_path):
                     break
             else:
                 pytest.fail("no STOPPING=1")
+            # The stop's last phase asks systemd for its bounded time past TimeoutStopSec.
+            while time.monotonic() < deadline:
+                message = sock.recv(4096).decode()
+                if "EXTEND_TIMEOUT_USEC=" in message:
+                    assert message.startswith("STOPPING=1")
+                    assert int(message.rsplit("EXTEND_TIMEOUT_USEC=", 1)[1]) >= 30_000_000
+                    break
+            else:
+                pytest.fail("no EXTEND_TIMEOUT_USEC")
             assert inst.process.wait(timeout=60) == 0
             assert not (cluster.state_dir / "members" / "1.json").exists()  # deregistered
         finally:

@@ -187,3 +187,72 @@ def test_a_peers_failures_in_a_row_end_only_with_a_step_that_used_it(tmp_path):
     assert d._peer_step_failures == {2: 2}
     d._peers_answered([SimpleNamespace(request_id="with_peer")])
     assert d._peer_step_failures == {}
+
+
+def test_a_creditor_audits_each_home_once_a_period_and_frees_what_it_no_longer_counts_on(tmp_path):
+    """The creditor's side of the audit as the tick drives it: a home first seen holding here is
+    audited one ``held_audit_s`` later, and again a period after that; what the home answers
+    stale is freed and counted."""
+    from types import SimpleNamespace
+
+    from infinite_llm.daemon.ledger import CreditorLedger
+    from infinite_llm.daemon.metrics import InstanceMetrics
+    from infinite_llm.daemon.peers import PeerDirectory, TransportLender
+    from infinite_llm.engine.block_manager import BlockManager
+    from infinite_llm.transport.interface import PeerAddress
+    from infinite_llm.transport.memory import InMemoryNetwork
+    from infinite_llm.transport.messages import AuditHeld
+
+    d = daemon(tmp_path)  # instance 0, the creditor; held_audit_s 60
+    network = InMemoryNetwork()
+    d.transport = network.transport(PeerAddress("memory", 0))
+    free = list(range(8))
+    d.ledger = CreditorLedger(allocate=lambda n: [free.pop(0) for _ in range(n)], free=free.extend,
+                              reservation_ttl_s=5.0)
+    forgotten = []
+    d.creditor = SimpleNamespace(forget=forgotten.append)
+    d.peers.update(2, PeerAddress("memory", 2), 8, False, 8)
+    for req_id in (1, 2):
+        reservation = d.ledger.reserve(2, req_id, 2, 0.0)
+        d.ledger.commit(reservation.reservation_id, 2, req_id, 0, 0.0)
+
+    # Home 2: its request 1 is on this creditor still, request 2 ended (its free was lost).
+    home_peers = PeerDirectory(2)
+    creditor_there = home_peers.update(0, PeerAddress("memory", 0), 8, False, 8)
+    bm = BlockManager(block_size=4, pool_blocks=[8])
+    bm.allocate("1", 12)
+    bm.commit_move(bm.lend_to_remote("1", creditor_there.engine_id, (0, 1), num_written=12))
+    home_engine = SimpleNamespace(block_manager=bm, config=SimpleNamespace(block_size=4))
+    home = network.transport(PeerAddress("memory", 2))
+    lender = TransportLender(home, home_peers, InstanceMetrics(), timeout_s=5.0)
+    audits = []
+
+    async def serve_home(message):
+        audits.append(message)
+        assert isinstance(message, AuditHeld)
+        return lender.stale_held(home_engine, message)
+
+    async def scenario() -> None:
+        await home.start(serve_home)
+        d._audit_held(now=100.0)  # first seen holding: nothing asked yet
+        d._audit_held(now=159.0)
+        await network.settle()
+        assert audits == [] and d._audits == {}
+        d._audit_held(now=160.0)
+        d._audit_held(now=160.5)  # one audit per home at a time, and per period
+        await asyncio.gather(*d._audits.values())
+        assert len(audits) == 1
+        assert sorted(d.ledger.held) == [(2, 1, 0)] and len(free) == 6
+        assert d.metrics.held_blocks_reclaimed._value.get() == 2 and forgotten == []
+        assert d.metrics.held_audits.labels(result="answered")._value.get() == 1
+        d._audit_held(now=200.0)
+        await network.settle()
+        assert len(audits) == 1
+        bm.free("1")  # request 1 ends too, and this free is lost as well
+        d._audit_held(now=220.0)
+        await asyncio.gather(*d._audits.values())
+        assert len(audits) == 2 and d.ledger.held == {} and len(free) == 8 and forgotten == [2]
+        d._audit_held(now=400.0)  # nothing held: nothing asked, and the home is forgotten
+        assert d._audits == {} and d._audited_at == {}
+
+    asyncio.run(scenario())

@@ -159,3 +159,24 @@ def test_holds_end_with_their_request_their_home_or_their_time() -> None:
     assert ledger.hold_of(1, 8) == 0 and ledger.hold_of(2, 9) == 2
     ledger.free_lost_debtors(now=200.0, timeout_s=30.0)
     assert ledger.holds == {}
+
+
+def test_an_audit_frees_only_the_segments_it_named_as_they_were() -> None:
+    pool, ledger = make()
+    for req_id in (7, 8, 9):
+        r = ledger.reserve(1, req_id, 2, now=0.0)
+        ledger.commit(r.reservation_id, 1, req_id, segment_id=0, now=0.0)
+    other = ledger.reserve(2, 5, 1, now=0.0)
+    ledger.commit(other.reservation_id, 2, 5, segment_id=3, now=0.0)
+    audited = ledger.held_for(1)
+    assert [s.req_id for s in audited] == [7, 8, 9]
+    # Meanwhile request 8's segment was freed and committed again under the same id (a newer
+    # move of that request), and request 9's was freed: only request 7's is freed by the audit.
+    ledger.free_segment(1, 8, 0)
+    again = ledger.reserve(1, 8, 2, now=1.0)
+    ledger.commit(again.reservation_id, 1, 8, segment_id=0, now=1.0)
+    ledger.free_segment(1, 9, 0)
+    assert ledger.free_audited(audited) == 2
+    assert sorted(ledger.held) == [(1, 8, 0), (2, 5, 3)]
+    assert ledger.held[(1, 8, 0)].block_ids == again.block_ids
+    assert ledger.free_audited([]) == 0

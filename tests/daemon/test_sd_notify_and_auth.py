@@ -28,6 +28,8 @@ def test_messages_reach_the_notify_socket(notify_socket) -> None:
     assert sock.recv(4096) == b"WATCHDOG=1"
     assert notifier.stopping("draining")
     assert sock.recv(4096) == b"STOPPING=1\nSTATUS=draining"
+    assert notifier.stopping("stopping", extend_timeout_s=42.5)
+    assert sock.recv(4096) == b"STOPPING=1\nSTATUS=stopping\nEXTEND_TIMEOUT_USEC=42500000"
 
 
 def test_abstract_socket_address() -> None:

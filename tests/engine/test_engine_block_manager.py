@@ -190,3 +190,19 @@ def test_a_move_whose_source_segment_is_gone_is_refused_and_stays_pending():
     free_before = bm.num_free_blocks(1)
     bm.abort_move(lend)
     assert bm.num_free_blocks(1) == free_before + 1
+
+
+def test_a_request_counts_on_the_peer_segments_its_table_or_a_pending_move_points_at():
+    bm = BlockManager(block_size=4, pool_blocks=[8])
+    bm.allocate("a", 20)  # home blocks 0..4
+    bm.commit_move(bm.lend_to_remote("a", 1, (10, 11), num_written=20))  # tokens 0..7 on peer 1
+    assert bm.counts_on("a", 0, 1)
+    assert not bm.counts_on("a", 0, 2) and not bm.counts_on("a", 4, 1)  # another peer, not a segment's start
+    assert not bm.counts_on("b", 0, 1)  # no such request
+    pending = bm.lend_to_remote("a", 2, (20,), num_written=20)  # tokens 8..11 moving to peer 2
+    # Committed there before the table switches: the home counts on that copy already.
+    assert bm.counts_on("a", 8, 2) and not bm.counts_on("a", 8, 1)
+    bm.abort_move(pending)
+    assert not bm.counts_on("a", 8, 2)
+    bm.free("a")
+    assert not bm.counts_on("a", 0, 1)

@@ -60,6 +60,8 @@ def sample_messages() -> list[m.Message]:
         m.KVBlocksStored(move_id=1, reservation_id=8, num_blocks=4),
         m.MoveCommit(move_id=1, reservation_id=8, req_id=11, home_inst_id=2, segment_id=1),
         m.FreeSegment(home_inst_id=2, req_id=11, segment_id=0),
+        m.AuditHeld(creditor_inst_id=5, segments=(m.HeldSegmentRef(11, 0), m.HeldSegmentRef(12, 4))),
+        m.AuditHeldReply(stale=(m.HeldSegmentRef(12, 4),)),
         m.MoveKV(epoch=17, move_id=1, home_inst_id=2, req_id=11, src_inst_id=2, dst_inst_id=5,
                  num_blocks=4),
         m.ForwardSegment(epoch=17, move_id=3, home_inst_id=2, req_id=11, segment_id=4, dst_inst_id=6,
