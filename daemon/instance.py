@@ -13,6 +13,7 @@ import itertools
 import json
 import logging
 import os
+import random
 import signal
 import time
 from collections.abc import Awaitable
@@ -104,11 +105,12 @@ HTTP_SHUTDOWN_S = 5.0
 
 
 def cleanup_budget_s(config: InstanceConfig, frame_timeout_s: float) -> float:
-    """The most the last phase of a stop takes, s: the membership record withdrawn (one etcd
-    request), the two HTTP APIs shut, the lender's last frees awaited, the transport closed
+    """The most the last phase of a stop takes, s: the membership record withdrawn (two etcd
+    requests), the two HTTP APIs shut, the lender's last frees awaited, the transport closed
     (its connections' frames, then its inbound connections, each within a frame timeout)."""
     t = config.timeouts
-    return t.etcd_request_s + 2 * HTTP_SHUTDOWN_S + t.peer_request_s + 2 * frame_timeout_s
+    # etcd: the lease revoked, then the client closed; a few seconds for the tasks cancelled.
+    return 2 * t.etcd_request_s + 2 * HTTP_SHUTDOWN_S + t.peer_request_s + 2 * frame_timeout_s + 5.0
 
 
 def device_failed(exc: BaseException) -> bool:
@@ -170,6 +172,7 @@ class InstanceDaemon:
         # holding or last audited, and home -> its audit under way.
         self._audited_at: dict[int, float] = {}
         self._audits: dict[int, asyncio.Task] = {}
+        self._audit_next: dict[int, int] = {}  # home -> where its next audit starts (many segments take turns)
         self._frame_timeout_s = TransportConfig().frame_timeout_s  # the transport's bound on one frame's receive
 
     # ---- life --------------------------------------------------------------------------
@@ -329,7 +332,8 @@ class InstanceDaemon:
         self.served_model = c.served_model_name or Path(checkpoint.source).stem
         bm = self.engine.block_manager
         self.ledger = CreditorLedger(bm.reserve_home_blocks, bm.release_home_blocks,
-                                     reservation_ttl_s=c.timeouts.reservation_s, hold_ttl_s=c.timeouts.kv_hold_s)
+                                     reservation_ttl_s=c.timeouts.reservation_s, hold_ttl_s=c.timeouts.kv_hold_s,
+                                     first_reservation_id=random.randrange(1, 1 << 62))
         self.lender.kept_for_others = lambda: self.ledger.num_blocks_on_hold
         self.lender.wake = self._work.set
         self.creditor = CreditorAttention(self.ledger, self.pool, mc.num_heads,
@@ -539,7 +543,7 @@ class InstanceDaemon:
                                time.monotonic())
             return None
         if isinstance(message, FreeSegment):
-            self.ledger.free_segment(message.home_inst_id, message.req_id, message.segment_id)
+            self.ledger.free_segment(message.home_inst_id, message.req_id, message.segment_id, message.reservation_id)
             # The kept plan (and its graphs) stays while the home has KV here: the next request
             # finds the change in the ledger and is planned over what is held then.
             if not self.ledger.has_segments_of(message.home_inst_id):
@@ -753,6 +757,7 @@ class InstanceDaemon:
         for home in list(self._audited_at):
             if home not in homes:
                 del self._audited_at[home]
+                self._audit_next.pop(home, None)
         for home in homes:
             since = self._audited_at.setdefault(home, now)  # first seen holding: one period from now
             if home in self._audits or now - since < period:
@@ -768,15 +773,16 @@ class InstanceDaemon:
 
     async def _audit_home(self, home: int, address: PeerAddress) -> None:
         try:
-            freed = await audit_held(self.transport, self.ledger, self.config.instance_id, home, address,
-                                     self.config.timeouts.peer_request_s)
+            freed, self._audit_next[home] = await audit_held(
+                self.transport, self.ledger, self.config.instance_id, home, address,
+                self.config.timeouts.peer_request_s, start=self._audit_next.get(home, 0))
         except (TransportError, RuntimeError) as exc:  # the next period asks again
             log.info("audit of the segments held for instance %d: %s", home, exc)
             self.metrics.held_audits.labels(result="failed").inc()
             return
         self.metrics.held_audits.labels(result="answered").inc()
         if freed:
-            log.warning("instance %d no longer counts on %d blocks held here for it (its free never arrived): "
+            log.warning("instance %d no longer counts on %d blocks held here for it (its free has not arrived): "
                         "freed", home, freed)
             self.metrics.held_blocks_reclaimed.inc(freed)
             if not self.ledger.has_segments_of(home):

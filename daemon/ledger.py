@@ -43,6 +43,7 @@ class HeldSegment:
     req_id: int
     segment_id: int  # the home's id for this segment
     block_ids: tuple[int, ...]
+    reservation_id: int = 0  # the reservation it was committed from: this copy's id
 
 
 @dataclass
@@ -66,7 +67,13 @@ class CreditorLedger:
     # starts, so that two homes never both count on the same free blocks.
     holds: dict[tuple[int, int], Hold] = field(default_factory=dict)
     hold_ttl_s: float = 300.0
-    _next_reservation_id: int = 1
+    # Reservation ids name copies in frees that may come late: a daemon starts them at a random
+    # point, so that no id of its previous run names a copy of this one.
+    first_reservation_id: int = 1
+    _next_reservation_id: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._next_reservation_id = self.first_reservation_id
 
     @property
     def num_blocks_on_hold(self) -> int:
@@ -140,7 +147,7 @@ class CreditorLedger:
         if key in self.held:
             raise LedgerError(f"segment {segment_id} of request {req_id} of instance {home_inst_id} is already held")
         del self.reservations[reservation_id]
-        segment = HeldSegment(home_inst_id, req_id, segment_id, reservation.block_ids)
+        segment = HeldSegment(home_inst_id, req_id, segment_id, reservation.block_ids, reservation_id)
         self.held[key] = segment
         self.held_changes[home_inst_id] = self.held_changes.get(home_inst_id, 0) + 1
         self.last_heard[home_inst_id] = now
@@ -171,11 +178,15 @@ class CreditorLedger:
                 freed += self.free_segment(*key)
         return freed
 
-    def free_segment(self, home_inst_id: int, req_id: int, segment_id: int) -> int:
-        """Free one held segment; returns the blocks freed (0 if it was not held: frees repeat)."""
-        segment = self.held.pop((home_inst_id, req_id, segment_id), None)
-        if segment is None:
+    def free_segment(self, home_inst_id: int, req_id: int, segment_id: int, reservation_id: int | None = None) -> int:
+        """Free one held segment; returns the blocks freed (0 if it was not held: frees repeat).
+        ``reservation_id``: only the copy committed from that reservation (a late free leaves a
+        newer copy under the same id alone); None: whichever is held."""
+        key = (home_inst_id, req_id, segment_id)
+        segment = self.held.get(key)
+        if segment is None or (reservation_id is not None and segment.reservation_id != reservation_id):
             return 0
+        del self.held[key]
         self.held_changes[home_inst_id] = self.held_changes.get(home_inst_id, 0) + 1
         self.free(segment.block_ids)
         return len(segment.block_ids)

@@ -391,7 +391,8 @@ class TransportLender:
 
     def release(self, request_id: str, segment: Segment) -> None:
         peer = self.peers.by_engine(segment.instance_id)
-        message = FreeSegment(self.peers.own_inst_id, int(request_id), segment.token_start // self._block_size())
+        message = FreeSegment(self.peers.own_inst_id, int(request_id), segment.token_start // self._block_size(),
+                              segment.copy_id)
         task = asyncio.get_running_loop().create_task(self._send_free(peer, message))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
@@ -508,7 +509,7 @@ class TransportLender:
         peer.num_blocks_free = max(0, peer.num_blocks_free - (num_blocks - from_hold))
         written = engine.num_written_tokens().get(request_id, 0)
         try:
-            move = bm.lend_to_remote(request_id, peer.engine_id, reply.dst_block_ids, written)
+            move = bm.lend_to_remote(request_id, peer.engine_id, reply.dst_block_ids, written, reply.reservation_id)
         except (OutOfBlocks, ValueError, KeyError) as exc:
             # The request finished or shrank while the reservation was made: it expires there.
             log.info("move of request %s abandoned: %s", request_id, exc)
@@ -555,7 +556,8 @@ class TransportLender:
             engine.block_manager.abort_move(move)
         except ValueError:
             pass  # no longer pending: the request's end aborted it
-        self.release(move.request_id, Segment(peer.engine_id, move.dst_block_ids, move.token_start, move.num_tokens))
+        self.release(move.request_id, Segment(peer.engine_id, move.dst_block_ids, move.token_start, move.num_tokens,
+                                              move.dst_copy_id))
 
     async def move_held(self, engine: LLMEngine, request_id: str, num_blocks: int, src: Peer, dst: Peer,
                         epoch: int) -> bool:
@@ -647,16 +649,17 @@ class TransportLender:
                 committed = False  # refused: nothing was committed there (the reservation expires)
                 raise
             # No await between the commit's answer and the switch: the next step attends at dst.
-            bm.relocate_remote(request_id, segment.token_start, src.engine_id, dst.engine_id, reply.dst_block_ids)
+            bm.relocate_remote(request_id, segment.token_start, src.engine_id, dst.engine_id, reply.dst_block_ids,
+                               reply.reservation_id)
         except (TransportError, RuntimeError, ValueError, KeyError) as exc:
             log.warning("move of request %s's segment %d from instance %d to %d failed: %s", request_id, segment_id,
                         src.inst_id, dst.inst_id, exc)
             self.metrics.moves.labels(result="failed").inc()
             if committed:
                 # The commit may have landed before its answer was lost: free the copy there.
-                self._free_later(dst, FreeSegment(own, int(request_id), segment_id))
+                self._free_later(dst, FreeSegment(own, int(request_id), segment_id, reply.reservation_id))
             return False
-        self._free_later(src, FreeSegment(own, int(request_id), segment_id))
+        self._free_later(src, FreeSegment(own, int(request_id), segment_id, segment.copy_id))
         dst.num_blocks_free = max(0, dst.num_blocks_free - num_blocks)
         self.metrics.moves.labels(result="committed").inc()
         return True
@@ -676,7 +679,9 @@ class TransportLender:
         stale = []
         for ref in audit.segments:
             request_id, token_start = str(ref.req_id), ref.segment_id * block_size
-            if not (bm.counts_on(request_id, token_start, creditor.engine_id)
+            # A relocation to the creditor counts whatever its copy (its id comes with the
+            # reservation, which may be answered after this).
+            if not (bm.counts_on(request_id, token_start, creditor.engine_id, ref.reservation_id)
                     or (request_id, token_start, creditor.engine_id) in self._relocating):
                 stale.append(ref)
         return AuditHeldReply(tuple(stale))
@@ -705,21 +710,27 @@ class TransportLender:
 
 
 async def audit_held(transport: Transport, ledger: CreditorLedger, own_inst_id: int, home_inst_id: int,
-                     home: PeerAddress, timeout_s: float) -> int:
+                     home: PeerAddress, timeout_s: float, start: int = 0) -> tuple[int, int]:
     """The creditor's audit of what it holds for one home: name the segments to the home, free
-    those it answers it no longer counts on. Returns the blocks freed.
+    those it answers it no longer counts on. At most ``MAX_AUDITED_SEGMENTS`` at a time, from
+    the ``start``-th in (request, segment) order. Returns the blocks freed and where the next
+    audit starts (0 once every segment had its turn).
 
     A FreeSegment lost for good (the home's retries all failed) would otherwise keep its blocks
     for as long as the home lives: the home publishes all along, so it never looks lost."""
-    audited = ledger.held_for(home_inst_id)[:MAX_AUDITED_SEGMENTS]
+    held = sorted(ledger.held_for(home_inst_id), key=lambda s: (s.req_id, s.segment_id))
+    if start >= len(held):
+        start = 0
+    audited = held[start:start + MAX_AUDITED_SEGMENTS]
+    next_start = start + len(audited) if start + len(audited) < len(held) else 0
     if not audited:
-        return 0
+        return 0, 0
     reply = await transport.request(home, AuditHeld(own_inst_id, tuple(
-        HeldSegmentRef(s.req_id, s.segment_id) for s in audited)), timeout_s=timeout_s)
+        HeldSegmentRef(s.req_id, s.segment_id, s.reservation_id) for s in audited)), timeout_s=timeout_s)
     if not isinstance(reply, AuditHeldReply):
         raise RuntimeError(f"instance {home_inst_id} answered an audit with {type(reply).__name__}")
-    by_ref = {HeldSegmentRef(s.req_id, s.segment_id): s for s in audited}
-    return ledger.free_audited(by_ref[ref] for ref in reply.stale if ref in by_ref)
+    by_ref = {HeldSegmentRef(s.req_id, s.segment_id, s.reservation_id): s for s in audited}
+    return ledger.free_audited(by_ref[ref] for ref in reply.stale if ref in by_ref), next_start
 
 
 def forward_timeout_s(request_timeout_s: float, nbytes: int) -> float:

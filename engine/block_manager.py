@@ -32,6 +32,9 @@ class Segment:
     block_ids: tuple[int, ...]  # in token order
     token_start: int  # absolute position of the first token, a multiple of block_size
     num_tokens: int  # tokens with a slot here (at most len(block_ids) * block_size)
+    # A peer's id for its copy (the reservation it was committed from), so that a free names
+    # this copy and no later one under the same segment id; 0 in this process's own pools.
+    copy_id: int = 0
 
     @property
     def token_end(self) -> int:
@@ -53,6 +56,7 @@ class SegmentMove:
     dst_block_ids: tuple[int, ...]
     token_start: int
     num_tokens: int
+    dst_copy_id: int = 0  # the destination peer's id for its copy (``Segment.copy_id``)
 
     @property
     def token_end(self) -> int:
@@ -159,14 +163,15 @@ class BlockManager:
     def block_table(self, request_id: str) -> tuple[Segment, ...]:
         return tuple(self._tables.get(request_id, ()))
 
-    def counts_on(self, request_id: str, token_start: int, instance_id: int) -> bool:
-        """Whether the request counts on a segment starting at ``token_start`` in the pool of
-        ``instance_id``: its table points there, or a pending move of it lands there (the copy
-        may be committed there before the table switches)."""
-        if any(s.token_start == token_start and s.instance_id == instance_id for s in self._tables.get(request_id, ())):
+    def counts_on(self, request_id: str, token_start: int, instance_id: int, copy_id: int) -> bool:
+        """Whether the request counts on the copy ``copy_id`` of a segment starting at
+        ``token_start`` in the pool of ``instance_id``: its table points there, or a pending move
+        lands it there (the copy may be committed there before the table switches)."""
+        if any(s.token_start == token_start and s.instance_id == instance_id and s.copy_id == copy_id
+               for s in self._tables.get(request_id, ())):
             return True
         move = self._pending.get((request_id, token_start))
-        return move is not None and move.dst_instance_id == instance_id
+        return move is not None and move.dst_instance_id == instance_id and move.dst_copy_id == copy_id
 
     def is_split(self, request_id: str) -> bool:
         """Whether some of the request's KV lives outside the home pool."""
@@ -285,8 +290,9 @@ class BlockManager:
         return move
 
     def lend_to_remote(self, request_id: str, dst_instance_id: int, dst_block_ids: Sequence[int],
-                       num_written: int) -> SegmentMove:
-        """Like :meth:`lend`, to a peer's pool whose blocks ``dst_block_ids`` that peer reserved.
+                       num_written: int, copy_id: int = 0) -> SegmentMove:
+        """Like :meth:`lend`, to a peer's pool whose blocks ``dst_block_ids`` that peer reserved
+        (``copy_id``: the peer's id for the copy, its reservation's).
 
         The peer's blocks are its own to count: this process tracks only the table.
         """
@@ -301,13 +307,13 @@ class BlockManager:
             raise ValueError(f"request {request_id}: its blocks at token {segment.token_start} are already moving")
         move = SegmentMove(
             request_id, self.home_instance_id, segment.block_ids[:num_blocks], dst_instance_id, tuple(dst_block_ids),
-            segment.token_start, num_blocks * self.block_size,
+            segment.token_start, num_blocks * self.block_size, copy_id,
         )
         self._pending[(request_id, move.token_start)] = move
         return move
 
     def relocate_remote(self, request_id: str, token_start: int, src_instance_id: int, dst_instance_id: int,
-                        dst_block_ids: Sequence[int]) -> Segment:
+                        dst_block_ids: Sequence[int], copy_id: int = 0) -> Segment:
         """Point a segment held by one peer at the copy another peer now holds; returns it.
 
         The creditor-to-creditor move's switch: the home calls it once ``dst_instance_id``
@@ -331,7 +337,7 @@ class BlockManager:
         if len(dst_block_ids) != len(source.block_ids):
             raise ValueError(f"request {request_id}: {len(dst_block_ids)} blocks for a segment of "
                              f"{len(source.block_ids)}")
-        moved = Segment(dst_instance_id, tuple(dst_block_ids), source.token_start, source.num_tokens)
+        moved = Segment(dst_instance_id, tuple(dst_block_ids), source.token_start, source.num_tokens, copy_id)
         table[index] = moved
         return moved
 
@@ -363,7 +369,7 @@ class BlockManager:
                              "its source segment is no longer in the table")
         del self._pending[key]
         source = table[index]
-        moved = Segment(move.dst_instance_id, move.dst_block_ids, move.token_start, move.num_tokens)
+        moved = Segment(move.dst_instance_id, move.dst_block_ids, move.token_start, move.num_tokens, move.dst_copy_id)
         rest = source.block_ids[len(move.src_block_ids):]
         pieces = [moved]
         if rest:

@@ -18,7 +18,7 @@ import heapq
 import inspect
 import itertools
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from infinite_llm.transport import codec
 from infinite_llm.transport.errors import (

@@ -124,6 +124,7 @@ class HeldSegmentRef:
 
     req_id: int  # request id, unique per home instance
     segment_id: int  # the home's id for the segment (its first block's index in the request)
+    reservation_id: int  # the creditor's reservation the copy was committed from
 
 
 @dataclass(frozen=True)
@@ -341,11 +342,14 @@ class MoveCommit:
 @dataclass(frozen=True)
 class FreeSegment:
     TYPE: ClassVar[str] = "free_segment"
-    VERSION: ClassVar[int] = 1
+    VERSION: ClassVar[int] = 2  # 2: reservation_id
 
     home_inst_id: int  # the request's home
     req_id: int  # request
     segment_id: int  # segment whose blocks the receiver frees
+    # The receiver's reservation the copy was committed from (MoveReserved): a free that comes
+    # late (sent again after a failure) leaves a newer copy under the same segment id alone.
+    reservation_id: int
 
 
 @dataclass(frozen=True)

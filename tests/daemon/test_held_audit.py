@@ -42,7 +42,7 @@ def test_a_segment_whose_free_was_lost_is_freed_by_the_audit() -> None:
 
     async def scenario() -> int:
         await start_home_serving_audits(s)
-        return await audit_held(s.d.transport, s.d.ledger, D, H, address(H), timeout_s=5.0)
+        return (await audit_held(s.d.transport, s.d.ledger, D, H, address(H), timeout_s=5.0))[0]
 
     assert run(scenario()) == 2
     assert s.d.ledger.held == {} and sorted(s.d.free) == [5, 6, 7]
@@ -54,7 +54,7 @@ def test_the_segments_a_home_counts_on_stay_held() -> None:
 
     async def scenario() -> int:
         await start_home_serving_audits(s)
-        return await audit_held(s.d.transport, s.d.ledger, D, H, address(H), timeout_s=5.0)
+        return (await audit_held(s.d.transport, s.d.ledger, D, H, address(H), timeout_s=5.0))[0]
 
     assert run(scenario()) == 0
     assert list(s.d.ledger.held) == [(H, 7, 0)]
@@ -65,7 +65,7 @@ def test_a_creditor_holding_nothing_for_the_home_asks_nothing() -> None:
 
     async def scenario() -> int:
         await start_home_serving_audits(s)
-        return await audit_held(s.x.transport, s.x.ledger, X, H, address(H), timeout_s=5.0)
+        return (await audit_held(s.x.transport, s.x.ledger, X, H, address(H), timeout_s=5.0))[0]
 
     assert run(scenario()) == 0
     assert s.types() == []
@@ -85,7 +85,7 @@ def test_an_audit_from_a_creditor_the_home_does_not_know_frees_nothing() -> None
         await transport.start(serves_nothing)
         # The stranger claims to hold the segment: the home cannot say which of its tables
         # would point at it, so it answers with an error and the stranger frees nothing.
-        await transport.request(address(H), AuditHeld(stranger, (HeldSegmentRef(7, 0),)))
+        await transport.request(address(H), AuditHeld(stranger, (HeldSegmentRef(7, 0, 1),)))
 
     with pytest.raises(RemoteError, match="not a peer"):
         run(scenario())
@@ -103,7 +103,7 @@ def test_a_relocation_landing_on_the_auditor_counts_as_the_homes() -> None:
         reply = await serve_x(message)
         if isinstance(message, MoveCommit):
             audits_during_commit.append(
-                await audit_held(s.x.transport, s.x.ledger, X, H, address(H), timeout_s=5.0))
+                (await audit_held(s.x.transport, s.x.ledger, X, H, address(H), timeout_s=5.0))[0])
         return reply
     s.x.handle = audit_while_committing
     serve_d = s.d.handle
@@ -118,10 +118,75 @@ def test_a_relocation_landing_on_the_auditor_counts_as_the_homes() -> None:
         await start_home_serving_audits(s)
         moved = await s.lender.move_held(s.engine, "7", 2, s.src, s.dst, epoch=4)
         await s.network.settle()
-        return moved, await audit_held(s.d.transport, s.d.ledger, D, H, address(H), timeout_s=5.0)
+        return moved, (await audit_held(s.d.transport, s.d.ledger, D, H, address(H), timeout_s=5.0))[0]
 
     moved, freed_on_d = run(scenario())
     assert moved and audits_during_commit == [0]
     assert list(s.x.ledger.held) == [(H, 7, 0)]
     assert freed_on_d == 2 and s.d.ledger.held == {}
     assert s.bm.block_table("7")[0].instance_id == s.dst.engine_id
+
+
+def test_a_free_that_comes_after_the_audit_leaves_a_newer_copy_alone(monkeypatch) -> None:
+    """H moves its segment from D to X, and its free for D's copy fails once (sent again later).
+    D's audit frees that copy meanwhile; H moves the segment back to D, which commits a new copy
+    under the same segment id. The late free names the old copy: the new one stays."""
+    from infinite_llm.daemon import peers as peers_module
+    from infinite_llm.transport.errors import PeerUnreachable
+
+    monkeypatch.setattr(peers_module, "FREE_RETRY_PAUSES_S", (0.2,))
+    s = Setup()
+    send = s.home.send
+    failed: list[FreeSegment] = []
+
+    async def first_free_to_d_fails(peer, message, *, timeout_s=None):
+        if isinstance(message, FreeSegment) and peer == address(D) and not failed:
+            failed.append(message)
+            raise PeerUnreachable(peer, "connection reset")
+        return await send(peer, message, timeout_s=timeout_s)
+    s.home.send = first_free_to_d_fails
+
+    async def scenario() -> None:
+        await start_home_serving_audits(s)
+        assert await s.lender.move_held(s.engine, "7", 2, s.src, s.dst, epoch=4)  # D -> X
+        await s.network.settle()
+        assert failed and (H, 7, 0) in s.d.ledger.held  # the free is to be sent again
+        freed, _ = await audit_held(s.d.transport, s.d.ledger, D, H, address(H), timeout_s=5.0)
+        assert freed == 2 and s.d.ledger.held == {}
+        assert await s.lender.move_held(s.engine, "7", 2, s.dst, s.src, epoch=5)  # X -> D
+        await s.network.settle()
+        new_copy = s.d.ledger.held[(H, 7, 0)]
+        assert s.bm.block_table("7")[0].copy_id == new_copy.reservation_id != failed[0].reservation_id
+        await asyncio.sleep(0.4)  # the free is sent again, and arrives
+        await s.network.settle()
+        await s.lender.close()
+        assert (H, D, "free_segment") in s.types()
+        assert s.d.ledger.held == {(H, 7, 0): new_copy}
+
+    run(scenario())
+
+
+def test_a_home_with_more_segments_than_one_audit_names_is_audited_in_turns(monkeypatch) -> None:
+    from infinite_llm.daemon import peers as peers_module
+
+    monkeypatch.setattr(peers_module, "MAX_AUDITED_SEGMENTS", 2)
+    s = Setup()
+    # Four more segments of ended requests 8..11 are held on D (a block each); their frees
+    # never came.
+    s.d.free.extend(range(4))
+    for req_id in (8, 9, 10, 11):
+        reservation = s.d.ledger.reserve(H, req_id, 1, 0.0)
+        s.d.ledger.commit(reservation.reservation_id, H, req_id, 0, 0.0)
+
+    async def scenario() -> list[tuple[int, int]]:
+        await start_home_serving_audits(s)
+        turns, start = [], 0
+        for _ in range(4):
+            freed, start = await audit_held(s.d.transport, s.d.ledger, D, H, address(H), timeout_s=5.0, start=start)
+            turns.append((freed, start))
+        return turns
+
+    # Two segments a turn, in request order: 7 and 8 (8 freed), then from the third on, of
+    # those left: 10 and 11; then from the start again: 7 and 9; then 7 alone.
+    assert run(scenario()) == [(1, 2), (2, 0), (1, 0), (0, 0)]
+    assert list(s.d.ledger.held) == [(H, 7, 0)]

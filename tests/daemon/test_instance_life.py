@@ -221,7 +221,8 @@ def test_a_creditor_audits_each_home_once_a_period_and_frees_what_it_no_longer_c
     creditor_there = home_peers.update(0, PeerAddress("memory", 0), 8, False, 8)
     bm = BlockManager(block_size=4, pool_blocks=[8])
     bm.allocate("1", 12)
-    bm.commit_move(bm.lend_to_remote("1", creditor_there.engine_id, (0, 1), num_written=12))
+    copy_of_1 = d.ledger.held[(2, 1, 0)].reservation_id
+    bm.commit_move(bm.lend_to_remote("1", creditor_there.engine_id, (0, 1), num_written=12, copy_id=copy_of_1))
     home_engine = SimpleNamespace(block_manager=bm, config=SimpleNamespace(block_size=4))
     home = network.transport(PeerAddress("memory", 2))
     lender = TransportLender(home, home_peers, InstanceMetrics(), timeout_s=5.0)

@@ -33,7 +33,7 @@ def test_reserve_commit_free_with_exact_block_ids() -> None:
     assert ledger.reserve(3, 1, 4, now=0.0) is None  # first come, first served: only 3 left
 
     segment = ledger.commit(first.reservation_id, 1, 7, segment_id=0, now=1.0)
-    assert segment == HeldSegment(1, 7, 0, (0, 1, 2))
+    assert segment == HeldSegment(1, 7, 0, (0, 1, 2), first.reservation_id)
     assert ledger.num_blocks_held == 3 and ledger.num_blocks_reserved == 2
     assert ledger.free_segment(1, 7, 0) == 3
     assert ledger.free_segment(1, 7, 0) == 0  # a repeated free is harmless
@@ -180,3 +180,23 @@ def test_an_audit_frees_only_the_segments_it_named_as_they_were() -> None:
     assert sorted(ledger.held) == [(1, 8, 0), (2, 5, 3)]
     assert ledger.held[(1, 8, 0)].block_ids == again.block_ids
     assert ledger.free_audited([]) == 0
+
+
+def test_a_free_naming_another_copy_frees_nothing() -> None:
+    pool, ledger = make()
+    old = ledger.reserve(1, 7, 2, now=0.0)
+    ledger.commit(old.reservation_id, 1, 7, segment_id=0, now=0.0)
+    assert ledger.free_segment(1, 7, 0, old.reservation_id) == 2
+    new = ledger.reserve(1, 7, 2, now=1.0)  # the same segment, moved here again
+    ledger.commit(new.reservation_id, 1, 7, segment_id=0, now=1.0)
+    assert new.reservation_id != old.reservation_id
+    assert ledger.free_segment(1, 7, 0, old.reservation_id) == 0  # the old copy's free, come late
+    assert ledger.segment(1, 7, 0).reservation_id == new.reservation_id
+    assert ledger.free_segment(1, 7, 0, new.reservation_id) == 2
+
+
+def test_reservation_ids_start_where_they_are_told() -> None:
+    pool = FreeList(4)
+    ledger = CreditorLedger(pool.allocate, pool.free, reservation_ttl_s=1.0, first_reservation_id=1 << 40)
+    assert ledger.reserve(1, 7, 1, now=0.0).reservation_id == 1 << 40
+    assert ledger.reserve(1, 8, 1, now=0.0).reservation_id == (1 << 40) + 1

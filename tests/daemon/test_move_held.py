@@ -66,7 +66,7 @@ class Creditor:
             self.ledger.commit(message.reservation_id, message.home_inst_id, message.req_id, message.segment_id, 0.0)
             return None
         if isinstance(message, FreeSegment):
-            self.ledger.free_segment(message.home_inst_id, message.req_id, message.segment_id)
+            self.ledger.free_segment(message.home_inst_id, message.req_id, message.segment_id, message.reservation_id)
             return None
         if isinstance(message, ForwardSegment):
             return await forward_segment(self.transport, self.ledger, self.pool, message, timeout_s=5.0)
@@ -103,7 +103,8 @@ class Setup:
         reservation = self.d.ledger.reserve(H, 7, 2, 0.0)
         self.d.ledger.commit(reservation.reservation_id, H, 7, 0, 0.0)
         self.d.pool[5], self.d.pool[6] = 1.5, 2.5
-        self.bm.commit_move(self.bm.lend_to_remote("7", self.src.engine_id, (5, 6), num_written=12))
+        self.bm.commit_move(self.bm.lend_to_remote("7", self.src.engine_id, (5, 6), num_written=12,
+                                                   copy_id=reservation.reservation_id))
 
     async def start(self) -> None:
         await self.d.start()
@@ -136,7 +137,8 @@ def test_the_home_moves_a_held_segment_to_another_creditor() -> None:
         return moved
 
     assert asyncio.run(scenario()) is True
-    assert s.bm.block_table("7") == (Segment(s.dst.engine_id, (0, 1), 0, 8), Segment(0, (2,), 8, 4))
+    x_copy = s.x.ledger.held[(H, 7, 0)].reservation_id
+    assert s.bm.block_table("7") == (Segment(s.dst.engine_id, (0, 1), 0, 8, x_copy), Segment(0, (2,), 8, 4))
     assert [(k, len(v.block_ids)) for k, v in s.x.ledger.held.items()] == [((H, 7, 0), 2)]
     assert torch.all(s.x.pool[0] == 1.5) and torch.all(s.x.pool[1] == 2.5)
     assert s.d.ledger.held == {} and sorted(s.d.free) == [5, 6, 7]  # 0..4 stand for other work
@@ -323,7 +325,7 @@ def test_a_free_that_cannot_be_sent_is_sent_again(monkeypatch) -> None:
         async def serves_nothing(message):
             raise ValueError("the home serves nothing here")
         await s.home.start(serves_nothing)
-        s.lender._free_later(s.src, FreeSegment(H, 7, 0))  # D is not listening yet
+        s.lender._free_later(s.src, FreeSegment(H, 7, 0, s.bm.block_table("7")[0].copy_id))  # D is not listening yet
         await asyncio.sleep(0.005)
         assert list(s.d.ledger.held) == [(H, 7, 0)]
         await s.d.start()

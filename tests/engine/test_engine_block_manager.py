@@ -195,14 +195,18 @@ def test_a_move_whose_source_segment_is_gone_is_refused_and_stays_pending():
 def test_a_request_counts_on_the_peer_segments_its_table_or_a_pending_move_points_at():
     bm = BlockManager(block_size=4, pool_blocks=[8])
     bm.allocate("a", 20)  # home blocks 0..4
-    bm.commit_move(bm.lend_to_remote("a", 1, (10, 11), num_written=20))  # tokens 0..7 on peer 1
-    assert bm.counts_on("a", 0, 1)
-    assert not bm.counts_on("a", 0, 2) and not bm.counts_on("a", 4, 1)  # another peer, not a segment's start
-    assert not bm.counts_on("b", 0, 1)  # no such request
-    pending = bm.lend_to_remote("a", 2, (20,), num_written=20)  # tokens 8..11 moving to peer 2
+    bm.commit_move(bm.lend_to_remote("a", 1, (10, 11), num_written=20, copy_id=41))  # tokens 0..7 on peer 1
+    assert bm.block_table("a")[0] == Segment(1, (10, 11), 0, 8, copy_id=41)
+    assert bm.counts_on("a", 0, 1, 41)
+    assert not bm.counts_on("a", 0, 1, 40)  # another copy of that segment (an older one)
+    assert not bm.counts_on("a", 0, 2, 41) and not bm.counts_on("a", 4, 1, 41)  # another peer, not a start
+    assert not bm.counts_on("b", 0, 1, 41)  # no such request
+    pending = bm.lend_to_remote("a", 2, (20,), num_written=20, copy_id=7)  # tokens 8..11 moving to peer 2
     # Committed there before the table switches: the home counts on that copy already.
-    assert bm.counts_on("a", 8, 2) and not bm.counts_on("a", 8, 1)
+    assert bm.counts_on("a", 8, 2, 7) and not bm.counts_on("a", 8, 2, 6) and not bm.counts_on("a", 8, 1, 7)
     bm.abort_move(pending)
-    assert not bm.counts_on("a", 8, 2)
+    assert not bm.counts_on("a", 8, 2, 7)
+    moved = bm.relocate_remote("a", 0, 1, 2, (30, 31), copy_id=42)
+    assert moved.copy_id == 42 and bm.counts_on("a", 0, 2, 42) and not bm.counts_on("a", 0, 1, 41)
     bm.free("a")
-    assert not bm.counts_on("a", 0, 1)
+    assert not bm.counts_on("a", 0, 2, 42)

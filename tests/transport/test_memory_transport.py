@@ -113,7 +113,7 @@ def test_handler_failure_reaches_the_requester():
         await a.start(echo)
         await b.start(fail)
         with pytest.raises(RemoteError) as info:
-            await a.request(B, m.FreeSegment(home_inst_id=1, req_id=5, segment_id=0))
+            await a.request(B, m.FreeSegment(home_inst_id=1, req_id=5, segment_id=0, reservation_id=3))
         assert info.value.code == m.ErrorCode.HANDLER_FAILED
         assert "no such request" in info.value.detail
     run(scenario())
@@ -131,9 +131,9 @@ def test_one_way_send_gets_no_reply():
 
         await a.start(echo)
         await b.start(record)
-        await a.send(B, m.FreeSegment(home_inst_id=1, req_id=5, segment_id=0))
+        await a.send(B, m.FreeSegment(home_inst_id=1, req_id=5, segment_id=0, reservation_id=3))
         await net.settle()
-        assert seen == [m.FreeSegment(home_inst_id=1, req_id=5, segment_id=0)]
+        assert seen == [m.FreeSegment(home_inst_id=1, req_id=5, segment_id=0, reservation_id=3)]
         assert net.messages() == [("memory:1", "memory:2", "free_segment")]
     run(scenario())
 
