@@ -12,6 +12,9 @@ decode throughput after the split is compared with the same request split withou
 moves, so that the cost is the moves' alone (the request all at home is reported beside). The
 moves shift attention work to the creditor as the run goes on, so the runs without moves split
 the request as the runs with moves do on average: half, plus half of what the warm-up moved.
+With ``--move-window STEPS`` the comparison is made within each request instead: windows of
+STEPS decode steps alternate without and with moves, and each window with moves is set against
+the windows without on either side (the host's drift and the growing split are then shared).
 
     python bench/daemon.py                  # the CPU (SmolLM2-135M)
     python bench/daemon.py --device cuda    # one GPU shared by the processes
@@ -302,12 +305,14 @@ def split_case(num_instances: int, context_blocks: int, prompt: str, new_tokens:
 
 
 async def leader_moves(address: PeerAddress, req_id_of: "queue.Queue[int]", split_blocks: int, num_blocks: int,
-                       ready: threading.Event, stop: threading.Event, dst: int, result: dict) -> None:
+                       ready: threading.Event, stop: threading.Event, dst: int, result: dict,
+                       moving: threading.Event | None = None) -> None:
     """A leader's MoveKV commands for the request whose id arrives on ``req_id_of``: first one
     move of ``split_blocks`` (the request then decodes with its KV split, as both timed runs
-    do), then, with ``num_blocks``, moves of that many blocks back to back until ``stop``. Its
-    transport is up (``ready``) before the request starts. Sets ``result["split_at"]`` (when
-    the split move returned, perf_counter s) and ``result["moves"]`` ((committed, failed))."""
+    do), then, with ``num_blocks``, moves of that many blocks back to back until ``stop``
+    (only while ``moving`` is set, where given). Its transport is up (``ready``) before the
+    request starts. Sets ``result["split_at"]`` (when the split move returned, perf_counter s)
+    and ``result["moves"]`` ((committed, failed))."""
     from infinite_llm.transport.ucx import UcxTransport
 
     transport = UcxTransport(TransportConfig(request_timeout_s=120.0))
@@ -326,6 +331,9 @@ async def leader_moves(address: PeerAddress, req_id_of: "queue.Queue[int]", spli
         result["split_at"] = time.perf_counter()
         move_id = 1
         while num_blocks and not stop.is_set():
+            if moving is not None and not moving.is_set():
+                await asyncio.sleep(0.002)
+                continue
             move_id += 1
             try:
                 await transport.request(address, MoveKV(epoch=1, move_id=move_id, home_inst_id=1, req_id=req_id,
@@ -372,6 +380,63 @@ def split_run(cluster: LocalCluster, prompt: str, new_tokens: int, split_blocks:
             "creditor": creditor}
 
 
+def toggled_run(cluster: LocalCluster, prompt: str, new_tokens: int, split_blocks: int, blocks_per_move: int,
+                window_steps: int, skip_steps: int) -> dict:
+    """One request whose KV the leader splits at its first decode step; then windows of
+    ``window_steps`` decode steps alternate, without moves first, with moves back to back next.
+    Each window's rate leaves out its first ``skip_steps`` (a move of the window before may end
+    there, or the window's first move not have started). Windows with and without moves thus
+    share the request, its split as it grows and the host's state at the time: their
+    difference is the moves' cost with the drifts of separate runs taken out."""
+    member = json.loads((cluster.state_dir / "members" / "1.json").read_text())
+    address = PeerAddress(member["peer_host"], member["peer_port"])
+    times: list[float] = []
+    ready, stop, moving = threading.Event(), threading.Event(), threading.Event()
+    req_id_of: queue.Queue[int] = queue.Queue()
+    result: dict = {}
+    leader_thread = threading.Thread(target=lambda: asyncio.run(leader_moves(
+        address, req_id_of, split_blocks, blocks_per_move, ready, stop, dst=2, result=result, moving=moving)))
+    leader_thread.start()
+    if not ready.wait(120):
+        raise RuntimeError("the benchmark's leader transport did not start")
+    first_after_split = None
+    for event in cluster[1].stream(prompt, max_tokens=new_tokens, ignore_eos=True):
+        now = time.perf_counter()
+        if not times:
+            req_id_of.put(int(event["request_id"]))
+        times.append(now)
+        if first_after_split is None and "split_at" in result and now > result["split_at"]:
+            first_after_split = len(times) - 1
+        if first_after_split is not None:
+            window = (len(times) - 1 - first_after_split) // window_steps
+            moving.set() if window % 2 else moving.clear()
+    stop.set()
+    moving.set()
+    leader_thread.join(timeout=120)
+    if first_after_split is None:
+        raise RuntimeError("the split move did not return before the request ended")
+    after = times[first_after_split:]
+    windows = []
+    for w in range(len(after) // window_steps):
+        start, end = w * window_steps + skip_steps, (w + 1) * window_steps
+        if end >= len(after):
+            break
+        windows.append({"moves": bool(w % 2), "tokens_per_s": (end - start) / (after[end] - after[start])})
+    done, failed = result["moves"]
+    return {"windows": windows, "moves_committed": done, "moves_failed": failed,
+            "steps_with_moves": sum(1 for w in windows if w["moves"]) * window_steps}
+
+
+def toggled_cost(windows: list[dict]) -> dict:
+    """The moves' cost from alternating windows: each window with moves against the mean of the
+    windows without on either side of it; the mean of those and its standard error."""
+    costs = _window_costs(windows)
+    if not costs:
+        raise RuntimeError("no window with moves between two without: ask for more new tokens")
+    error = statistics.stdev(costs) / math.sqrt(len(costs)) if len(costs) > 1 else float("nan")
+    return {"throughput_cost": statistics.fmean(costs), "standard_error": error, "windows_compared": len(costs)}
+
+
 def creditor_counts(inst) -> dict[str, float]:
     """What the instance's creditor did so far: plans made new or retargeted, graph replays and
     captures, attend requests served."""
@@ -381,6 +446,57 @@ def creditor_counts(inst) -> dict[str, float]:
             "graph_replays": metrics.get("infllm_attend_graph_replays_total", 0.0),
             "graph_captures": metrics.get("infllm_attend_graph_captures_total", 0.0),
             "attend_served": metrics.get("infllm_attend_serve_seconds_count", 0.0)}
+
+
+def toggled_move_case(context_blocks: int, prompt: str, new_tokens: int, blocks_per_move: int, device: str,
+                      extra_args: list[str], spread: bool, chunk_blocks: int, instance_cpus: str | None,
+                      repeats: int, window_steps: int, skip_steps: int) -> dict:
+    """The moves' cost from ``repeats`` requests each alternating windows without and with
+    moves (``toggled_run``), after a warm-up request that does the same."""
+    pools = [context_blocks + 64 + chunk_blocks, context_blocks + 64]
+    split_blocks = context_blocks // 2
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="infllm-bench-") as root:
+        cluster = LocalCluster(Path(root), 2, pools[0], device=device, pool_blocks_per_instance=pools,
+                               extra_args=extra_args, devices=instance_devices(device, 2, spread),
+                               instance_args=cpu_args(instance_cpus, 2))
+        try:
+            cluster.wait_ready()
+            run_request(cluster, prompt, 4, [])  # warm-up
+            local, _ = decode_rate(run_request(cluster, prompt, new_tokens, []))
+            for i in range(repeats + 1):  # the first compiles and captures what a split uses
+                time.sleep(2.5)  # the creditor frees the last request's segments
+                run = toggled_run(cluster, prompt, new_tokens, split_blocks, blocks_per_move, window_steps,
+                                  skip_steps)
+                if i:
+                    runs.append(run)
+        finally:
+            cluster.stop()
+    windows = [w for run in runs for w in run["windows"]]
+    without = [w["tokens_per_s"] for w in windows if not w["moves"]]
+    with_moves = [w["tokens_per_s"] for w in windows if w["moves"]]
+    committed = sum(r["moves_committed"] for r in runs)
+    cost = [toggled_cost(run["windows"]) for run in runs]
+    costs_pooled = [c for run in runs for c in _window_costs(run["windows"])]
+    return {"tokens_per_move": blocks_per_move * BLOCK_SIZE, "split_blocks": split_blocks, "repeats": repeats,
+            "design": "toggled windows", "window_steps": window_steps, "skip_steps": skip_steps,
+            "decode_tokens_per_s_local": local,
+            "decode_tokens_per_s_without": statistics.fmean(without),
+            "decode_tokens_per_s_with": statistics.fmean(with_moves),
+            "throughput_cost": statistics.fmean(costs_pooled),
+            "standard_error": statistics.stdev(costs_pooled) / math.sqrt(len(costs_pooled)),
+            "windows_compared": len(costs_pooled), "per_run": cost,
+            "runs_windows": [run["windows"] for run in runs],
+            "moves_committed": committed, "moves_failed": sum(r["moves_failed"] for r in runs),
+            "moves_per_step_with_moves": committed / max(1, sum(r["steps_with_moves"] for r in runs))}
+
+
+def _window_costs(windows: list[dict]) -> list[float]:
+    costs = []
+    for i, w in enumerate(windows):
+        if w["moves"] and 0 < i < len(windows) - 1 and not windows[i - 1]["moves"] and not windows[i + 1]["moves"]:
+            costs.append(1 - w["tokens_per_s"] / ((windows[i - 1]["tokens_per_s"] + windows[i + 1]["tokens_per_s"]) / 2))
+    return costs
 
 
 def move_case(context_blocks: int, prompt: str, new_tokens: int, blocks_per_move: int, device: str,
@@ -458,6 +574,11 @@ def main() -> None:
     parser.add_argument("--move-repeats", type=int, default=1,
                         help="runs without and with moves, alternated, per case of moves")
     parser.add_argument("--move-tokens", default="16,32", help="the cases of moves: tokens a move, comma-separated")
+    parser.add_argument("--move-window", type=int, default=0, metavar="STEPS",
+                        help="instead of separate runs with and without moves, alternate windows of STEPS decode "
+                             "steps without and with moves within each request (--move-repeats requests)")
+    parser.add_argument("--move-window-skip", type=int, default=2, metavar="STEPS",
+                        help="steps at the start of each window left out of its rate")
     parser.add_argument("--max-num-batched-tokens", type=int, default=0,
                         help="the instances' prefill chunk (default: the local cluster's)")
     parser.add_argument("--model", default=None,
@@ -506,10 +627,20 @@ def main() -> None:
             pstats.Stats(str(path)).sort_stats("tottime").print_stats(22)
     for row in splits:
         row["vs_one_instance"] = row["decode_tokens_per_s"] / splits[0]["decode_tokens_per_s"]
-    moves = [] if args.no_moves else [
-        move_case(context_blocks, prompt, args.new_tokens, k, args.device, extra_args, args.spread_gpus,
-                  math.ceil((args.max_num_batched_tokens or 128) / BLOCK_SIZE), args.instance_cpus, args.move_repeats)
-        for k in move_blocks]
+    if args.move_window and not 0 <= args.move_window_skip < args.move_window:
+        raise SystemExit("--move-window-skip must be at least 0 and less than --move-window")
+    chunk_blocks = math.ceil((args.max_num_batched_tokens or 128) / BLOCK_SIZE)
+    if args.no_moves:
+        moves = []
+    elif args.move_window:
+        moves = [toggled_move_case(context_blocks, prompt, args.new_tokens, k, args.device, extra_args,
+                                   args.spread_gpus, chunk_blocks, args.instance_cpus, args.move_repeats,
+                                   args.move_window, args.move_window_skip)
+                 for k in move_blocks]
+    else:
+        moves = [move_case(context_blocks, prompt, args.new_tokens, k, args.device, extra_args, args.spread_gpus,
+                           chunk_blocks, args.instance_cpus, args.move_repeats)
+                 for k in move_blocks]
 
     gpu = torch.cuda.get_device_name().replace(" ", "-") if args.device.startswith("cuda") else "cpu"
     report = {"device": gpu, "machine": platform.node(), "instance_cpus": args.instance_cpus, "torch": torch.__version__, "model": args.model or "SmolLM2-135M-Instruct",
@@ -519,6 +650,7 @@ def main() -> None:
     suffix += "-eager-creditor" if args.creditor_cuda_graphs is False else ""
     suffix += "-pinned" if args.instance_cpus else ""
     suffix += "-moves" if args.moves_only else ""
+    suffix += "-toggled" if args.moves_only and args.move_window else ""
     out = Path(args.out_dir) / f"daemon-{gpu}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
@@ -549,6 +681,13 @@ def main() -> None:
               "(all at home: tok/s local)")
     print(f"{'moved':>6} {'tok/s local':>12} {'tok/s without':>14} {'tok/s with':>11} {'cost':>7} {'moves/step':>10}")
     for r in moves:
+        if r.get("design") == "toggled windows":
+            print(f"{r['tokens_per_move']:>6} {r['decode_tokens_per_s_local']:>12.2f} "
+                  f"{r['decode_tokens_per_s_without']:>14.2f} {r['decode_tokens_per_s_with']:>11.2f} "
+                  f"{100 * r['throughput_cost']:>6.1f}% {r['moves_per_step_with_moves']:>10.2f}"
+                  f"   (standard error {100 * r['standard_error']:.1f}%, {r['windows_compared']} windows with moves, "
+                  f"each against its neighbours without)")
+            continue
         print(f"{r['tokens_per_move']:>6} {r['decode_tokens_per_s_local']:>12.2f} {r['decode_tokens_per_s_without']:>14.2f} "
               f"{r['decode_tokens_per_s_with']:>11.2f} {100 * r['throughput_cost']:>6.1f}% {r['moves_per_step']:>10.2f}")
         print(f"       runs without {[round(x, 2) for x in r['runs_tokens_per_s_without']]}, "

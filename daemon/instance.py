@@ -172,7 +172,9 @@ class InstanceDaemon:
         # holding or last audited, and home -> its audit under way.
         self._audited_at: dict[int, float] = {}
         self._audits: dict[int, asyncio.Task] = {}
-        self._audit_next: dict[int, int] = {}  # home -> where its next audit starts (many segments take turns)
+        # home -> the last (request, segment) its last audit named, where the next goes on (a home
+        # with more segments here than one audit names has them audited in turns)
+        self._audit_next: dict[int, tuple[int, int]] = {}
         self._frame_timeout_s = TransportConfig().frame_timeout_s  # the transport's bound on one frame's receive
 
     # ---- life --------------------------------------------------------------------------
@@ -543,7 +545,13 @@ class InstanceDaemon:
                                time.monotonic())
             return None
         if isinstance(message, FreeSegment):
-            self.ledger.free_segment(message.home_inst_id, message.req_id, message.segment_id, message.reservation_id)
+            if not self.ledger.free_segment(message.home_inst_id, message.req_id, message.segment_id,
+                                            message.reservation_id):
+                held = self.ledger.held.get((message.home_inst_id, message.req_id, message.segment_id))
+                if held is not None:  # a late free of an earlier copy: the newer one stays
+                    log.info("instance %d freed copy %d of request %d's segment %d; copy %d is held: kept",
+                             message.home_inst_id, message.reservation_id, message.req_id, message.segment_id,
+                             held.reservation_id)
             # The kept plan (and its graphs) stays while the home has KV here: the next request
             # finds the change in the ledger and is planned over what is held then.
             if not self.ledger.has_segments_of(message.home_inst_id):
@@ -773,14 +781,18 @@ class InstanceDaemon:
 
     async def _audit_home(self, home: int, address: PeerAddress) -> None:
         try:
-            freed, self._audit_next[home] = await audit_held(
+            freed, after = await audit_held(
                 self.transport, self.ledger, self.config.instance_id, home, address,
-                self.config.timeouts.peer_request_s, start=self._audit_next.get(home, 0))
+                self.config.timeouts.peer_request_s, after=self._audit_next.get(home))
         except (TransportError, RuntimeError) as exc:  # the next period asks again
             log.info("audit of the segments held for instance %d: %s", home, exc)
             self.metrics.held_audits.labels(result="failed").inc()
             return
         self.metrics.held_audits.labels(result="answered").inc()
+        if after is None or home not in self._audited_at:  # every segment had its turn, or none is left
+            self._audit_next.pop(home, None)
+        else:
+            self._audit_next[home] = after
         if freed:
             log.warning("instance %d no longer counts on %d blocks held here for it (its free has not arrived): "
                         "freed", home, freed)

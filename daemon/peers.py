@@ -509,7 +509,8 @@ class TransportLender:
         peer.num_blocks_free = max(0, peer.num_blocks_free - (num_blocks - from_hold))
         written = engine.num_written_tokens().get(request_id, 0)
         try:
-            move = bm.lend_to_remote(request_id, peer.engine_id, reply.dst_block_ids, written, reply.reservation_id)
+            move = bm.lend_to_remote(request_id, peer.engine_id, reply.dst_block_ids, written,
+                                     copy_id=reply.reservation_id)
         except (OutOfBlocks, ValueError, KeyError) as exc:
             # The request finished or shrank while the reservation was made: it expires there.
             log.info("move of request %s abandoned: %s", request_id, exc)
@@ -650,7 +651,7 @@ class TransportLender:
                 raise
             # No await between the commit's answer and the switch: the next step attends at dst.
             bm.relocate_remote(request_id, segment.token_start, src.engine_id, dst.engine_id, reply.dst_block_ids,
-                               reply.reservation_id)
+                               copy_id=reply.reservation_id)
         except (TransportError, RuntimeError, ValueError, KeyError) as exc:
             log.warning("move of request %s's segment %d from instance %d to %d failed: %s", request_id, segment_id,
                         src.inst_id, dst.inst_id, exc)
@@ -710,27 +711,29 @@ class TransportLender:
 
 
 async def audit_held(transport: Transport, ledger: CreditorLedger, own_inst_id: int, home_inst_id: int,
-                     home: PeerAddress, timeout_s: float, start: int = 0) -> tuple[int, int]:
+                     home: PeerAddress, timeout_s: float,
+                     after: tuple[int, int] | None = None) -> tuple[int, tuple[int, int] | None]:
     """The creditor's audit of what it holds for one home: name the segments to the home, free
-    those it answers it no longer counts on. At most ``MAX_AUDITED_SEGMENTS`` at a time, from
-    the ``start``-th in (request, segment) order. Returns the blocks freed and where the next
-    audit starts (0 once every segment had its turn).
+    those it answers it no longer counts on. At most ``MAX_AUDITED_SEGMENTS`` at a time, in
+    (request, segment) order from the first after ``after`` (None: from the first). Returns the
+    blocks freed and where the next audit goes on: the last (request, segment) named, or None
+    once the last segment had its turn.
 
     A FreeSegment lost for good (the home's retries all failed) would otherwise keep its blocks
     for as long as the home lives: the home publishes all along, so it never looks lost."""
     held = sorted(ledger.held_for(home_inst_id), key=lambda s: (s.req_id, s.segment_id))
-    if start >= len(held):
-        start = 0
-    audited = held[start:start + MAX_AUDITED_SEGMENTS]
-    next_start = start + len(audited) if start + len(audited) < len(held) else 0
+    if after is not None:
+        held = [s for s in held if (s.req_id, s.segment_id) > after]
+    audited = held[:MAX_AUDITED_SEGMENTS]
     if not audited:
-        return 0, 0
+        return 0, None
+    next_after = (audited[-1].req_id, audited[-1].segment_id) if len(held) > len(audited) else None
     reply = await transport.request(home, AuditHeld(own_inst_id, tuple(
         HeldSegmentRef(s.req_id, s.segment_id, s.reservation_id) for s in audited)), timeout_s=timeout_s)
     if not isinstance(reply, AuditHeldReply):
         raise RuntimeError(f"instance {home_inst_id} answered an audit with {type(reply).__name__}")
     by_ref = {HeldSegmentRef(s.req_id, s.segment_id, s.reservation_id): s for s in audited}
-    return ledger.free_audited(by_ref[ref] for ref in reply.stale if ref in by_ref), next_start
+    return ledger.free_audited(by_ref[ref] for ref in reply.stale if ref in by_ref), next_after
 
 
 def forward_timeout_s(request_timeout_s: float, nbytes: int) -> float:

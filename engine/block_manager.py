@@ -290,14 +290,15 @@ class BlockManager:
         return move
 
     def lend_to_remote(self, request_id: str, dst_instance_id: int, dst_block_ids: Sequence[int],
-                       num_written: int, copy_id: int = 0) -> SegmentMove:
+                       num_written: int, *, copy_id: int) -> SegmentMove:
         """Like :meth:`lend`, to a peer's pool whose blocks ``dst_block_ids`` that peer reserved
-        (``copy_id``: the peer's id for the copy, its reservation's).
+        (``copy_id``: the peer's id for the copy, its reservation's, positive).
 
         The peer's blocks are its own to count: this process tracks only the table.
         """
         if self.is_local(dst_instance_id):
             raise ValueError(f"instance {dst_instance_id} is a pool of this process: use lend")
+        _require_copy_id(copy_id)
         num_blocks = len(dst_block_ids)
         lendable = self.num_lendable_blocks(request_id, num_written)
         if not 0 < num_blocks <= lendable:
@@ -313,7 +314,7 @@ class BlockManager:
         return move
 
     def relocate_remote(self, request_id: str, token_start: int, src_instance_id: int, dst_instance_id: int,
-                        dst_block_ids: Sequence[int], copy_id: int = 0) -> Segment:
+                        dst_block_ids: Sequence[int], *, copy_id: int) -> Segment:
         """Point a segment held by one peer at the copy another peer now holds; returns it.
 
         The creditor-to-creditor move's switch: the home calls it once ``dst_instance_id``
@@ -326,6 +327,7 @@ class BlockManager:
             raise ValueError(f"instances {src_instance_id} and {dst_instance_id} must both be peers of this process")
         if src_instance_id == dst_instance_id:
             raise ValueError(f"a relocation needs two peers, got {src_instance_id} twice")
+        _require_copy_id(copy_id)
         table = self._tables[request_id]
         index = next((i for i, s in enumerate(table)
                       if s.token_start == token_start and s.instance_id == src_instance_id), None)
@@ -373,7 +375,8 @@ class BlockManager:
         rest = source.block_ids[len(move.src_block_ids):]
         pieces = [moved]
         if rest:
-            pieces.append(Segment(source.instance_id, rest, move.token_end, source.token_end - move.token_end))
+            pieces.append(Segment(source.instance_id, rest, move.token_end, source.token_end - move.token_end,
+                                  source.copy_id))
         table[index:index + 1] = pieces
         self._tables[move.request_id] = _coalesce(table, self.is_local)
         if self.is_local(move.src_instance_id):
@@ -419,6 +422,13 @@ class BlockManager:
         if not 0 <= instance_id < len(self._allocators):
             raise ValueError(f"no instance {instance_id}: there are {len(self._allocators)}")
         return self._allocators[instance_id]
+
+
+def _require_copy_id(copy_id: int) -> None:
+    """A peer's copy must be named: a free or an audit naming copy 0 would match none, and the
+    audit would count the live copy as no longer needed."""
+    if type(copy_id) is not int or copy_id <= 0:
+        raise ValueError(f"a peer's copy needs its positive id (its reservation's), got {copy_id!r}")
 
 
 def _coalesce(table: list[Segment], is_local: Callable[[int], bool]) -> list[Segment]:

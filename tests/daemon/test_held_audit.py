@@ -178,15 +178,16 @@ def test_a_home_with_more_segments_than_one_audit_names_is_audited_in_turns(monk
         reservation = s.d.ledger.reserve(H, req_id, 1, 0.0)
         s.d.ledger.commit(reservation.reservation_id, H, req_id, 0, 0.0)
 
-    async def scenario() -> list[tuple[int, int]]:
+    async def scenario() -> list[tuple[int, tuple[int, int] | None]]:
         await start_home_serving_audits(s)
-        turns, start = [], 0
+        turns, after = [], None
         for _ in range(4):
-            freed, start = await audit_held(s.d.transport, s.d.ledger, D, H, address(H), timeout_s=5.0, start=start)
-            turns.append((freed, start))
+            freed, after = await audit_held(s.d.transport, s.d.ledger, D, H, address(H), timeout_s=5.0, after=after)
+            turns.append((freed, after))
         return turns
 
-    # Two segments a turn, in request order: 7 and 8 (8 freed), then from the third on, of
-    # those left: 10 and 11; then from the start again: 7 and 9; then 7 alone.
-    assert run(scenario()) == [(1, 2), (2, 0), (1, 0), (0, 0)]
+    # Two segments a turn, in request order, each turn going on after the last one named: 7 and
+    # 8 (8 freed), then 9 and 10 (both freed), then 11 (freed, the last: from the start again),
+    # then 7 alone.
+    assert run(scenario()) == [(1, (8, 0)), (2, (10, 0)), (1, None), (0, None)]
     assert list(s.d.ledger.held) == [(H, 7, 0)]

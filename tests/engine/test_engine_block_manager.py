@@ -128,33 +128,33 @@ def test_relocate_remote_points_a_peer_segment_at_another_peer():
     # One pool in this process (0); peers 1 and 2 are other daemons' pools.
     bm = BlockManager(block_size=4, pool_blocks=[8])
     bm.allocate("a", 20)  # home blocks 0..4
-    bm.commit_move(bm.lend_to_remote("a", 1, (10, 11), num_written=20))
-    bm.commit_move(bm.lend_to_remote("a", 1, (12,), num_written=20))
-    assert bm.block_table("a") == (Segment(1, (10, 11), 0, 8), Segment(1, (12,), 8, 4), Segment(0, (3, 4), 12, 8))
-    moved = bm.relocate_remote("a", 8, src_instance_id=1, dst_instance_id=2, dst_block_ids=(30,))
-    assert moved == Segment(2, (30,), 8, 4)
-    assert bm.block_table("a") == (Segment(1, (10, 11), 0, 8), Segment(2, (30,), 8, 4), Segment(0, (3, 4), 12, 8))
+    bm.commit_move(bm.lend_to_remote("a", 1, (10, 11), num_written=20, copy_id=1))
+    bm.commit_move(bm.lend_to_remote("a", 1, (12,), num_written=20, copy_id=2))
+    assert bm.block_table("a") == (Segment(1, (10, 11), 0, 8, 1), Segment(1, (12,), 8, 4, 2), Segment(0, (3, 4), 12, 8))
+    moved = bm.relocate_remote("a", 8, src_instance_id=1, dst_instance_id=2, dst_block_ids=(30,), copy_id=3)
+    assert moved == Segment(2, (30,), 8, 4, 3)
+    assert bm.block_table("a") == (Segment(1, (10, 11), 0, 8, 1), Segment(2, (30,), 8, 4, 3), Segment(0, (3, 4), 12, 8))
     # Peer segments stay apart even when they become neighbours on one peer.
-    bm.relocate_remote("a", 0, 1, 2, (31, 32))
-    assert bm.block_table("a") == (Segment(2, (31, 32), 0, 8), Segment(2, (30,), 8, 4), Segment(0, (3, 4), 12, 8))
+    bm.relocate_remote("a", 0, 1, 2, (31, 32), copy_id=4)
+    assert bm.block_table("a") == (Segment(2, (31, 32), 0, 8, 4), Segment(2, (30,), 8, 4, 3), Segment(0, (3, 4), 12, 8))
     assert bm.num_free_blocks(0) == 6  # no block of this process changed hands
 
 
 def test_relocate_remote_refuses_what_does_not_match():
     bm = BlockManager(block_size=4, pool_blocks=[8])
     bm.allocate("a", 12)
-    bm.commit_move(bm.lend_to_remote("a", 1, (10, 11), num_written=12))
+    bm.commit_move(bm.lend_to_remote("a", 1, (10, 11), num_written=12, copy_id=1))
     before = bm.block_table("a")
     with pytest.raises(ValueError, match="no segment at token 4"):
-        bm.relocate_remote("a", 4, 1, 2, (5,))
+        bm.relocate_remote("a", 4, 1, 2, (5,), copy_id=2)
     with pytest.raises(ValueError, match="no segment at token 0 on instance 3"):
-        bm.relocate_remote("a", 0, 3, 2, (5, 6))
+        bm.relocate_remote("a", 0, 3, 2, (5, 6), copy_id=2)
     with pytest.raises(ValueError, match="1 blocks for a segment of 2"):
-        bm.relocate_remote("a", 0, 1, 2, (5,))
+        bm.relocate_remote("a", 0, 1, 2, (5,), copy_id=2)
     with pytest.raises(ValueError, match="must both be peers"):
-        bm.relocate_remote("a", 0, 1, 0, (5, 6))
+        bm.relocate_remote("a", 0, 1, 0, (5, 6), copy_id=2)
     with pytest.raises(KeyError):
-        bm.relocate_remote("b", 0, 1, 2, (5, 6))
+        bm.relocate_remote("b", 0, 1, 2, (5, 6), copy_id=2)
     assert bm.block_table("a") == before
 
 
@@ -210,3 +210,16 @@ def test_a_request_counts_on_the_peer_segments_its_table_or_a_pending_move_point
     assert moved.copy_id == 42 and bm.counts_on("a", 0, 2, 42) and not bm.counts_on("a", 0, 1, 41)
     bm.free("a")
     assert not bm.counts_on("a", 0, 2, 42)
+
+
+def test_a_peers_copy_must_be_named():
+    """Copy 0 would match no free and no audit: the live copy would be counted as not needed."""
+    bm = BlockManager(block_size=4, pool_blocks=[8])
+    bm.allocate("a", 20)
+    for bad in (0, -3, True):
+        with pytest.raises(ValueError, match="positive id"):
+            bm.lend_to_remote("a", 1, (10,), num_written=20, copy_id=bad)
+    bm.commit_move(bm.lend_to_remote("a", 1, (10,), num_written=20, copy_id=5))
+    with pytest.raises(ValueError, match="positive id"):
+        bm.relocate_remote("a", 0, 1, 2, (11,), copy_id=0)
+    assert bm.block_table("a")[0] == Segment(1, (10,), 0, 4, 5)
