@@ -676,7 +676,10 @@ def main() -> None:
         if home.get("remote_attention_mean_s") and served:
             print(f"  {r['instances']} instances: remote attention wait {1e6 * home['remote_attention_mean_s']:.0f} us "
                   f"per layer, of which serving {1e6 * sum(served) / len(served):.0f} us")
-    if moves:
+    if moves and moves[0].get("design") == "toggled windows":
+        print("KV split; tok/s in windows without moves and with moves back to back, alternating within each "
+              "request (all at home: tok/s local)")
+    elif moves:
         print("KV split; tok/s without moves (at the moving runs' mean split) and with moves back to back "
               "(all at home: tok/s local)")
     print(f"{'moved':>6} {'tok/s local':>12} {'tok/s without':>14} {'tok/s with':>11} {'cost':>7} {'moves/step':>10}")
