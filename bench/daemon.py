@@ -311,8 +311,9 @@ async def leader_moves(address: PeerAddress, req_id_of: "queue.Queue[int]", spli
     move of ``split_blocks`` (the request then decodes with its KV split, as both timed runs
     do), then, with ``num_blocks``, moves of that many blocks back to back until ``stop``
     (only while ``moving`` is set, where given). Its transport is up (``ready``) before the
-    request starts. Sets ``result["split_at"]`` (when the split move returned, perf_counter s)
-    and ``result["moves"]`` ((committed, failed))."""
+    request starts. Sets ``result["split_at"]`` (when the split move returned, perf_counter s),
+    ``result["moves"]`` ((committed, failed)) and ``result["intervals"]`` ((start, end,
+    committed) of each move after the split, perf_counter s)."""
     from infinite_llm.transport.ucx import UcxTransport
 
     transport = UcxTransport(TransportConfig(request_timeout_s=120.0))
@@ -325,6 +326,7 @@ async def leader_moves(address: PeerAddress, req_id_of: "queue.Queue[int]", spli
     ready.set()
     req_id = await asyncio.to_thread(req_id_of.get, True, 600)
     done = failed = 0
+    intervals: list[tuple[float, float, bool]] = result.setdefault("intervals", [])
     try:
         await transport.request(address, MoveKV(epoch=1, move_id=1, home_inst_id=1, req_id=req_id, src_inst_id=1,
                                                 dst_inst_id=dst, num_blocks=split_blocks))
@@ -335,12 +337,15 @@ async def leader_moves(address: PeerAddress, req_id_of: "queue.Queue[int]", spli
                 await asyncio.sleep(0.002)
                 continue
             move_id += 1
+            started = time.perf_counter()
             try:
                 await transport.request(address, MoveKV(epoch=1, move_id=move_id, home_inst_id=1, req_id=req_id,
                                                         src_inst_id=1, dst_inst_id=dst, num_blocks=num_blocks))
                 done += 1
+                intervals.append((started, time.perf_counter(), True))
             except Exception:  # noqa: BLE001  out of lendable blocks near the end: count and go on
                 failed += 1
+                intervals.append((started, time.perf_counter(), False))
                 await asyncio.sleep(0.01)
     finally:
         await transport.close()
@@ -360,14 +365,16 @@ def split_run(cluster: LocalCluster, prompt: str, new_tokens: int, split_blocks:
         address, req_id_of, split_blocks, blocks_per_move, ready, stop, dst=2, result=result)))
     leader_thread.start()
     creditor_before = creditor_counts(cluster[2])
-    if not ready.wait(120):
-        raise RuntimeError("the benchmark's leader transport did not start")
-    for event in cluster[1].stream(prompt, max_tokens=new_tokens, ignore_eos=True):
-        events.append((time.perf_counter(), event))
-        if len(events) == 1:
-            req_id_of.put(int(event["request_id"]))
-    stop.set()
-    leader_thread.join(timeout=120)
+    try:
+        if not ready.wait(120):
+            raise RuntimeError("the benchmark's leader transport did not start")
+        for event in cluster[1].stream(prompt, max_tokens=new_tokens, ignore_eos=True):
+            events.append((time.perf_counter(), event))
+            if len(events) == 1:
+                req_id_of.put(int(event["request_id"]))
+    finally:  # the leader's thread ends whatever became of the request
+        stop.set()
+        leader_thread.join(timeout=120)
     if "split_at" not in result:
         raise RuntimeError("the split move did not return before the request ended")
     after = [(t, e) for t, e in events if t > result["split_at"]]
@@ -384,10 +391,13 @@ def toggled_run(cluster: LocalCluster, prompt: str, new_tokens: int, split_block
                 window_steps: int, skip_steps: int) -> dict:
     """One request whose KV the leader splits at its first decode step; then windows of
     ``window_steps`` decode steps alternate, without moves first, with moves back to back next.
-    Each window's rate leaves out its first ``skip_steps`` (a move of the window before may end
-    there, or the window's first move not have started). Windows with and without moves thus
-    share the request, its split as it grows and the host's state at the time: their
-    difference is the moves' cost with the drifts of separate runs taken out."""
+    Each window's rate leaves out its first ``skip_steps``. Windows with and without moves thus
+    share the request, its split as it grows and the host's state at the time: their difference
+    is the moves' cost with the drifts of separate runs taken out.
+
+    A window is marked ``clean`` when its measured steps are what it claims: without moves, no
+    move ran during them (one started in the window before may run on); with moves, none failed.
+    """
     member = json.loads((cluster.state_dir / "members" / "1.json").read_text())
     address = PeerAddress(member["peer_host"], member["peer_port"])
     times: list[float] = []
@@ -397,44 +407,60 @@ def toggled_run(cluster: LocalCluster, prompt: str, new_tokens: int, split_block
     leader_thread = threading.Thread(target=lambda: asyncio.run(leader_moves(
         address, req_id_of, split_blocks, blocks_per_move, ready, stop, dst=2, result=result, moving=moving)))
     leader_thread.start()
-    if not ready.wait(120):
-        raise RuntimeError("the benchmark's leader transport did not start")
     first_after_split = None
-    for event in cluster[1].stream(prompt, max_tokens=new_tokens, ignore_eos=True):
-        now = time.perf_counter()
-        if not times:
-            req_id_of.put(int(event["request_id"]))
-        times.append(now)
-        if first_after_split is None and "split_at" in result and now > result["split_at"]:
-            first_after_split = len(times) - 1
-        if first_after_split is not None:
-            window = (len(times) - 1 - first_after_split) // window_steps
-            moving.set() if window % 2 else moving.clear()
-    stop.set()
-    moving.set()
-    leader_thread.join(timeout=120)
+    try:
+        if not ready.wait(120):
+            raise RuntimeError("the benchmark's leader transport did not start")
+        for event in cluster[1].stream(prompt, max_tokens=new_tokens, ignore_eos=True):
+            now = time.perf_counter()
+            if not times:
+                req_id_of.put(int(event["request_id"]))
+            times.append(now)
+            if first_after_split is None and "split_at" in result and now > result["split_at"]:
+                first_after_split = len(times) - 1
+            if first_after_split is not None:
+                if (len(times) - 1 - first_after_split) // window_steps % 2:
+                    moving.set()
+                else:
+                    moving.clear()
+    finally:
+        stop.set()
+        leader_thread.join(timeout=120)
     if first_after_split is None:
         raise RuntimeError("the split move did not return before the request ended")
     after = times[first_after_split:]
+    intervals = result["intervals"]
     windows = []
-    for w in range(len(after) // window_steps):
+    for w in range((len(after) - 1) // window_steps):  # windows whose last step was seen
         start, end = w * window_steps + skip_steps, (w + 1) * window_steps
-        if end >= len(after):
-            break
-        windows.append({"moves": bool(w % 2), "tokens_per_s": (end - start) / (after[end] - after[start])})
+        t0, t1 = after[start], after[end]
+        overlapping = [ok for began, ended, ok in intervals if began < t1 and ended > t0]
+        with_moves = bool(w % 2)
+        windows.append({"moves": with_moves, "tokens_per_s": (end - start) / (t1 - t0),
+                        "moves_committed": sum(1 for began, _, ok in intervals
+                                               if ok and after[w * window_steps] <= began < t1),
+                        "clean": all(overlapping) if with_moves else not overlapping})
     done, failed = result["moves"]
-    return {"windows": windows, "moves_committed": done, "moves_failed": failed,
-            "steps_with_moves": sum(1 for w in windows if w["moves"]) * window_steps}
+    return {"windows": windows, "moves_committed": done, "moves_failed": failed}
 
 
-def toggled_cost(windows: list[dict]) -> dict:
-    """The moves' cost from alternating windows: each window with moves against the mean of the
-    windows without on either side of it; the mean of those and its standard error."""
-    costs = _window_costs(windows)
-    if not costs:
-        raise RuntimeError("no window with moves between two without: ask for more new tokens")
-    error = statistics.stdev(costs) / math.sqrt(len(costs)) if len(costs) > 1 else float("nan")
-    return {"throughput_cost": statistics.fmean(costs), "standard_error": error, "windows_compared": len(costs)}
+def window_costs(windows: list[dict]) -> list[float]:
+    """Each clean window with moves against the mean rate of the clean windows without moves on
+    either side of it: 1 - its rate / that mean."""
+    costs = []
+    for i in range(1, len(windows) - 1):
+        before, w, after = windows[i - 1], windows[i], windows[i + 1]
+        if w["moves"] and w["clean"] and before["clean"] and after["clean"]:
+            costs.append(1 - w["tokens_per_s"] / ((before["tokens_per_s"] + after["tokens_per_s"]) / 2))
+    return costs
+
+
+def mean_and_error(values: list[float]) -> tuple[float, float]:
+    """The mean and its standard error (nan for fewer than two values)."""
+    if not values:
+        return float("nan"), float("nan")
+    error = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else float("nan")
+    return statistics.fmean(values), error
 
 
 def creditor_counts(inst) -> dict[str, float]:
@@ -452,7 +478,10 @@ def toggled_move_case(context_blocks: int, prompt: str, new_tokens: int, blocks_
                       extra_args: list[str], spread: bool, chunk_blocks: int, instance_cpus: str | None,
                       repeats: int, window_steps: int, skip_steps: int) -> dict:
     """The moves' cost from ``repeats`` requests each alternating windows without and with
-    moves (``toggled_run``), after a warm-up request that does the same."""
+    moves (``toggled_run``), after a warm-up request that does the same. The cost is the mean
+    over the compared windows of all requests; its standard error is taken over the requests'
+    own means (windows of one request share neighbours and the request's state, so they are
+    not independent), and over the windows beside it."""
     pools = [context_blocks + 64 + chunk_blocks, context_blocks + 64]
     split_blocks = context_blocks // 2
     runs = []
@@ -472,31 +501,25 @@ def toggled_move_case(context_blocks: int, prompt: str, new_tokens: int, blocks_
                     runs.append(run)
         finally:
             cluster.stop()
-    windows = [w for run in runs for w in run["windows"]]
-    without = [w["tokens_per_s"] for w in windows if not w["moves"]]
-    with_moves = [w["tokens_per_s"] for w in windows if w["moves"]]
-    committed = sum(r["moves_committed"] for r in runs)
-    cost = [toggled_cost(run["windows"]) for run in runs]
-    costs_pooled = [c for run in runs for c in _window_costs(run["windows"])]
+    per_run = [window_costs(run["windows"]) for run in runs]
+    pooled = [c for costs in per_run for c in costs]
+    cost, error_windows = mean_and_error(pooled)
+    _, error_requests = mean_and_error([statistics.fmean(costs) for costs in per_run if costs])
+    compared = [w for run in runs for i, w in enumerate(run["windows"])
+                if 0 < i < len(run["windows"]) - 1 and w["moves"] and w["clean"]
+                and run["windows"][i - 1]["clean"] and run["windows"][i + 1]["clean"]]
     return {"tokens_per_move": blocks_per_move * BLOCK_SIZE, "split_blocks": split_blocks, "repeats": repeats,
             "design": "toggled windows", "window_steps": window_steps, "skip_steps": skip_steps,
             "decode_tokens_per_s_local": local,
-            "decode_tokens_per_s_without": statistics.fmean(without),
-            "decode_tokens_per_s_with": statistics.fmean(with_moves),
-            "throughput_cost": statistics.fmean(costs_pooled),
-            "standard_error": statistics.stdev(costs_pooled) / math.sqrt(len(costs_pooled)),
-            "windows_compared": len(costs_pooled), "per_run": cost,
+            "throughput_cost": cost, "standard_error": error_requests, "standard_error_over_windows": error_windows,
+            "windows_compared": len(pooled),
+            "windows_left_out": sum(1 for run in runs for w in run["windows"] if not w["clean"]),
+            "per_run_cost": [statistics.fmean(costs) if costs else None for costs in per_run],
             "runs_windows": [run["windows"] for run in runs],
-            "moves_committed": committed, "moves_failed": sum(r["moves_failed"] for r in runs),
-            "moves_per_step_with_moves": committed / max(1, sum(r["steps_with_moves"] for r in runs))}
-
-
-def _window_costs(windows: list[dict]) -> list[float]:
-    costs = []
-    for i, w in enumerate(windows):
-        if w["moves"] and 0 < i < len(windows) - 1 and not windows[i - 1]["moves"] and not windows[i + 1]["moves"]:
-            costs.append(1 - w["tokens_per_s"] / ((windows[i - 1]["tokens_per_s"] + windows[i + 1]["tokens_per_s"]) / 2))
-    return costs
+            "moves_committed": sum(r["moves_committed"] for r in runs),
+            "moves_failed": sum(r["moves_failed"] for r in runs),
+            "moves_per_step_in_compared_windows": (sum(w["moves_committed"] for w in compared)
+                                                   / max(1, len(compared) * window_steps))}
 
 
 def move_case(context_blocks: int, prompt: str, new_tokens: int, blocks_per_move: int, device: str,
@@ -610,6 +633,8 @@ def main() -> None:
         move_blocks.append(int(tokens) // BLOCK_SIZE)
     if args.move_repeats < 1:
         raise SystemExit("--move-repeats must be at least 1")
+    if args.move_window < 0 or (args.move_window and not 0 <= args.move_window_skip < args.move_window):
+        raise SystemExit("--move-window must be at least 0, and --move-window-skip at least 0 and less than it")
     if counts and counts[0] != 1:
         raise SystemExit("--instances must start with 1 (the anchor)")
     splits = [split_case(n, context_blocks, prompt, args.new_tokens, args.device, extra_args,
@@ -627,8 +652,6 @@ def main() -> None:
             pstats.Stats(str(path)).sort_stats("tottime").print_stats(22)
     for row in splits:
         row["vs_one_instance"] = row["decode_tokens_per_s"] / splits[0]["decode_tokens_per_s"]
-    if args.move_window and not 0 <= args.move_window_skip < args.move_window:
-        raise SystemExit("--move-window-skip must be at least 0 and less than --move-window")
     chunk_blocks = math.ceil((args.max_num_batched_tokens or 128) / BLOCK_SIZE)
     if args.no_moves:
         moves = []
@@ -650,7 +673,7 @@ def main() -> None:
     suffix += "-eager-creditor" if args.creditor_cuda_graphs is False else ""
     suffix += "-pinned" if args.instance_cpus else ""
     suffix += "-moves" if args.moves_only else ""
-    suffix += "-toggled" if args.moves_only and args.move_window else ""
+    suffix += "-toggled" if args.move_window and not args.no_moves else ""
     out = Path(args.out_dir) / f"daemon-{gpu}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
@@ -677,19 +700,20 @@ def main() -> None:
             print(f"  {r['instances']} instances: remote attention wait {1e6 * home['remote_attention_mean_s']:.0f} us "
                   f"per layer, of which serving {1e6 * sum(served) / len(served):.0f} us")
     if moves and moves[0].get("design") == "toggled windows":
-        print("KV split; tok/s in windows without moves and with moves back to back, alternating within each "
-              "request (all at home: tok/s local)")
+        print("KV split; windows without moves and with moves back to back alternate within each request "
+              "(all at home: tok/s local)")
     elif moves:
         print("KV split; tok/s without moves (at the moving runs' mean split) and with moves back to back "
               "(all at home: tok/s local)")
     print(f"{'moved':>6} {'tok/s local':>12} {'tok/s without':>14} {'tok/s with':>11} {'cost':>7} {'moves/step':>10}")
     for r in moves:
         if r.get("design") == "toggled windows":
-            print(f"{r['tokens_per_move']:>6} {r['decode_tokens_per_s_local']:>12.2f} "
-                  f"{r['decode_tokens_per_s_without']:>14.2f} {r['decode_tokens_per_s_with']:>11.2f} "
-                  f"{100 * r['throughput_cost']:>6.1f}% {r['moves_per_step_with_moves']:>10.2f}"
-                  f"   (standard error {100 * r['standard_error']:.1f}%, {r['windows_compared']} windows with moves, "
-                  f"each against its neighbours without)")
+            print(f"{r['tokens_per_move']:>6} {r['decode_tokens_per_s_local']:>12.2f} {'':>14} {'':>11} "
+                  f"{100 * r['throughput_cost']:>6.1f}% {r['moves_per_step_in_compared_windows']:>10.2f}"
+                  f"   (standard error {100 * r['standard_error']:.1f}% over requests, "
+                  f"{100 * r['standard_error_over_windows']:.1f}% over windows; {r['windows_compared']} windows "
+                  f"with moves, each against its neighbours without; {r['windows_left_out']} windows left out)")
+            print(f"       per request {[None if c is None else round(100 * c, 1) for c in r['per_run_cost']]} %")
             continue
         print(f"{r['tokens_per_move']:>6} {r['decode_tokens_per_s_local']:>12.2f} {r['decode_tokens_per_s_without']:>14.2f} "
               f"{r['decode_tokens_per_s_with']:>11.2f} {100 * r['throughput_cost']:>6.1f}% {r['moves_per_step']:>10.2f}")
