@@ -549,9 +549,9 @@ class InstanceDaemon:
                                             message.reservation_id):
                 held = self.ledger.held.get((message.home_inst_id, message.req_id, message.segment_id))
                 if held is not None:  # a late free of an earlier copy: the newer one stays
-                    log.info("instance %d freed copy %d of request %d's segment %d; copy %d is held: kept",
-                             message.home_inst_id, message.reservation_id, message.req_id, message.segment_id,
-                             held.reservation_id)
+                    log.info("instance %d's free of copy %d of request %d's segment %d came after copy %d was "
+                             "committed there: kept", message.home_inst_id, message.reservation_id, message.req_id,
+                             message.segment_id, held.reservation_id)
             # The kept plan (and its graphs) stays while the home has KV here: the next request
             # finds the change in the ledger and is planned over what is held then.
             if not self.ledger.has_segments_of(message.home_inst_id):
