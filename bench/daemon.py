@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -444,15 +445,18 @@ def toggled_run(cluster: LocalCluster, prompt: str, new_tokens: int, split_block
     return {"windows": windows, "moves_committed": done, "moves_failed": failed}
 
 
+def compared_windows(windows: list[dict]) -> list[tuple[dict, dict, dict]]:
+    """(before, with moves, after) for each clean window with moves between two clean windows
+    without (windows alternate, so its neighbours are without)."""
+    return [(windows[i - 1], windows[i], windows[i + 1]) for i in range(1, len(windows) - 1)
+            if windows[i]["moves"] and all(w["clean"] for w in windows[i - 1:i + 2])]
+
+
 def window_costs(windows: list[dict]) -> list[float]:
-    """Each clean window with moves against the mean rate of the clean windows without moves on
-    either side of it: 1 - its rate / that mean."""
-    costs = []
-    for i in range(1, len(windows) - 1):
-        before, w, after = windows[i - 1], windows[i], windows[i + 1]
-        if w["moves"] and w["clean"] and before["clean"] and after["clean"]:
-            costs.append(1 - w["tokens_per_s"] / ((before["tokens_per_s"] + after["tokens_per_s"]) / 2))
-    return costs
+    """Each compared window with moves against the mean rate of its neighbours without:
+    1 - its rate / that mean."""
+    return [1 - w["tokens_per_s"] / ((before["tokens_per_s"] + after["tokens_per_s"]) / 2)
+            for before, w, after in compared_windows(windows)]
 
 
 def mean_and_error(values: list[float]) -> tuple[float, float]:
@@ -474,17 +478,13 @@ def creditor_counts(inst) -> dict[str, float]:
             "attend_served": metrics.get("infllm_attend_serve_seconds_count", 0.0)}
 
 
-def toggled_move_case(context_blocks: int, prompt: str, new_tokens: int, blocks_per_move: int, device: str,
-                      extra_args: list[str], spread: bool, chunk_blocks: int, instance_cpus: str | None,
-                      repeats: int, window_steps: int, skip_steps: int) -> dict:
-    """The moves' cost from ``repeats`` requests each alternating windows without and with
-    moves (``toggled_run``), after a warm-up request that does the same. The cost is the mean
-    over the compared windows of all requests; its standard error is taken over the requests'
-    own means (windows of one request share neighbours and the request's state, so they are
-    not independent), and over the windows beside it."""
+@contextlib.contextmanager
+def move_cluster(context_blocks: int, prompt: str, new_tokens: int, device: str, extra_args: list[str],
+                 spread: bool, chunk_blocks: int, instance_cpus: str | None):
+    """Two instances for the cases of moves (the home with room for the whole request, the
+    peer for its moved KV), warmed up; yields the cluster and the request's decode rate all at
+    home, and stops the cluster after."""
     pools = [context_blocks + 64 + chunk_blocks, context_blocks + 64]
-    split_blocks = context_blocks // 2
-    runs = []
     with tempfile.TemporaryDirectory(prefix="infllm-bench-") as root:
         cluster = LocalCluster(Path(root), 2, pools[0], device=device, pool_blocks_per_instance=pools,
                                extra_args=extra_args, devices=instance_devices(device, 2, spread),
@@ -493,21 +493,33 @@ def toggled_move_case(context_blocks: int, prompt: str, new_tokens: int, blocks_
             cluster.wait_ready()
             run_request(cluster, prompt, 4, [])  # warm-up
             local, _ = decode_rate(run_request(cluster, prompt, new_tokens, []))
-            for i in range(repeats + 1):  # the first compiles and captures what a split uses
-                time.sleep(2.5)  # the creditor frees the last request's segments
-                run = toggled_run(cluster, prompt, new_tokens, split_blocks, blocks_per_move, window_steps,
-                                  skip_steps)
-                if i:
-                    runs.append(run)
+            yield cluster, local
         finally:
             cluster.stop()
+
+
+def toggled_move_case(context_blocks: int, prompt: str, new_tokens: int, blocks_per_move: int, device: str,
+                      extra_args: list[str], spread: bool, chunk_blocks: int, instance_cpus: str | None,
+                      repeats: int, window_steps: int, skip_steps: int) -> dict:
+    """The moves' cost from ``repeats`` requests each alternating windows without and with
+    moves (``toggled_run``), after a warm-up request that does the same. The cost is the mean
+    over the compared windows of all requests; its standard error is taken over the requests'
+    own means (windows of one request share neighbours and the request's state, so they are
+    not independent), and over the windows beside it."""
+    split_blocks = context_blocks // 2
+    runs = []
+    with move_cluster(context_blocks, prompt, new_tokens, device, extra_args, spread, chunk_blocks,
+                      instance_cpus) as (cluster, local):
+        for i in range(repeats + 1):  # the first compiles and captures what a split uses
+            time.sleep(2.5)  # the creditor frees the last request's segments
+            run = toggled_run(cluster, prompt, new_tokens, split_blocks, blocks_per_move, window_steps, skip_steps)
+            if i:
+                runs.append(run)
     per_run = [window_costs(run["windows"]) for run in runs]
     pooled = [c for costs in per_run for c in costs]
     cost, error_windows = mean_and_error(pooled)
     _, error_requests = mean_and_error([statistics.fmean(costs) for costs in per_run if costs])
-    compared = [w for run in runs for i, w in enumerate(run["windows"])
-                if 0 < i < len(run["windows"]) - 1 and w["moves"] and w["clean"]
-                and run["windows"][i - 1]["clean"] and run["windows"][i + 1]["clean"]]
+    compared = [w for run in runs for _, w, _ in compared_windows(run["windows"])]
     return {"tokens_per_move": blocks_per_move * BLOCK_SIZE, "split_blocks": split_blocks, "repeats": repeats,
             "design": "toggled windows", "window_steps": window_steps, "skip_steps": skip_steps,
             "decode_tokens_per_s_local": local,
@@ -530,29 +542,20 @@ def move_case(context_blocks: int, prompt: str, new_tokens: int, blocks_per_move
     With moves the split starts half and half and the creditor's share grows; without, the split
     is the mean of that (from the warm-up's moves). (The request alone, all at home, is
     reported beside.)"""
-    pools = [context_blocks + 64 + chunk_blocks, context_blocks + 64]
     split_blocks = context_blocks // 2
     without, moving = [], []
-    with tempfile.TemporaryDirectory(prefix="infllm-bench-") as root:
-        cluster = LocalCluster(Path(root), 2, pools[0], device=device, pool_blocks_per_instance=pools,
-                               extra_args=extra_args, devices=instance_devices(device, 2, spread),
-                               instance_args=cpu_args(instance_cpus, 2))
-        try:
-            cluster.wait_ready()
-            run_request(cluster, prompt, 4, [])  # warm-up
-            local, _ = decode_rate(run_request(cluster, prompt, new_tokens, []))
-            # The first split request compiles and captures what only a split uses (the home's
-            # merge, the creditor's kernels and graphs): a warm-up too, with its moves.
+    with move_cluster(context_blocks, prompt, new_tokens, device, extra_args, spread, chunk_blocks,
+                      instance_cpus) as (cluster, local):
+        # The first split request compiles and captures what only a split uses (the home's
+        # merge, the creditor's kernels and graphs): a warm-up too, with its moves.
+        time.sleep(2.5)
+        warm = split_run(cluster, prompt, new_tokens, split_blocks, blocks_per_move)
+        mean_split_blocks = split_blocks + round(warm["moves_committed"] * blocks_per_move / 2)
+        for _ in range(repeats):
+            time.sleep(2.5)  # the creditor frees the last request's segments
+            without.append(split_run(cluster, prompt, new_tokens, mean_split_blocks, 0))
             time.sleep(2.5)
-            warm = split_run(cluster, prompt, new_tokens, split_blocks, blocks_per_move)
-            mean_split_blocks = split_blocks + round(warm["moves_committed"] * blocks_per_move / 2)
-            for _ in range(repeats):
-                time.sleep(2.5)  # the creditor frees the last request's segments
-                without.append(split_run(cluster, prompt, new_tokens, mean_split_blocks, 0))
-                time.sleep(2.5)
-                moving.append(split_run(cluster, prompt, new_tokens, split_blocks, blocks_per_move))
-        finally:
-            cluster.stop()
+            moving.append(split_run(cluster, prompt, new_tokens, split_blocks, blocks_per_move))
     rate_without = sum(r["tokens_per_s"] for r in without) / repeats
     rate_with = sum(r["tokens_per_s"] for r in moving) / repeats
     committed = sum(r["moves_committed"] for r in moving)

@@ -391,11 +391,8 @@ class TransportLender:
 
     def release(self, request_id: str, segment: Segment) -> None:
         peer = self.peers.by_engine(segment.instance_id)
-        message = FreeSegment(self.peers.own_inst_id, int(request_id), segment.token_start // self._block_size(),
-                              segment.copy_id)
-        task = asyncio.get_running_loop().create_task(self._send_free(peer, message))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._free_later(peer, FreeSegment(self.peers.own_inst_id, int(request_id),
+                                           segment.token_start // self._block_size(), segment.copy_id))
 
     # ---- moves ---------------------------------------------------------------------------
     def _block_size(self) -> int:
@@ -522,7 +519,7 @@ class TransportLender:
             # where the peer's pool allows): a view of the home pool, or a gather of its blocks.
             runs, data = pack_kv_runs(pool, move.src_block_ids, move.dst_block_ids, self._staging)
             stored = await self.transport.request(peer.address, KVBlocks(move_id, reply.reservation_id, runs, data),
-                timeout_s=self.timeout_s + num_blocks * block_nbytes / MOVE_BYTES_PER_S_FLOOR)
+                timeout_s=kv_data_timeout_s(self.timeout_s, num_blocks * block_nbytes))
             self._staging.give_back(data)  # answered: the peer holds the data
             if not isinstance(stored, KVBlocksStored) or stored.num_blocks != num_blocks:
                 raise RuntimeError(f"instance {peer.inst_id} stored {stored!r}")
@@ -630,12 +627,12 @@ class TransportLender:
         committed = False
         try:
             # The source sends the blocks within its own allowance for their size
-            # (``forward_timeout_s``); this waits one more request's time for its answer.
+            # (``kv_data_timeout_s``); this waits one more request's time for its answer.
             stored = await self.transport.request(src.address, ForwardSegment(
                 epoch=epoch, move_id=move_id, home_inst_id=own, req_id=int(request_id), segment_id=segment_id,
                 dst_inst_id=dst.inst_id, dst_host=dst.address.host, dst_port=dst.address.port,
                 reservation_id=reply.reservation_id, dst_block_ids=reply.dst_block_ids),
-                timeout_s=forward_timeout_s(self.timeout_s, num_blocks * block_nbytes) + self.timeout_s)
+                timeout_s=kv_data_timeout_s(self.timeout_s, num_blocks * block_nbytes) + self.timeout_s)
             if not isinstance(stored, KVBlocksStored) or stored.num_blocks != num_blocks:
                 raise RuntimeError(f"instance {src.inst_id} forwarded {stored!r}")
             if segment not in bm.block_table(request_id):
@@ -728,16 +725,15 @@ async def audit_held(transport: Transport, ledger: CreditorLedger, own_inst_id: 
     if not audited:
         return 0, None
     next_after = (audited[-1].req_id, audited[-1].segment_id) if len(held) > len(audited) else None
-    reply = await transport.request(home, AuditHeld(own_inst_id, tuple(
-        HeldSegmentRef(s.req_id, s.segment_id, s.reservation_id) for s in audited)), timeout_s=timeout_s)
+    by_ref = {HeldSegmentRef(s.req_id, s.segment_id, s.reservation_id): s for s in audited}
+    reply = await transport.request(home, AuditHeld(own_inst_id, tuple(by_ref)), timeout_s=timeout_s)
     if not isinstance(reply, AuditHeldReply):
         raise RuntimeError(f"instance {home_inst_id} answered an audit with {type(reply).__name__}")
-    by_ref = {HeldSegmentRef(s.req_id, s.segment_id, s.reservation_id): s for s in audited}
     return ledger.free_audited(by_ref[ref] for ref in reply.stale if ref in by_ref), next_after
 
 
-def forward_timeout_s(request_timeout_s: float, nbytes: int) -> float:
-    """How long a creditor's forward of ``nbytes`` of KV to another creditor may take, s."""
+def kv_data_timeout_s(request_timeout_s: float, nbytes: int) -> float:
+    """How long a request carrying ``nbytes`` of KV blocks may take to be answered, s."""
     return request_timeout_s + nbytes / MOVE_BYTES_PER_S_FLOOR
 
 
@@ -758,7 +754,7 @@ async def forward_segment(transport: Transport, ledger: CreditorLedger, pool: to
     nbytes = sum(d.numel() * d.element_size() for d in data)
     stored = await transport.request(PeerAddress(message.dst_host, message.dst_port),
                                      KVBlocks(message.move_id, message.reservation_id, runs, data),
-                                     timeout_s=forward_timeout_s(timeout_s, nbytes))
+                                     timeout_s=kv_data_timeout_s(timeout_s, nbytes))
     if not isinstance(stored, KVBlocksStored):
         raise RuntimeError(f"instance {message.dst_inst_id} answered the blocks with {type(stored).__name__}")
     ledger.heard_from(message.home_inst_id, time.monotonic())

@@ -36,38 +36,31 @@ def start_home_serving_audits(s: Setup):
     return start()
 
 
+def blocks_freed_by_one_audit(s: Setup, creditor, inst_id: int) -> int:
+    """H started, serving audits; then ``creditor`` (instance ``inst_id``) audits H once."""
+    async def scenario() -> int:
+        await start_home_serving_audits(s)
+        return (await audit_held(creditor.transport, creditor.ledger, inst_id, H, address(H), timeout_s=5.0))[0]
+    return run(scenario())
+
+
 def test_a_segment_whose_free_was_lost_is_freed_by_the_audit() -> None:
     s = Setup()
     s.bm.free("7")  # the request ended; its FreeSegment to D never arrived
-
-    async def scenario() -> int:
-        await start_home_serving_audits(s)
-        return (await audit_held(s.d.transport, s.d.ledger, D, H, address(H), timeout_s=5.0))[0]
-
-    assert run(scenario()) == 2
+    assert blocks_freed_by_one_audit(s, s.d, D) == 2
     assert s.d.ledger.held == {} and sorted(s.d.free) == [5, 6, 7]
     assert s.types() == [(D, H, "audit_held"), (H, D, "audit_held_reply")]
 
 
 def test_the_segments_a_home_counts_on_stay_held() -> None:
     s = Setup()
-
-    async def scenario() -> int:
-        await start_home_serving_audits(s)
-        return (await audit_held(s.d.transport, s.d.ledger, D, H, address(H), timeout_s=5.0))[0]
-
-    assert run(scenario()) == 0
+    assert blocks_freed_by_one_audit(s, s.d, D) == 0
     assert list(s.d.ledger.held) == [(H, 7, 0)]
 
 
 def test_a_creditor_holding_nothing_for_the_home_asks_nothing() -> None:
     s = Setup()
-
-    async def scenario() -> int:
-        await start_home_serving_audits(s)
-        return (await audit_held(s.x.transport, s.x.ledger, X, H, address(H), timeout_s=5.0))[0]
-
-    assert run(scenario()) == 0
+    assert blocks_freed_by_one_audit(s, s.x, X) == 0
     assert s.types() == []
 
 
