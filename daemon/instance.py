@@ -538,7 +538,10 @@ class InstanceDaemon:
             return KVHoldReply(held, self._free_for_others())
         if isinstance(message, KVBlocks):
             # The data is already in the reserved blocks (the placer put it there).
-            self.ledger.reservation(message.reservation_id)
+            reservation = self.ledger.reservation(message.reservation_id)
+            if message.commit_segment_id >= 0:  # the home's own move: committed with its data
+                self.ledger.commit(message.reservation_id, reservation.home_inst_id, reservation.req_id,
+                                   message.commit_segment_id, time.monotonic())
             return KVBlocksStored(message.move_id, message.reservation_id, sum(r.num_blocks for r in message.runs))
         if isinstance(message, MoveCommit):
             self.ledger.commit(message.reservation_id, message.home_inst_id, message.req_id, message.segment_id,

@@ -517,14 +517,14 @@ class TransportLender:
         try:
             # One buffer per run of consecutive destination blocks (the reservation is contiguous
             # where the peer's pool allows): a view of the home pool, or a gather of its blocks.
+            # Committed there with its data: nothing is checked here between the two.
             runs, data = pack_kv_runs(pool, move.src_block_ids, move.dst_block_ids, self._staging)
-            stored = await self.transport.request(peer.address, KVBlocks(move_id, reply.reservation_id, runs, data),
+            stored = await self.transport.request(
+                peer.address, KVBlocks(move_id, reply.reservation_id, runs, data, commit_segment_id=segment_id),
                 timeout_s=kv_data_timeout_s(self.timeout_s, num_blocks * block_nbytes))
             self._staging.give_back(data)  # answered: the peer holds the data
             if not isinstance(stored, KVBlocksStored) or stored.num_blocks != num_blocks:
                 raise RuntimeError(f"instance {peer.inst_id} stored {stored!r}")
-            await self.transport.request(peer.address, MoveCommit(
-                move_id, reply.reservation_id, int(request_id), own, segment_id), timeout_s=self.timeout_s)
         except (TransportError, RuntimeError) as exc:
             self._abandon(engine, move, peer)
             log.warning("move of request %s to instance %d failed: %s", request_id, peer.inst_id, exc)

@@ -296,7 +296,7 @@ class KVBlocks:
     """Source -> destination: block data, one buffer per run, received into reserved blocks."""
 
     TYPE: ClassVar[str] = "kv_blocks"
-    VERSION: ClassVar[int] = 1
+    VERSION: ClassVar[int] = 2  # 2: commit_segment_id
     TENSORS: ClassVar[tuple[str, ...]] = ("runs_data",)
 
     move_id: int  # echoed
@@ -304,9 +304,15 @@ class KVBlocks:
     runs: tuple[BlockRun, ...]  # destination runs, one per buffer
     runs_data: tuple[WireArray, ...]  # buffer i: [runs[i].num_blocks, num_layers, 2, block_size,
     #                                      num_kv_heads, head_dim], the pool's dtype
+    # -1: a MoveCommit follows (a creditor forwarding a segment; the home commits once it has
+    # checked its table). Otherwise the home's own move, which checks nothing between the data
+    # and the commit: once the data is stored, the reservation becomes this segment of its
+    # request, as MoveCommit would make it, and a round trip is saved.
+    commit_segment_id: int = -1
 
     def __post_init__(self) -> None:
         _require(len(self.runs) == len(self.runs_data), "one buffer per run")
+        _require(self.commit_segment_id >= -1, "commit_segment_id is a segment id or -1")
         for run, data in zip(self.runs, self.runs_data):
             _require(run.num_blocks > 0, "a run has at least one block")
             _require(len(data.shape) >= 1 and data.shape[0] == run.num_blocks,
