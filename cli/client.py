@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import signal
 import subprocess
@@ -24,6 +25,7 @@ from typing import Any, Iterable, Iterator
 from infinite_llm.daemon.etcd_discovery import (
     DEFAULT_PREFIX,
     DEFAULT_REQUEST_TIMEOUT_S,
+    EtcdKeys,
     EtcdUnreachable,
     parse_endpoints,
     read_cluster,
@@ -48,6 +50,12 @@ class TimedOut(ClusterError):
     exit_code = 4
 
 
+class UsageError(ClusterError):
+    """A bad argument, found before anything was asked of the cluster."""
+
+    exit_code = 2
+
+
 @dataclass(frozen=True)
 class Endpoint:
     """A daemon's admin API."""
@@ -66,7 +74,11 @@ class Endpoint:
             conn.close()
         except OSError as exc:
             raise Unreachable(f"{self.name} at {self.socket_path} does not answer: {exc}") from None
-        data = json.loads(raw) if raw else {}
+        try:
+            data = json.loads(raw) if raw else {}
+        except ValueError:  # not the daemon's JSON (an unmapped failure's text, a proxy's page)
+            text = raw.decode("utf-8", "replace").strip()
+            raise ClusterError(f"{self.name} answered HTTP {response.status} with no JSON: {text[:200]!r}") from None
         if response.status >= 400:
             message = data.get("error") if isinstance(data, dict) else data
             if isinstance(message, dict):
@@ -89,8 +101,9 @@ class ClusterClient:
         given = etcd_endpoints.split(",") if isinstance(etcd_endpoints, str) else list(etcd_endpoints)
         try:
             pairs = parse_endpoints(given) if any(e.strip() for e in given) else ()
+            EtcdKeys(etcd_prefix)  # refuses a malformed prefix
         except ValueError as exc:
-            raise ClusterError(str(exc)) from None
+            raise UsageError(str(exc)) from None
         self.etcd_endpoints = tuple(f"{host}:{port}" for host, port in pairs)
         self.etcd_prefix = etcd_prefix
         self.etcd_timeout_s = etcd_timeout_s
@@ -180,6 +193,8 @@ class ClusterClient:
         With no leader, the instance's own API: cordon, and wait until its requests finished
         and their homes freed what it holds (nothing is moved, so this may wait long).
         """
+        if not (math.isfinite(timeout_s) and timeout_s > 0):  # before anything is cordoned
+            raise UsageError(f"the timeout must be a number of seconds > 0, got {timeout_s}")
         try:
             leader = self.leader()
         except Unreachable:

@@ -121,6 +121,24 @@ async def _events(first: GenerationEvent, stream: AsyncIterator[GenerationEvent]
         yield event
 
 
+@web.middleware
+async def _openai_http_errors(request: web.Request, handler) -> web.StreamResponse:
+    """aiohttp's own refusals (no such route, wrong method, a body over the limit) in OpenAI's
+    error body, as every other error of this API is, rather than as plain text."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        kind = "invalid_request_error" if exc.status < 500 else "server_error"
+        error = OpenAIError(f"{exc.reason}: {request.method} {request.path}" if exc.status in (404, 405)
+                            else exc.text or exc.reason, status=exc.status, error_type=kind)
+        response = _json(error.body(), status=exc.status)
+        if "Allow" in exc.headers:  # a 405 names the methods there are
+            response.headers["Allow"] = exc.headers["Allow"]
+        return response
+
+
 class OpenAIApp:
     """Routes of the OpenAI-compatible TCP API."""
 
@@ -128,7 +146,7 @@ class OpenAIApp:
         self.service = service
 
     def build(self) -> web.Application:
-        app = web.Application(client_max_size=_MAX_BODY_BYTES)
+        app = web.Application(client_max_size=_MAX_BODY_BYTES, middlewares=[_openai_http_errors])
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
@@ -179,9 +197,7 @@ class OpenAIApp:
         if last.finish_reason == "error":
             # OpenAI's clients retry a server error; a 200 with a finish reason they do not
             # know would hand them a cut-off text as if it were whole.
-            return _openai_error(OpenAIError(
-                f"the request failed on this instance after {last.num_output_tokens} tokens (see its log); "
-                "it may be sent again", status=500, error_type="server_error"))
+            return _openai_error(_failed_midway(last))
         render = chat_response if chat else completion_response
         rid = new_id("chatcmpl" if chat else "cmpl")
         return _json(render(rid, req.model, "".join(text), last.finish_reason, last.num_prompt_tokens, last.num_output_tokens))
@@ -197,6 +213,12 @@ class OpenAIApp:
                 await _sse(response, chat_chunk(rid, req.model, {"role": "assistant", "content": ""}, None))
             async for event in events:
                 last = event
+                if event.finish_reason == "error":
+                    # An error event, not a chunk with a finish reason clients do not know: the
+                    # openai client raises APIError on it rather than end the stream as if the
+                    # text were whole. The text of this last event is left out with the rest.
+                    await _sse(response, _failed_midway(event).body())
+                    break
                 if event.new_text or event.finished:
                     if chat:
                         delta = {"content": event.new_text} if event.new_text else {}
@@ -204,7 +226,7 @@ class OpenAIApp:
                     else:
                         chunk = completion_chunk(rid, req.model, event.new_text, event.finish_reason)
                     await _sse(response, chunk)
-            if req.include_usage and last is not None:
+            if req.include_usage and last is not None and last.finish_reason != "error":
                 obj = "chat.completion.chunk" if chat else "text_completion"
                 await _sse(response, usage_chunk(rid, req.model, obj, last.num_prompt_tokens, last.num_output_tokens))
             await response.write(b"data: [DONE]\n\n")
@@ -214,6 +236,11 @@ class OpenAIApp:
             # A client that went away ends the generator, which aborts the request in the engine.
             await events.aclose()
         return response
+
+
+def _failed_midway(last: GenerationEvent) -> OpenAIError:
+    return OpenAIError(f"the request failed on this instance after {last.num_output_tokens} tokens (see its log); "
+                       "it may be sent again", status=500, error_type="server_error")
 
 
 async def _sse(response: web.StreamResponse, data: Mapping[str, Any]) -> None:

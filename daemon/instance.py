@@ -475,11 +475,13 @@ class InstanceDaemon:
 
     def _fail_requests(self, request_ids: list[str], reason: str) -> None:
         for request_id in request_ids:
+            request = self.engine.scheduler.requests.get(request_id)
+            num_output = len(request.output_token_ids) if request is not None else 0
             self.engine.abort(request_id)
             queue = self._queues.get(request_id)
             if queue is not None:
                 queue.put_nowait(GenerationEvent(request_id, "", (), True, "error",
-                                                 self._prompt_tokens.get(request_id, 0), 0))
+                                                 self._prompt_tokens.get(request_id, 0), num_output))
         log.error("%d requests ended: %s", len(request_ids), reason)
 
     async def generate(self, prompt: str | tuple[int, ...] | None, messages: Sequence[dict[str, str]] | None,
@@ -489,7 +491,12 @@ class InstanceDaemon:
         request_id = str(next(self._request_ids))
         source: Any = prompt if prompt is not None else list(messages or ())
         try:
-            self.engine.add_request(source, params, request_id=request_id)
+            # On a thread: a prompt of megabytes takes seconds to render and tokenize, and this
+            # event loop serves peers' attend requests, heartbeats and the watchdog meanwhile.
+            token_ids = await asyncio.to_thread(self.engine.prompt_token_ids, source)
+            if self.draining:  # the drain began while the prompt was tokenized
+                raise RequestRefused("this instance is draining and admits no new requests", status=503)
+            self.engine.add_request(token_ids, params, request_id=request_id)
         except RequestRejected as exc:
             raise RequestRefused(str(exc)) from None
         num_prompt = len(self.engine.scheduler.requests[request_id].prompt_token_ids)

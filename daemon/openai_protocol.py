@@ -13,7 +13,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from infinite_llm.engine.sampling import SamplingParams
+from infinite_llm.engine.sampling import SEED_MIN, SamplingParams
 
 _COMMON_FIELDS = {
     "model", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options",
@@ -22,7 +22,12 @@ _COMMON_FIELDS = {
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "logprobs", "suffix", "best_of"}
 _CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
 _ROLES = ("system", "user", "assistant")
+# OpenAI's newer name for the system role; chat templates know only "system".
+_ROLE_ALIASES = {"developer": "system"}
 DEFAULT_MAX_TOKENS = 256
+# Stop strings a request may give: OpenAI allows 4, vLLM any number; each is looked for in the
+# text after every token.
+MAX_STOP_STRINGS = 64
 
 
 class OpenAIError(Exception):
@@ -99,10 +104,11 @@ def _sampling_params(body: Mapping[str, Any], max_tokens: int | None) -> Samplin
         stop = ()
     elif isinstance(stop, str):
         stop = (stop,)
-    elif isinstance(stop, list) and len(stop) <= 4 and all(isinstance(s, str) and s for s in stop):
+    elif isinstance(stop, list) and len(stop) <= MAX_STOP_STRINGS and all(isinstance(s, str) and s for s in stop):
         stop = tuple(stop)
     else:
-        raise OpenAIError("stop must be a non-empty string or a list of at most 4 of them", param="stop")
+        raise OpenAIError(f"stop must be a non-empty string or a list of at most {MAX_STOP_STRINGS} of them",
+                          param="stop")
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise OpenAIError("ignore_eos must be a boolean", param="ignore_eos")
@@ -111,8 +117,8 @@ def _sampling_params(body: Mapping[str, Any], max_tokens: int | None) -> Samplin
             max_tokens=max_tokens if max_tokens is not None else DEFAULT_MAX_TOKENS,
             temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
             top_p=_number(body, "top_p", 1.0, 0.0, 1.0) or 1e-9,
-            top_k=_integer(body, "top_k", 0, 0) or 0,
-            seed=_integer(body, "seed", None, 0),
+            top_k=max(0, _integer(body, "top_k", 0, -1)),  # -1: off, as in vLLM
+            seed=_integer(body, "seed", None, SEED_MIN),
             stop=stop,
             ignore_eos=ignore_eos,
         )
@@ -139,8 +145,10 @@ def _stream_flags(body: Mapping[str, Any]) -> tuple[bool, bool]:
 
 def _model(body: Mapping[str, Any], served_model: str) -> str:
     model = body.get("model")
+    if model is None:  # as in vLLM: the one model served
+        return served_model
     if not isinstance(model, str) or not model:
-        raise OpenAIError("model is required", param="model")
+        raise OpenAIError("model must be a non-empty string", param="model")
     if model != served_model:
         raise OpenAIError(f"The model `{model}` does not exist.", status=404, param="model", code="model_not_found")
     return model
@@ -189,17 +197,22 @@ def parse_messages(messages: object) -> tuple[dict[str, str], ...]:
         raise OpenAIError("messages must be a non-empty list", param="messages")
     parsed = []
     for i, message in enumerate(messages):
-        if not isinstance(message, Mapping) or message.get("role") not in _ROLES:
-            raise OpenAIError(f"messages[{i}].role must be one of {', '.join(_ROLES)}", param=f"messages[{i}].role")
+        role = message.get("role") if isinstance(message, Mapping) else None
+        role = _ROLE_ALIASES.get(role, role) if isinstance(role, str) else role
+        if role not in _ROLES:
+            raise OpenAIError(f"messages[{i}].role must be one of {', '.join(_ROLES + tuple(_ROLE_ALIASES))}",
+                              param=f"messages[{i}].role")
         content = message.get("content")
+        if content is None and role == "assistant":  # OpenAI's form of an assistant turn without text
+            content = ""
         if isinstance(content, list):
-            # The content-parts form: text parts only.
+            # The content-parts form: text parts only, one line each (as vLLM joins them).
             if not all(isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
                 raise OpenAIError(f"messages[{i}].content: only text parts are supported", param=f"messages[{i}].content")
-            content = "".join(p["text"] for p in content)
+            content = "\n".join(p["text"] for p in content)
         if not isinstance(content, str):
             raise OpenAIError(f"messages[{i}].content must be a string", param=f"messages[{i}].content")
-        parsed.append({"role": message["role"], "content": content})
+        parsed.append({"role": role, "content": content})
     return tuple(parsed)
 
 

@@ -128,18 +128,18 @@ class LLMEngine:
         """Queue a request: a text prompt, token ids, or chat messages (rendered with the template)."""
         if not isinstance(params, SamplingParams):
             raise RequestRejected(f"params must be SamplingParams, got {type(params).__name__}")
-        token_ids = self._prompt_token_ids(prompt)
+        token_ids = self.prompt_token_ids(prompt)
         if not token_ids:
             raise RequestRejected("the prompt is empty: give at least one token")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise RequestRejected(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        if len(token_ids) >= self.max_model_len:
+        if len(token_ids) >= self.max_model_len:  # first: the check over every id below is longer
             raise RequestRejected(
                 f"the prompt has {len(token_ids)} tokens; the model's context is {self.max_model_len} tokens "
                 "and at least one must be left for the output"
             )
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestRejected(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
         # Output stops at the context's end anyway; what must fit is the KV of the longest run.
         most_tokens = min(len(token_ids) + params.max_tokens, self.max_model_len)
         blocks = -(-most_tokens // self.config.block_size)
@@ -161,7 +161,10 @@ class LLMEngine:
         self._states[request_id] = _RequestState(IncrementalDetokenizer(self.tokenizer))
         return request_id
 
-    def _prompt_token_ids(self, prompt: object) -> list[int]:
+    def prompt_token_ids(self, prompt: object) -> list[int]:
+        """The token ids of a prompt as ``add_request`` takes it; RequestRejected where it is none
+        of its forms. Reads no engine state: a server may call it on a thread of its own (a long
+        prompt takes seconds to tokenize) and pass the ids to ``add_request``."""
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)
         try:

@@ -10,6 +10,8 @@ import torch
 
 # Temperatures below this sample greedily, so that logits / temperature stays finite.
 MIN_TEMPERATURE = 1e-5
+# The seeds torch.Generator.manual_seed takes: a signed or unsigned 64-bit integer.
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
 
 
 @dataclass(frozen=True)
@@ -41,8 +43,11 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0: off), got {self.top_k!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not SEED_MIN <= self.seed <= SEED_MAX):
+            # Checked here: torch.Generator.manual_seed refuses a seed outside this range only
+            # when the step samples, failing every request of the batch.
+            raise ValueError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}] or None, got {self.seed!r}")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         else:
@@ -72,6 +77,9 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
         probs = torch.softmax(sorted_logits, dim=-1)
         # Drop a token when the tokens before it already reach top_p; the first always stays.
         drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p
+        # Said, not left to arithmetic: a top_p that rounds to 0 against float32 sums (under
+        # about 1e-45) would otherwise drop the first too, and every token with it.
+        drop[0] = False
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
     return logits
 

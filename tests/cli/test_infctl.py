@@ -36,6 +36,47 @@ def test_usage_and_unreachable_exit_codes(tmp_path):
     assert runner.invoke(app, ["drain", "7", "--state-dir", str(tmp_path)]).exit_code == 3
 
 
+def test_bad_arguments_are_usage_errors_found_before_anything_is_asked(tmp_path):
+    """Exit 2, one line, and nothing cordoned: a drain's timeout is checked before the drain."""
+    runner = CliRunner()
+    for args, said in ((["status", "--etcd", "localhost"], "host:port"),
+                       (["status", "--etcd", "127.0.0.1:1", "--etcd-prefix", "noslash"], "etcd prefix must start"),
+                       (["drain", "2", "--timeout", "-1"], "timeout must be"),
+                       (["drain", "2", "--timeout", "nan"], "timeout must be")):
+        result = runner.invoke(app, [*args, "--state-dir", str(tmp_path)])
+        assert result.exit_code == 2, (args, result.output)
+        assert said in result.output and "Traceback" not in result.output and "ValueError" not in result.output
+
+
+def test_an_answer_that_is_not_json_is_reported_with_its_status(tmp_path):
+    """A daemon's unmapped failure is an HTTP 500 with a text body: one line naming the status
+    and the text, not a JSON decoding error."""
+    import socket
+
+    from infinite_llm.cli.client import ClusterError, Endpoint
+
+    path = tmp_path / "admin.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(1)
+
+    def answer_once() -> None:
+        connection, _ = listener.accept()
+        with connection:
+            connection.recv(65536)
+            body = b"500 Internal Server Error\n\nServer got itself in trouble"
+            connection.sendall(b"HTTP/1.1 500 Internal Server Error\r\nContent-Type: text/plain\r\n"
+                               b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+    server = threading.Thread(target=answer_once, daemon=True)
+    server.start()
+    with pytest.raises(ClusterError, match=r"HTTP 500 with no JSON: '500 Internal Server Error") as info:
+        Endpoint("gManager (epoch 1)", os.getpid(), str(path)).call("POST", "/v1/rebalance", {"dry_run": False},
+                                                                      timeout_s=10)
+    assert info.value.exit_code == 1
+    server.join(timeout=10)
+    listener.close()
+
+
 @pytest.fixture(scope="module")
 def cluster_dir(tmp_path_factory):
     state = tmp_path_factory.mktemp("infctl")

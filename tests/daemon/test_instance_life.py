@@ -257,3 +257,41 @@ def test_a_creditor_audits_each_home_once_a_period_and_frees_what_it_no_longer_c
         assert d._audits == {} and d._audited_at == {}
 
     asyncio.run(scenario())
+
+
+def test_a_prompt_is_tokenized_off_the_event_loop(tmp_path):
+    """Tokenizing a prompt of megabytes takes seconds: the event loop serves peers, heartbeats
+    and the watchdog meanwhile. Here the tokenizer waits until the loop has turned on its own."""
+    import threading
+    from types import SimpleNamespace
+
+    from infinite_llm.engine.sampling import SamplingParams
+
+    d = daemon(tmp_path)
+    loop_turned = threading.Event()
+    added = []
+
+    def prompt_token_ids(prompt):
+        assert loop_turned.wait(timeout=10), "the event loop did not turn while the prompt was tokenized"
+        return [1, 2, 3]
+
+    def add_request(token_ids, params, request_id):
+        added.append(token_ids)
+        d.engine.scheduler.requests[request_id] = SimpleNamespace(prompt_token_ids=token_ids)
+
+    d.engine = SimpleNamespace(prompt_token_ids=prompt_token_ids, add_request=add_request,
+                               scheduler=SimpleNamespace(requests={}))
+
+    async def scenario() -> None:
+        async def turn() -> None:
+            await asyncio.sleep(0.01)
+            loop_turned.set()
+        ticker = asyncio.create_task(turn())
+        stream = d.generate("a long prompt", None, SamplingParams(max_tokens=1))
+        first = asyncio.create_task(stream.__anext__())
+        await asyncio.sleep(0.2)  # the request is queued: no step runs here to answer it
+        assert added == [[1, 2, 3]]
+        first.cancel()
+        await ticker
+
+    asyncio.run(scenario())

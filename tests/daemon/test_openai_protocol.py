@@ -30,7 +30,7 @@ def test_token_id_prompt_and_chat_content_parts() -> None:
          "max_completion_tokens": 9, "stream": True, "stream_options": {"include_usage": True}},
         MODEL,
     )
-    assert req.messages == ({"role": "user", "content": "ab"},)
+    assert req.messages == ({"role": "user", "content": "a\nb"},)
     assert req.params.max_tokens == 9 and req.stream and req.include_usage
 
 
@@ -49,7 +49,10 @@ def test_token_id_prompt_and_chat_content_parts() -> None:
         ({"model": MODEL, "prompt": "x", "stream": "yes"}, 400, "stream", "stream must be a boolean"),
         ({"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options", "only allowed with stream"),
         ({"model": "gpt-4", "prompt": "x"}, 404, "model", "does not exist"),
-        ({"prompt": "x"}, 400, "model", "model is required"),
+        ({"model": "", "prompt": "x"}, 400, "model", "model must be a non-empty string"),
+        ({"model": MODEL, "prompt": "x", "seed": -(1 << 63) - 1}, 400, "seed", "seed must be an integer"),
+        ({"model": MODEL, "prompt": "x", "top_k": -2}, 400, "top_k", "top_k must be an integer >= -1"),
+        ({"model": MODEL, "prompt": "x", "stop": ["s"] * 65}, 400, "stop", "at most 64"),
         ({"model": MODEL, "prompt": "x", "logprobs": 2}, 400, "logprobs", "not supported"),
     ],
 )
@@ -95,3 +98,18 @@ def test_response_bodies() -> None:
     assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
     chunk = chat_chunk("chatcmpl-1", MODEL, {"content": "he"}, None)
     assert chunk["object"] == "chat.completion.chunk" and chunk["choices"][0]["delta"] == {"content": "he"}
+
+
+def test_what_vllm_clients_send_is_taken_as_vllm_takes_it() -> None:
+    """No model (the one served), top_k -1 (off), a negative seed, the developer role (the system
+    role), an assistant turn with null content, more than OpenAI's four stop strings."""
+    req = parse_completion_request({"prompt": "x", "top_k": -1, "seed": -5, "stop": ["a"] * 8}, MODEL)
+    assert req.model == MODEL and req.params.top_k == 0 and req.params.seed == -5 and len(req.params.stop) == 8
+    req = parse_chat_request({"messages": [{"role": "developer", "content": "be brief"},
+                                           {"role": "user", "content": "hi"},
+                                           {"role": "assistant", "content": None},
+                                           {"role": "user", "content": "and?"}]}, MODEL)
+    assert [m["role"] for m in req.messages] == ["system", "user", "assistant", "user"]
+    assert req.messages[2]["content"] == ""
+    with pytest.raises(OpenAIError, match="content must be a string"):
+        parse_chat_request({"messages": [{"role": "user", "content": None}]}, MODEL)

@@ -107,6 +107,6 @@ def test_chat_messages_the_template_cannot_render_are_refused():
     for render in (no_template, strict_template):
         stub = SimpleNamespace(tokenizer=SimpleNamespace(apply_chat_template=render))
         with pytest.raises(RequestRejected, match="chat template cannot render"):
-            LLMEngine._prompt_token_ids(stub, [{"role": "assistant", "content": "hi"}])
+            LLMEngine.prompt_token_ids(stub, [{"role": "assistant", "content": "hi"}])
     with pytest.raises(RequestRejected, match="a prompt is a string"):
-        LLMEngine._prompt_token_ids(SimpleNamespace(), 5)
+        LLMEngine.prompt_token_ids(SimpleNamespace(), 5)

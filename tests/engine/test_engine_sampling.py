@@ -16,7 +16,8 @@ from infinite_llm.engine.sampling import Sampler, SamplingParams, filter_logits
         ({"top_p": True}, r"top_p must be in \(0, 1\]"),
         ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
         ({"top_k": -1}, "top_k must be an integer >= 0"),
-        ({"seed": "x"}, "seed must be an integer or None"),
+        ({"seed": "x"}, "seed must be an integer in"),
+        ({"seed": 1 << 64}, "seed must be an integer in"),
         ({"stop": ("",)}, "stop must hold non-empty strings"),
         ({"stop_token_ids": (-3,)}, "stop_token_ids must be non-negative integers"),
     ],
@@ -67,3 +68,12 @@ def test_top_k_one_is_greedy_whatever_the_temperature():
     logits = torch.randn(1, 100)
     params = SamplingParams(temperature=5.0, top_k=1, seed=1)
     assert Sampler().sample(logits, ["x"], [params]) == [int(logits.argmax())]
+
+
+def test_a_nucleus_too_small_for_float32_keeps_the_top_token():
+    """A top_p under float32's smallest step would drop the first token too by arithmetic, every
+    logit would be -inf and the multinomial would fail the whole batch."""
+    logits = torch.tensor([0.5, 3.0, -1.0, 2.9])
+    for top_p in (1e-46, 5e-324):
+        assert torch.isinf(filter_logits(logits, top_k=0, top_p=top_p)).tolist() == [True, False, True, True]
+        assert Sampler().sample(logits[None], ["r"], [SamplingParams(temperature=1.0, top_p=top_p)]) == [1]
