@@ -17,11 +17,18 @@ from infinite_llm.transport.placement import diff_placement, placement_of
 
 @dataclass
 class HeartbeatState:
+    """The placement versions sent and acknowledged. The caller has at most one heartbeat in
+    flight (the next is sent once the last one's reply came or its request failed), and the
+    leader's reply acknowledges the version that heartbeat carried, so only the last placement
+    sent is kept besides the acknowledged one: however long replies fail to come, the state
+    stays two placements in size."""
+
     inst_id: int
     seq: int = 0
     version: int = 0  # of the placement last sent
     acked_version: int = 0  # of the placement the leader holds; 0: none
     acked: dict[PlacementKey, RequestPlacementEntry] = field(default_factory=dict)
+    # version -> placement, of the last heartbeat sent (none before the first)
     _sent: dict[int, dict[PlacementKey, RequestPlacementEntry]] = field(default_factory=dict)
 
     def next(self, pool: PoolFigures, batch_size: int, entries: list[RequestPlacementEntry],
@@ -36,10 +43,10 @@ class HeartbeatState:
             upserts, removals, base = tuple(current[k] for k in sorted(current, key=_order)), (), 0
         else:
             (upserts, removals), base = diff_placement(self.acked, current), self.acked_version
-        self._sent[self.version] = current
-        # Versions older than the acknowledged one can never be acknowledged again.
-        for old in [v for v in self._sent if v < self.acked_version]:
-            del self._sent[old]
+        # An older heartbeat's reply, were it to come late, is dropped: the leader then holds a
+        # version this state no longer names, and answers the next diff with a full-placement
+        # request, which puts the two back in step.
+        self._sent = {self.version: current}
         return Heartbeat(self.inst_id, self.seq, pool, batch_size, base, self.version, upserts, removals,
                          remote_wait_us=remote_waits[0], remote_waits=remote_waits[1],
                          attend_serve_us=attend_serves[0], attend_serves=attend_serves[1])

@@ -39,7 +39,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, AsyncIterator, Callable
 
 from aiohttp import web
 
@@ -310,6 +310,11 @@ class InconsistentState(Exception):
     """The soft state cannot be planned from (heartbeats of a move in flight disagree)."""
 
 
+class MovesUnsettled(InconsistentState):
+    """Moves were sent that the heartbeats do not show yet: a plan now would move the same
+    blocks again."""
+
+
 class CommandFailed(Exception):
     """An instance did not take a command (unreachable, no answer, or a refusal)."""
 
@@ -372,9 +377,11 @@ class GManager:
         self._move_ids = itertools.count(1)
         self._round_lock = asyncio.Lock()  # the loop and on-demand rebalances do not interleave
         self._stopping = asyncio.Event()
-        # Instances moved by the last round, and when it ended: planning waits for their next
-        # heartbeat, or it would plan again from figures that predate the moves.
+        # Instances that moves (of rounds and drains) touched, and when the last of them ended;
+        # and those with a move under way. Planning waits for their next heartbeat, or it would
+        # plan again from figures that predate the moves.
         self._moved_at_s: dict[int, float] = {}
+        self._moves_in_flight: Counter = Counter()  # instance id -> moves under way touching it
         self._drains: dict[int, DrainState] = {}  # instance id -> its drain, while cordoned
         self._drain_ids = itertools.count(1)
 
@@ -518,6 +525,8 @@ class GManager:
             result = step()
             if asyncio.iscoroutine(result):
                 await result
+        except MovesUnsettled as exc:  # a drain sent moves since the loop checked: no error
+            log.debug("%s step skipped: %s", name, exc)
         except Exception as exc:
             self.stats.num_round_errors += 1
             self.stats.last_error = f"{name}: {exc}"
@@ -539,22 +548,37 @@ class GManager:
             drain = self._drains.pop(inst_id, None)
             if drain is not None and drain.task is not None:
                 drain.task.cancel()
+            self._moved_at_s.pop(inst_id, None)
+
+    def unsettled_instances(self) -> list[int]:
+        """Instances with a move under way, or moved since their last heartbeat (silent ones
+        aside), by id."""
+        live = {r.inst_id: r for r in self.view.live(self.clock())}
+        moved = {inst_id for inst_id, moved_at in self._moved_at_s.items()
+                 if inst_id in live and live[inst_id].heard_at_s <= moved_at}
+        return sorted(moved | set(self._moves_in_flight))
 
     def moves_settled(self) -> bool:
-        """Every instance moved by the last round has sent a heartbeat since (or gone silent)."""
-        live = {r.inst_id: r for r in self.view.live(self.clock())}
-        return all(inst_id not in live or live[inst_id].heard_at_s > moved_at
-                   for inst_id, moved_at in self._moved_at_s.items())
+        """Every instance that moves touched has sent a heartbeat since they ended (or gone silent)."""
+        return not self.unsettled_instances()
 
     async def rebalance(self, dry_run: bool) -> dict[str, Any]:
         """One policy round: plan from the soft state, and unless ``dry_run`` send the moves.
 
         Returns the epoch and the moves in plan order, each with its predicted gain (cluster
-        decode tokens/s) and, when sent, its result.
+        decode tokens/s) and, when sent, its result. Unless ``dry_run``, raises MovesUnsettled
+        while earlier moves (of a round or a drain) are under way or not yet reported by the
+        instances they touched.
         """
         if self.leadership is None or not self.election.is_leader():
             raise NotLeader(f"pid {os.getpid()} is a standby; only the leader plans")
         async with self._round_lock:
+            unsettled = [] if dry_run else self.unsettled_instances()
+            if unsettled:
+                raise MovesUnsettled(
+                    f"earlier moves are under way or not yet in the heartbeats of instance(s) "
+                    f"{', '.join(map(str, unsettled))}: a round now would move the same blocks again; "
+                    f"retry after their next heartbeat")
             snapshot, requests = self.view.snapshot(self.clock(), self.config.block_size)
             if self._drains:  # a draining instance offers no room: the policy places nothing there
                 snapshot = dataclasses.replace(snapshot, instances=tuple(
@@ -586,21 +610,32 @@ class GManager:
             by_source.setdefault(move.src_inst_id, []).append(index)
         results = ["not_sent"] * len(moves)
 
-        async def send_all_of(source: int, indices: list[int]) -> None:
-            for index in indices:
-                # A move may wait a long time for its commit: leadership is checked before each,
-                # so that a replica that lost it meanwhile sends nothing more.
-                if not self.election.is_leader():
-                    results[index] = "not_leader"
-                    continue
-                results[index] = await self._send_move(moves[index], members)
+        async def send_all_of(indices: list[int]) -> None:
+            async for position, result in self._send_in_order([moves[i] for i in indices], members):
+                results[indices[position]] = result
 
-        await asyncio.gather(*(send_all_of(s, i) for s, i in by_source.items()))
-        ended_s = self.clock()
-        self._moved_at_s = {inst_id: ended_s for m in moves for inst_id in (m.src_inst_id, m.dst_inst_id)}
+        await asyncio.gather(*(send_all_of(i) for i in by_source.values()))
         for result in results:
             self.stats.moves[result] += 1
         return results
+
+    async def _send_in_order(self, moves: list[PlannedMove], members: dict) -> AsyncIterator[tuple[int, str]]:
+        """Send moves that go to one instance one after another; yields each one's position in
+        ``moves`` and result as it comes."""
+        unanswered = False
+        for position, move in enumerate(moves):
+            # A move may wait a long time for its commit: leadership is checked before each, so
+            # that a replica that lost it meanwhile sends nothing more.
+            if not self.election.is_leader():
+                yield position, "not_leader"
+            # An instance that did not answer would hold the round (and its lock) for another
+            # move_timeout_s per move: the rest of its moves wait for the next plan.
+            elif unanswered:
+                yield position, "skipped"
+            else:
+                result = await self._send_move(move, members)
+                unanswered = result in ("timeout", "unreachable")
+                yield position, result
 
     async def _send_move(self, move: PlannedMove, members: dict) -> str:
         # The home carries out every move of its request's blocks: only it switches its table.
@@ -612,6 +647,8 @@ class GManager:
                          req_id=move.req_id, src_inst_id=move.src_inst_id, dst_inst_id=move.dst_inst_id,
                          num_blocks=move.num_blocks)
         peer = PeerAddress(member.peer_host, member.peer_port)
+        touched = {move.home_inst_id, move.src_inst_id, move.dst_inst_id}
+        self._moves_in_flight.update(touched)
         try:
             reply = await self.transport.request(peer, command, timeout_s=self.config.move_timeout_s)
         except RemoteError as err:
@@ -623,12 +660,24 @@ class GManager:
         except PeerUnreachable as err:
             log.warning("move %d: instance %d unreachable: %s", command.move_id, move.home_inst_id, err.detail)
             return "unreachable"
+        finally:
+            self._move_ended(touched)
         if not isinstance(reply, Ack):
             log.warning("move %d: unexpected reply %s", command.move_id, reply.TYPE)
             return "refused"
         log.info("move %d committed: %d blocks of request %d from %d to %d", command.move_id, move.num_blocks,
                  move.req_id, move.src_inst_id, move.dst_inst_id)
         return "committed"
+
+    def _move_ended(self, touched: set[int]) -> None:
+        """Whatever its result (a move that timed out may still commit), the figures of the
+        instances a move touched are stale until their next heartbeat."""
+        ended_s = self.clock()
+        for inst_id in touched:
+            self._moves_in_flight[inst_id] -= 1
+            if self._moves_in_flight[inst_id] <= 0:
+                del self._moves_in_flight[inst_id]
+            self._moved_at_s[inst_id] = ended_s  # the clock is monotonic: the latest move wins
 
     # ---- drain -------------------------------------------------------------------------------
     def _drain_snapshot(self, now_s: float) -> DrainSnapshot:
@@ -650,9 +699,12 @@ class GManager:
         reported, not started again. The moves go on in the background, planned again from
         heartbeats newer than the last ones until nothing is left (:meth:`drain_status`).
         """
-        if self.leadership is None:
+        if self.leadership is None or not self.election.is_leader():
             raise NotLeader(f"pid {os.getpid()} is a standby; only the leader drains")
         if inst_id in self._drains and not dry_run:
+            state = self._drains[inst_id]
+            if state.state == "safe_to_stop" and not self.drain_status(inst_id)["safe_to_stop"]:
+                await self._resume_drain(state)
             return self.drain_status(inst_id)
         drain_plan = plan_drain(self._drain_snapshot(self.clock()), inst_id, own_blocks)
         planned = [_drain_move_json(m, "not_sent") for m in drain_plan.moves]
@@ -671,7 +723,7 @@ class GManager:
 
     async def uncordon(self, inst_id: int) -> dict[str, Any]:
         """Call off a drain (if any) and let the instance admit requests and take blocks again."""
-        if self.leadership is None:
+        if self.leadership is None or not self.election.is_leader():
             raise NotLeader(f"pid {os.getpid()} is a standby; only the leader uncordons")
         state = self._drains.get(inst_id)
         if state is None and inst_id not in {r.inst_id for r in self.view.live(self.clock())}:
@@ -683,6 +735,15 @@ class GManager:
             if state.task is not None:
                 state.task.cancel()
         return {"instance_id": inst_id, "draining": False}
+
+    async def _resume_drain(self, state: DrainState) -> None:
+        """Drain again an instance that was drained but runs requests now: it restarted within
+        ``--silent-after-heartbeats`` (so it was never forgotten), and a restart is not cordoned."""
+        await self._command(state.inst_id, Drain(epoch=self.epoch, drain_id=state.drain_id, inst_id=state.inst_id))
+        log.info("drain of instance %d resumed: it runs requests again", state.inst_id)
+        state.state = "draining"
+        # No plan yet: the next one is made from heartbeats newer than the Drain.
+        state.task = asyncio.create_task(self._drain_loop(state, None), name=f"drain-{state.inst_id}")
 
     async def _command(self, inst_id: int, command: Message) -> None:
         member = self.membership.members().get(inst_id)
@@ -700,7 +761,7 @@ class GManager:
         """Where the drain of ``inst_id`` stands; raises UnknownInstance for an instance neither
         live nor draining. ``safe_to_stop`` holds once a heartbeat of the instance newer than its
         last moves says it runs nothing and holds nothing for others, and no home places blocks
-        there."""
+        there, for as long as the latest heartbeats still say so."""
         state = self._drains.get(inst_id)
         try:
             figures = drain_figures(self._drain_snapshot(self.clock()), inst_id)
@@ -715,8 +776,11 @@ class GManager:
                           blocks_of_others_on_it=figures.num_blocks_on_it)
         if state is None:
             return {**report, "state": "not_draining", "safe_to_stop": False}
-        return {**report, "drain_id": state.drain_id, "state": state.state,
-                "safe_to_stop": state.state == "safe_to_stop", "rounds": state.num_rounds,
+        # Reached once, but the instance may have restarted since and run requests again.
+        safe_to_stop = state.state == "safe_to_stop" and figures is not None and figures.safe_to_stop
+        phase = "draining" if state.state == "safe_to_stop" and not safe_to_stop else state.state
+        return {**report, "drain_id": state.drain_id, "state": phase,
+                "safe_to_stop": safe_to_stop, "rounds": state.num_rounds,
                 "elapsed_s": self.clock() - state.started_s, "moves": list(state.moves),
                 "last_error": state.last_error}
 
@@ -724,6 +788,9 @@ class GManager:
         """Send the plan; wait for heartbeats newer than the moves; plan again; until nothing is left."""
         period = self.config.heartbeat_interval_s
         while True:
+            if not self.election.is_leader():  # the drain ends with the leadership (see run)
+                log.warning("drain of instance %d stopped: leadership lost", state.inst_id)
+                return
             try:
                 moves = drain_plan.moves if drain_plan is not None else ()
                 await self._send_drain_moves(state, moves)
@@ -743,7 +810,8 @@ class GManager:
                             state.state = "lost"
                             log.warning("drain of instance %d: the instance went silent", state.inst_id)
                         return
-                    if all(i not in live or live[i].heard_at_s > sent_s for i in involved):
+                    # Moves of a round (or of another drain) since: their figures are needed too.
+                    if all(i not in live or live[i].heard_at_s > sent_s for i in involved) and self.moves_settled():
                         break
                 snapshot = self._drain_snapshot(self.clock())
                 state.figures = drain_figures(snapshot, state.inst_id)
@@ -774,10 +842,10 @@ class GManager:
             by_home.setdefault(move.home_inst_id, []).append(move)
 
         async def send_all_of(home_moves: list[DrainMove]) -> None:
-            for m in home_moves:
-                result = await self._send_move(
-                    PlannedMove(m.home_inst_id, m.req_id, m.src_inst_id, m.dst_inst_id, m.num_blocks, 0.0), members)
-                state.moves.append(_drain_move_json(m, result))
+            planned = [PlannedMove(m.home_inst_id, m.req_id, m.src_inst_id, m.dst_inst_id, m.num_blocks, 0.0)
+                       for m in home_moves]
+            async for position, result in self._send_in_order(planned, members):
+                state.moves.append(_drain_move_json(home_moves[position], result))
                 self.stats.moves[result] += 1
 
         await asyncio.gather(*(send_all_of(v) for v in by_home.values()))

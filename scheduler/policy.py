@@ -408,7 +408,10 @@ def plan(
             movable = int(state.local_blocks[row]) - 1
             if movable < 1:
                 break
-            is_creditor = (used_fraction < thresholds.creditor_max_used_fraction) & (state.free > 0)
+            # A creditor takes only what keeps it within creditor_max_used_fraction: the rest of
+            # its pool is for the next blocks of its own requests (epsilon: 0.57 * 100 is 56.99...).
+            room = np.floor(thresholds.creditor_max_used_fraction * state.total - (state.total - state.free) + 1e-9)
+            is_creditor = room >= 1
             is_creditor[debtor] = False
             creditors = np.flatnonzero(is_creditor)
             if not len(creditors):
@@ -416,7 +419,7 @@ def plan(
             creditors = creditors[np.lexsort((state.inst_ids[creditors], used_fraction[creditors]))]
             creditors = creditors[: thresholds.creditors_per_debtor]
             pair = _Pair(state, model, debtor, creditors)
-            k_max = np.minimum(state.free[creditors].astype(np.int64), movable)
+            k_max = np.minimum(np.minimum(state.free[creditors], room[creditors]).astype(np.int64), movable)
             ks, gains = best_k(pair, k_max)
             choice = int(np.argmax(gains))  # first creditor (least used) among equals
             gain = float(gains[choice])

@@ -32,3 +32,26 @@ def test_full_then_diffs_then_full_again_after_a_gap():
     fourth = state.next(POOL, 1, [entry(9, 1, 3, True)])
     assert fourth.placement_base_version == 0 and fourth.placement_upserts == (entry(9, 1, 3, True),)
     assert fourth.placement_removals == ()
+
+
+def test_unanswered_heartbeats_keep_only_the_last_placement_sent():
+    """Replies stop coming (a hung leader, or replies refused by the epoch fence): one
+    heartbeat is in flight at a time, so only the last one sent can still be acknowledged."""
+    state = HeartbeatState(inst_id=1)
+    held = VersionedPlacement(0, {})
+    first = state.next(POOL, 1, [entry(7, 1, 10, True)])
+    held = apply_heartbeat(held, first)
+    state.on_reply(HeartbeatReply(epoch=3, acked_placement_version=1, needs_full_placement=False, creditors=()))
+    for blocks in range(11, 111):
+        last = state.next(POOL, 1, [entry(7, 1, blocks, True)])
+    assert len(state._sent) == 1
+    assert last.placement_base_version == 1 and last.placement_upserts == (entry(7, 1, 110, True),)
+    # The leader takes the last one and answers: the next diff is against it.
+    held = apply_heartbeat(held, last)
+    state.on_reply(HeartbeatReply(epoch=3, acked_placement_version=101, needs_full_placement=False, creditors=()))
+    following = state.next(POOL, 1, [entry(7, 1, 111, True)])
+    assert following.placement_base_version == 101
+    assert apply_heartbeat(held, following).entries == {PlacementKey(7, 1): entry(7, 1, 111, True)}
+    # A late reply for a heartbeat older than the last one sent changes nothing.
+    state.on_reply(HeartbeatReply(epoch=3, acked_placement_version=50, needs_full_placement=False, creditors=()))
+    assert state.acked_version == 101

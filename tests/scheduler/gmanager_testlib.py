@@ -1,4 +1,5 @@
-"""Real gManager processes and a heartbeat sender for the gManager tests.
+"""Real gManager processes and a heartbeat sender for the gManager tests, and an in-process
+gManager fed by hand (:class:`Cluster`).
 
 Instances do not send heartbeats yet, so the tests send them from a UCX transport of the test
 process, on one event loop per test module (UCX binds its context to the loop that uses it).
@@ -23,12 +24,20 @@ os.environ.setdefault("UCX_TLS", "tcp,sm,self")
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 
 from infinite_llm.daemon.local_cluster import UnixHTTPConnection  # noqa: E402
+from infinite_llm.daemon.membership import LocalMembership, Member  # noqa: E402
+from infinite_llm.scheduler.election import LeaderInfo, LocalElection  # noqa: E402
+from infinite_llm.scheduler.gmanager import GManager, GManagerConfig  # noqa: E402
+from infinite_llm.scheduler.perf_model import load_model  # noqa: E402
 from infinite_llm.transport.interface import PeerAddress, TransportConfig  # noqa: E402
 from infinite_llm.transport.messages import (  # noqa: E402
+    Ack,
+    Drain,
     Heartbeat,
+    MoveKV,
     PlacementKey,
     PoolFigures,
     RequestPlacementEntry,
+    Uncordon,
 )
 
 PERF_MODEL = Path(__file__).resolve().parents[2] / "bench" / "results" / "perf_model-cpu.json"
@@ -161,3 +170,77 @@ def heartbeat(inst_id: int, seq: int, total: int, free: int, batch: int, base: i
         placement_base_version=base, placement_version=version,
         placement_upserts=tuple(RequestPlacementEntry(r, i, n, i == inst_id) for r, i, n in upserts),
         placement_removals=tuple(PlacementKey(r, i) for r, i in removals))
+
+
+# ---- an in-process gManager ---------------------------------------------------------------------
+PORT_BASE = 41000  # instance i listens on PORT_BASE + i
+
+
+class RecordingTransport:
+    """Answers every command with Ack and records (receiver, message)."""
+
+    address = PeerAddress("127.0.0.1", 1)
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[int, object]] = []
+
+    async def request(self, peer, message, timeout_s=None):
+        self.sent.append((peer.port - PORT_BASE, message))
+        return Ack()
+
+    def commands(self) -> list[tuple]:
+        """The trace, with the fields that matter (move ids and epochs aside)."""
+        out = []
+        for inst_id, m in self.sent:
+            if isinstance(m, MoveKV):
+                out.append((inst_id, "move", m.home_inst_id, m.req_id, m.src_inst_id, m.dst_inst_id, m.num_blocks))
+            elif isinstance(m, (Drain, Uncordon)):
+                out.append((inst_id, m.TYPE, m.inst_id))
+        return out
+
+
+class HeldElection(LocalElection):
+    """Leadership taken by the test, and lost when it sets ``leading`` false: the lock file is
+    never involved."""
+
+    leading = True
+
+    def is_leader(self) -> bool:
+        return self.leading
+
+
+class Cluster:
+    """A gManager leading with epoch 4 over three instances described by hand-fed heartbeats;
+    ``config`` sets more GManagerConfig fields."""
+
+    def __init__(self, tmp_path: Path, **config: Any) -> None:
+        self.now = 0.0
+        self.seq = {1: 0, 2: 0, 3: 0}
+        self.election = HeldElection(tmp_path)
+        config = GManagerConfig(state_dir=tmp_path, perf_model_path=PERF_MODEL, heartbeat_interval_s=0.02,
+                                silent_after_heartbeats=1000, **config)
+        self.gm = GManager(config, load_model(PERF_MODEL), self.election, clock=lambda: self.now)
+        self.gm.leadership = LeaderInfo(epoch=4, pid=os.getpid(), peer_host="127.0.0.1", peer_port=1,
+                                        http_port=0, socket_path="")
+        self.gm.transport = self.transport = RecordingTransport()
+        members = LocalMembership(tmp_path, stale_after_s=3600)
+        for inst_id in (1, 2, 3):
+            members.publish(Member(inst_id, os.getpid(), "127.0.0.1", PORT_BASE + inst_id, 0, "", 64, 0, False,
+                                   time.time()))
+
+    def beat(self, inst_id: int, free: int, batch: int, upserts=(), lent: int = 0, borrowed: int = 0) -> None:
+        """A full-state heartbeat of ``inst_id`` at the current time."""
+        self.seq[inst_id] += 1
+        self.gm.view.receive(heartbeat(inst_id, self.seq[inst_id], 64, free, batch, 0, self.seq[inst_id],
+                                       upserts=upserts, lent=lent, borrowed=borrowed), now_s=self.now)
+
+    def restart(self, inst_id: int) -> None:
+        """The instance starts again: its heartbeats number from 1."""
+        self.seq[inst_id] = 0
+
+
+async def until(condition, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.005)

@@ -4,82 +4,14 @@ that records every command and answers it. The whole trace of commands is assert
 from __future__ import annotations
 
 import asyncio
-import os
-import time
+from collections.abc import Callable
 
 import pytest
 
-from infinite_llm.daemon.membership import LocalMembership, Member
 from infinite_llm.scheduler.drain import DrainRefused, UnknownInstance
-from infinite_llm.scheduler.election import LeaderInfo, LocalElection
-from infinite_llm.scheduler.gmanager import GManager, GManagerConfig
-from infinite_llm.scheduler.perf_model import load_model
-from infinite_llm.transport.interface import PeerAddress
-from infinite_llm.transport.messages import Ack, Drain, MoveKV, Uncordon
-from gmanager_testlib import PERF_MODEL, heartbeat
-
-PORT_BASE = 41000  # instance i listens on PORT_BASE + i
-
-
-class RecordingTransport:
-    """Answers every command with Ack and records (receiver, message)."""
-
-    address = PeerAddress("127.0.0.1", 1)
-
-    def __init__(self) -> None:
-        self.sent: list[tuple[int, object]] = []
-
-    async def request(self, peer, message, timeout_s=None):
-        self.sent.append((peer.port - PORT_BASE, message))
-        return Ack()
-
-    def commands(self) -> list[tuple]:
-        """The trace, with the fields that matter (move ids and epochs aside)."""
-        out = []
-        for inst_id, m in self.sent:
-            if isinstance(m, MoveKV):
-                out.append((inst_id, "move", m.home_inst_id, m.req_id, m.src_inst_id, m.dst_inst_id, m.num_blocks))
-            elif isinstance(m, (Drain, Uncordon)):
-                out.append((inst_id, m.TYPE, m.inst_id))
-        return out
-
-
-class HeldElection(LocalElection):
-    """Leadership taken by the test: the lock file is never involved."""
-
-    def is_leader(self) -> bool:
-        return True
-
-
-class Cluster:
-    """A gManager leading with epoch 4 over three instances described by hand-fed heartbeats."""
-
-    def __init__(self, tmp_path) -> None:
-        self.now = 0.0
-        self.seq = {1: 0, 2: 0, 3: 0}
-        config = GManagerConfig(state_dir=tmp_path, perf_model_path=PERF_MODEL, heartbeat_interval_s=0.02,
-                                silent_after_heartbeats=1000)
-        self.gm = GManager(config, load_model(PERF_MODEL), HeldElection(tmp_path), clock=lambda: self.now)
-        self.gm.leadership = LeaderInfo(epoch=4, pid=os.getpid(), peer_host="127.0.0.1", peer_port=1,
-                                        http_port=0, socket_path="")
-        self.gm.transport = self.transport = RecordingTransport()
-        members = LocalMembership(tmp_path, stale_after_s=3600)
-        for inst_id in (1, 2, 3):
-            members.publish(Member(inst_id, os.getpid(), "127.0.0.1", PORT_BASE + inst_id, 0, "", 64, 0, False,
-                                   time.time()))
-
-    def beat(self, inst_id: int, free: int, batch: int, upserts=(), lent: int = 0, borrowed: int = 0) -> None:
-        """A full-state heartbeat of ``inst_id`` at the current time."""
-        self.seq[inst_id] += 1
-        self.gm.view.receive(heartbeat(inst_id, self.seq[inst_id], 64, free, batch, 0, self.seq[inst_id],
-                                       upserts=upserts, lent=lent, borrowed=borrowed), now_s=self.now)
-
-
-async def until(condition, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.005)
+from infinite_llm.scheduler.gmanager import MovesUnsettled, NotLeader
+from infinite_llm.transport.messages import MoveKV
+from gmanager_testlib import Cluster, RecordingTransport, heartbeat, until
 
 
 def test_drain_refusals_plan_moves_and_safe_to_stop(tmp_path) -> None:
@@ -162,5 +94,116 @@ def test_the_policy_places_nothing_on_a_draining_instance(tmp_path) -> None:
         after = {m["dst_inst_id"] for m in (await gm.rebalance(dry_run=True))["moves"]}
         assert after and 3 not in after
         gm._drains[3].task.cancel()
+
+    asyncio.run(scenario())
+
+
+def test_a_drain_s_moves_hold_off_the_round_until_heartbeats_show_them(tmp_path) -> None:
+    c = Cluster(tmp_path)
+    gm = c.gm
+    c.beat(1, 64, 0)
+    c.beat(2, 4, 1, upserts=((5, 2, 60),))  # request 5 on a nearly full instance 2
+    c.beat(3, 64, 0)
+
+    async def scenario() -> None:
+        c.now = 1.0
+        await gm.drain(2, dry_run=False)
+        await until(lambda: len(gm.drain_status(2)["moves"]) == 1)
+        assert c.transport.commands() == [(2, "drain", 2), (2, "move", 2, 5, 2, 1, 59)]
+        # The figures still show 60 blocks of request 5 on instance 2: no round from them.
+        c.now = 1.1
+        assert not gm.moves_settled()
+        with pytest.raises(MovesUnsettled, match=r"instance\(s\) 1, 2"):
+            await gm.rebalance(dry_run=False)
+        c.now = 1.5
+        c.beat(1, 5, 0, lent=59)
+        c.beat(2, 63, 1, upserts=((5, 2, 1), (5, 1, 59)), borrowed=59)
+        assert gm.moves_settled()
+        assert (await gm.rebalance(dry_run=False))["moves"] == []
+        assert len(c.transport.sent) == 2
+        gm._drains[2].task.cancel()
+
+    asyncio.run(scenario())
+
+
+def test_a_deposed_leader_neither_drains_nor_uncordons(tmp_path) -> None:
+    c = Cluster(tmp_path)
+    gm = c.gm
+    c.beat(1, 40, 1, upserts=((7, 1, 24), (7, 2, 12)), borrowed=12)
+    c.beat(2, 30, 1, upserts=((5, 2, 10),), lent=12)
+    c.beat(3, 50, 0)
+
+    async def scenario() -> None:
+        # The lease is lost; the loop that steps down has not noticed yet.
+        c.election.leading = False
+        with pytest.raises(NotLeader):
+            await gm.drain(2, dry_run=False)
+        with pytest.raises(NotLeader):
+            await gm.uncordon(2)
+        assert c.transport.sent == []
+
+    asyncio.run(scenario())
+
+
+def test_a_leader_deposed_during_a_drain_sends_no_more_of_its_moves(tmp_path) -> None:
+    c = Cluster(tmp_path)
+    gm = c.gm
+    # Instance 2 runs requests 5 and 6: two moves, both sent by their home 2, one after the other.
+    c.beat(1, 64, 0)
+    c.beat(2, 24, 2, upserts=((5, 2, 20), (6, 2, 20)))
+    c.beat(3, 64, 0)
+
+    class LosesLeadershipOnFirstMove(RecordingTransport):
+        async def request(self, peer, message, timeout_s=None):
+            if isinstance(message, MoveKV):
+                c.election.leading = False  # lost while this move waited for its commit
+            return await super().request(peer, message, timeout_s)
+
+    gm.transport = c.transport = LosesLeadershipOnFirstMove()
+
+    async def scenario() -> None:
+        await gm.drain(2, dry_run=False)
+        await until(lambda: len(gm.drain_status(2)["moves"]) == 2)
+        assert c.transport.commands() == [(2, "drain", 2), (2, "move", 2, 5, 2, 1, 19)]
+        assert [m["result"] for m in gm.drain_status(2)["moves"]] == ["committed", "not_leader"]
+
+    asyncio.run(scenario())
+
+
+def test_a_drained_instance_that_restarts_and_runs_requests_is_not_safe_to_stop(tmp_path) -> None:
+    c = Cluster(tmp_path)
+    gm = c.gm
+    c.beat(1, 64, 0)
+    c.beat(2, 64, 0)
+    c.beat(3, 64, 0)
+
+    async def scenario() -> None:
+        await gm.drain(2, dry_run=False)
+
+        def heartbeats_until(condition: Callable[[], bool], free: int, batch: int, upserts=()) -> Callable[[], bool]:
+            """Heartbeats of all three, a little later each time, until ``condition()``."""
+            def beat_and_check() -> bool:
+                c.now += 0.1
+                c.beat(1, 64, 0)
+                c.beat(2, free, batch, upserts)
+                c.beat(3, 64, 0)
+                return condition()
+            return beat_and_check
+
+        await until(heartbeats_until(lambda: gm.drain_status(2)["safe_to_stop"], 64, 0))
+        # Instance 2 restarts (never forgotten: within --silent-after-heartbeats), is not
+        # cordoned any more, and runs two requests.
+        c.now += 1.0
+        c.restart(2)
+        c.beat(2, 40, 2, upserts=((1, 2, 12), (2, 2, 12)))
+        status = gm.drain_status(2)
+        assert (status["state"], status["safe_to_stop"], status["running_requests"]) == ("draining", False, 2)
+        # Draining it again cordons it again and moves its requests' blocks once it reports.
+        status = await gm.drain(2, dry_run=False)
+        assert (status["state"], status["safe_to_stop"]) == ("draining", False)
+        assert c.transport.commands() == [(2, "drain", 2), (2, "drain", 2)]
+        await until(heartbeats_until(lambda: len(c.transport.sent) == 4, 40, 2, ((1, 2, 12), (2, 2, 12))))
+        assert c.transport.commands()[2:] == [(2, "move", 2, 1, 2, 1, 11), (2, "move", 2, 2, 2, 3, 11)]
+        gm._drains[2].task.cancel()
 
     asyncio.run(scenario())

@@ -91,6 +91,23 @@ def test_a_creditor_above_the_use_threshold_is_not_offered_blocks():
     assert plan(figure5(), DENSE_BOUND, Thresholds(debtor_max_batch=4, creditor_max_used_fraction=0.3)) == []
 
 
+@pytest.mark.parametrize("search", ["breakpoints", "scan"])
+def test_a_creditor_is_filled_no_further_than_its_use_threshold(search):
+    # The split of test_one_long_request_is_split_evenly_with_an_idle_instance would put 50
+    # blocks on the idle instance; at most 20% of its 200 may be in use: 40 blocks.
+    model = PerfModel(num_layers=2, dense_fixed_s=1e-5, dense_per_seq_s=0.0, attn_s_per_token=1e-6)
+    snap = snapshot([InstanceState(0, 200, 99), InstanceState(1, 200, 200)], [RequestPlacementEntry(7, 0, 101, True)])
+    assert key(plan(snap, model, Thresholds(4, 0.2), search=search)) == [(7, 0, 1, 40)]
+    # Two debtors and a small idle instance: each move leaves the creditor within 30% in use.
+    snap = snapshot([InstanceState(0, 200, 99), InstanceState(1, 200, 170), InstanceState(2, 100, 100)],
+                    [RequestPlacementEntry(7, 0, 101, True), RequestPlacementEntry(8, 1, 30, True)])
+    moves = plan(snap, model, Thresholds(4, 0.3), search=search)
+    assert moves
+    after = {i.inst_id: i for i in apply_moves(snap, moves).instances}
+    for inst_id in {m.dst_inst for m in moves}:
+        assert after[inst_id].total_blocks - after[inst_id].free_blocks <= 0.3 * after[inst_id].total_blocks
+
+
 def test_max_moves_bounds_the_plan_and_moves_chain():
     instances = [InstanceState(i, 100, 4, 6, 24) for i in range(3)] + [InstanceState(3, 1000, 1000)]
     entries = [RequestPlacementEntry(i, i, 96, True) for i in range(3)]
