@@ -359,10 +359,40 @@ async def start_local_site(runner: web.AppRunner, path: Path, admin_group: str |
         return site
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.is_socket():
+        if _answers(path):
+            raise LocalSocketInUse(f"{path} is the socket of a running process: give this instance another "
+                                   "socket_path, or stop that one first")
         path.unlink()  # left by a previous run that was killed
-    site = web.UnixSite(runner, str(path))
-    await site.start()
-    os.chmod(path, 0o660)
-    if admin_group is not None:
-        os.chown(path, -1, grp.getgrnam(admin_group).gr_gid)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        # Mode and group are set between bind and listen: until it listens, a connection is
+        # refused, so no client ever reaches the socket under the umask's mode.
+        listener.bind(str(path))
+        os.chmod(path, 0o660)
+        if admin_group is not None:
+            os.chown(path, -1, grp.getgrnam(admin_group).gr_gid)
+        listener.listen(socket.SOMAXCONN)
+        site = web.SockSite(runner, listener)
+        await site.start()
+    except BaseException:
+        listener.close()
+        raise
     return site
+
+
+class LocalSocketInUse(OSError):
+    """Another live process listens on the local API's socket path."""
+
+
+def _answers(path: Path) -> bool:
+    """Whether a process accepts connections on the Unix socket at ``path`` (a killed run's
+    socket file refuses them)."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(str(path))
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()

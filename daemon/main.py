@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             uvloop.run(daemon.run())
         else:
             asyncio.run(daemon.run())
-    except (FileNotFoundError, ValueError, ConnectionError) as exc:  # ConnectionError: etcd unreachable
+    except (OSError, ValueError) as exc:  # a missing file, etcd unreachable, a port or socket in use
         print(f"infinited: {exc}", file=sys.stderr)
         return 1
     except DeviceFailed as exc:  # logged where it happened; systemd's Restart=on-failure starts afresh

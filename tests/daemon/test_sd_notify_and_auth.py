@@ -77,3 +77,49 @@ def test_unknown_admin_group_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="admin group 'no-such-group-x' does not exist"):
         admin_group_id("no-such-group-x")
     assert admin_group_id("root") == 0
+
+
+def test_the_local_socket_is_taken_over_only_from_a_killed_run(tmp_path: Path) -> None:
+    """A socket file nobody listens on (a killed run's) is replaced, mode 0660 from its first
+    connection on; one a live process listens on is left to it, with a clear error."""
+    import asyncio
+    import stat
+
+    from aiohttp import web
+
+    from infinite_llm.daemon.http_api import LocalSocketInUse, start_local_site
+
+    path = tmp_path / "infllm.sock"
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(str(path))
+    stale.close()  # the file stays, and refuses connections
+
+    async def pong(request: web.Request) -> web.Response:
+        return web.Response(text="pong")
+
+    async def serve_twice() -> tuple[int, str]:
+        app = web.Application()
+        app.router.add_get("/ping", pong)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await start_local_site(runner, path, admin_group=None)
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+        second = web.AppRunner(web.Application())
+        await second.setup()
+        try:
+            await start_local_site(second, path, admin_group=None)
+            refusal = ""
+        except LocalSocketInUse as exc:
+            refusal = str(exc)
+        reader, writer = await asyncio.open_unix_connection(str(path))  # the first still serves
+        writer.write(b"GET /ping HTTP/1.0\r\n\r\n")
+        answer = await reader.read()
+        writer.close()
+        await second.cleanup()
+        await runner.cleanup()
+        assert answer.endswith(b"pong")
+        return mode, refusal
+
+    mode, refusal = asyncio.run(serve_twice())
+    assert mode == 0o660
+    assert "socket of a running process" in refusal
