@@ -106,6 +106,8 @@ class _Connection:
     new_slots: list = field(default_factory=list)  # of the frame being encoded
     # Inbound, where the peer's region is open: its requests' buffers are read from there.
     shared_in: PeerRegion | None = None
+    # Inbound: frames whose buffers are landing in the background (``MAX_FRAMES_RECEIVING``).
+    receiving: int = 0
 
     def __post_init__(self) -> None:
         self.header_buffer = np.zeros(self.config.limits.max_header_bytes, dtype=np.uint8)
@@ -257,14 +259,33 @@ class _Connection:
     async def recv_buffers(self, header: codec.FrameHeader, destinations: list, land_shared: bool = True) -> None:
         """Receive a frame's buffers into ``destinations``. ``land_shared`` False: those in the
         peer's shared memory are left there (a refused frame has nothing of them to drain)."""
+        await self.land_buffers(header, destinations, self.post_buffer_recvs(header, destinations), land_shared)
+
+    def post_buffer_recvs(self, header: codec.FrameHeader, destinations: list) -> list:
+        """Land the frame's inline buffers and post the receives of those that come over UCX;
+        returns their UCX requests (``land_buffers`` waits for them). Once they are posted, the
+        next frame's header may be received: UCX matches a connection's messages to its receives
+        in the order they were posted."""
         views = codec.land_inline(header, destinations)
-        if header.shared_offsets and land_shared:
-            await self._copy_shared(codec.shared_destinations(header, destinations))
         if not views:
-            return
+            return []
         try:
             self._check_open()
-            requests = [self._post_recv(Array(v)) for v in views]
+            return [self._post_recv(Array(v)) for v in views]
+        except UCXError as e:
+            self.abort()
+            raise ConnectionBroken(f"{self.label}: receive failed: {e!r}") from e
+
+    async def land_buffers(self, header: codec.FrameHeader, destinations: list, requests: list,
+                           land_shared: bool = True) -> None:
+        """The rest of a frame's receive after ``post_buffer_recvs``: its buffers in the peer's
+        shared memory copied out (unless ``land_shared`` is False: a refused frame has nothing of
+        them to drain), and its UCX ``requests`` complete, within the frame timeout."""
+        if header.shared_offsets and land_shared:
+            await self._copy_shared(codec.shared_destinations(header, destinations))
+        if not requests:
+            return
+        try:
             deadline = time.monotonic() + self.config.frame_timeout_s
             for request in requests:
                 await self.progress.wait(request, deadline)
@@ -724,7 +745,34 @@ class UcxTransport:
         else:
             if destinations is None:  # fresh tensors, or scratch to drain a refused frame into
                 destinations = self._fresh_destinations(header)
-            await connection.recv_buffers(header, destinations, land_shared=refusal is None)
+            requests = connection.post_buffer_recvs(header, destinations)
+            if requests and connection.receiving < MAX_FRAMES_RECEIVING:
+                # Landed in the background: the frames behind this one (a decode step's attend
+                # requests behind a move's KV blocks) are not held up by its transfer over UCX.
+                # The bound keeps a peer from having more of its frames' buffers allocated at
+                # once. (A frame whose buffers are all inline or in shared memory lands here:
+                # its copies run on this thread either way.)
+                connection.receiving += 1
+                self._spawn(self._land_and_dispatch(connection, header, destinations, requests, refusal))
+                return
+            await connection.land_buffers(header, destinations, requests, land_shared=refusal is None)
+        await self._deliver(connection, header, destinations, refusal)
+
+    async def _land_and_dispatch(self, connection: _Connection, header: codec.FrameHeader, destinations: list,
+                                 requests: list, refusal: ErrorReply | None) -> None:
+        try:
+            await connection.land_buffers(header, destinations, requests, land_shared=refusal is None)
+            await self._deliver(connection, header, destinations, refusal)
+        except ProtocolError as e:
+            await self._refuse(connection, e)
+        except ConnectionBroken:
+            pass  # the connection's loop ends with it
+        finally:
+            connection.receiving -= 1
+
+    async def _deliver(self, connection: _Connection, header: codec.FrameHeader, destinations: list,
+                       refusal: ErrorReply | None) -> None:
+        """A landed frame: its refusal answered, or its message handed to the handler."""
         wire_trace.record("in.landed", header.message.TYPE, header.msg_id)
         if refusal is not None:
             if header.wants_reply:
@@ -863,6 +911,9 @@ def _handler_failed(message: Message, error: Exception) -> ErrorReply:
 
 # A buffer at least this large is copied out of a peer's region on a thread, bytes.
 _SHARED_COPY_ON_THREAD_BYTES = 16 << 20
+# Frames of one inbound connection whose buffers land in the background at once; the next waits
+# in the connection's loop (and so do the frames behind it).
+MAX_FRAMES_RECEIVING = 8
 
 
 def _free_slots(region: SharedRegion, slots) -> None:

@@ -712,3 +712,28 @@ def test_close_ends_a_connect_in_progress(ucx_loop, start_peer):
             await request
         assert not transport._outbound and not transport._tasks and not transport._connecting
     run_bounded(ucx_loop, scenario(), 30)
+
+
+def test_a_frame_behind_a_large_transfer_is_served_before_it_lands(ucx_loop):
+    """The listener posts a frame's buffer receives and goes on to the next frame: a small
+    request sent after a large one on the same connection is answered while the large one's
+    buffer is still on its way (its handler has not run), and both are answered right."""
+    handled: list[int] = []
+
+    async def serve(message: m.Message) -> m.Message | None:
+        handled.append(message.payload.numel())
+        return m.EchoReply(message.payload[:1].clone())
+
+    async def scenario():
+        async with started(serve, shared_memory_bytes=0) as server, started(shared_memory_bytes=0) as sender:
+            await sender.request(server.address, m.Echo(torch.ones(1)))  # connected
+            large, small = torch.randn(64 << 20), torch.full((4,), 7.0)
+            large_reply = asyncio.ensure_future(sender.request(server.address, m.Echo(large)))
+            await asyncio.sleep(0)  # posted first
+            small_reply = await sender.request(server.address, m.Echo(small))
+            answered_first = not large_reply.done()
+            assert float((await large_reply).payload[0]) == float(large[0]) and float(small_reply.payload[0]) == 7.0
+            return answered_first
+
+    assert run_bounded(ucx_loop, scenario(), 60)
+    assert handled == [1, 4, 64 << 20]
