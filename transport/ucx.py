@@ -671,24 +671,37 @@ class UcxTransport:
                     destinations = codec.host_tensors_of_inline(header)
                 else:
                     destinations = self._fresh_destinations(header)
-                    await connection.recv_buffers(header, destinations)
-                wire_trace.record("reply.landed", header.message.TYPE, header.reply_to)
-                reply = codec.assemble(header, destinations)
-                future = connection.pending.pop(header.reply_to, None)
-                if future is None or future.done():
-                    continue  # its request timed out
-                if isinstance(reply, ErrorReply):
-                    future.set_exception(RemoteError(peer, reply.code, reply.detail))
-                else:
-                    future.set_result(reply)
-                wire_trace.record("reply.set", reply.TYPE, header.reply_to)
-        except (RemoteError, ProtocolError) as e:
-            self._drop(peer, connection, e)
-        except ConnectionBroken as e:
-            self._drop(peer, connection, PeerUnreachable(peer, str(e)))
-        except Exception as e:  # a bug or no memory for a reply: the connection is of no more use
-            log.exception("reading replies from %s failed", peer)
-            self._drop(peer, connection, PeerUnreachable(peer, f"reading replies failed: {e!r}"))
+                    requests = connection.post_buffer_recvs(header, destinations)
+                    if requests and connection.receiving < MAX_FRAMES_RECEIVING:
+                        # As on the listener's side: the replies behind this one are not held
+                        # up by its transfer.
+                        connection.receiving += 1
+                        self._spawn(self._land_reply(peer, connection, header, destinations, requests))
+                        continue
+                    await connection.land_buffers(header, destinations, requests)
+                _deliver_reply(peer, connection, header, destinations)
+        except Exception as e:  # noqa: BLE001
+            self._reading_failed(peer, connection, e)
+
+    async def _land_reply(self, peer: PeerAddress, connection: _Connection, header: codec.FrameHeader,
+                          destinations: list, requests: list) -> None:
+        try:
+            await connection.land_buffers(header, destinations, requests)
+            _deliver_reply(peer, connection, header, destinations)
+        except Exception as e:  # noqa: BLE001
+            self._reading_failed(peer, connection, e)
+        finally:
+            connection.receiving -= 1
+
+    def _reading_failed(self, peer: PeerAddress, connection: _Connection, error: Exception) -> None:
+        """A reply could not be read: the connection is of no more use."""
+        if isinstance(error, (RemoteError, ProtocolError)):
+            self._drop(peer, connection, error)
+        elif isinstance(error, ConnectionBroken):
+            self._drop(peer, connection, PeerUnreachable(peer, str(error)))
+        else:  # a bug, or no memory for a reply
+            log.error("reading replies from %s failed", peer, exc_info=error)
+            self._drop(peer, connection, PeerUnreachable(peer, f"reading replies failed: {error!r}"))
 
     def _drop(self, peer: PeerAddress, connection: _Connection | None, error: Exception) -> None:
         if connection is None:
@@ -914,6 +927,20 @@ _SHARED_COPY_ON_THREAD_BYTES = 16 << 20
 # Frames of one inbound connection whose buffers land in the background at once; the next waits
 # in the connection's loop (and so do the frames behind it).
 MAX_FRAMES_RECEIVING = 8
+
+
+def _deliver_reply(peer: PeerAddress, connection: _Connection, header: codec.FrameHeader, destinations: list) -> None:
+    """A landed reply to the request that waits for it (none where that request timed out)."""
+    wire_trace.record("reply.landed", header.message.TYPE, header.reply_to)
+    reply = codec.assemble(header, destinations)
+    future = connection.pending.pop(header.reply_to, None)
+    if future is None or future.done():
+        return
+    if isinstance(reply, ErrorReply):
+        future.set_exception(RemoteError(peer, reply.code, reply.detail))
+    else:
+        future.set_result(reply)
+    wire_trace.record("reply.set", reply.TYPE, header.reply_to)
 
 
 def _free_slots(region: SharedRegion, slots) -> None:

@@ -737,3 +737,25 @@ def test_a_frame_behind_a_large_transfer_is_served_before_it_lands(ucx_loop):
 
     assert run_bounded(ucx_loop, scenario(), 60)
     assert handled == [1, 4, 64 << 20]
+
+
+def test_a_reply_behind_a_large_reply_is_delivered_before_it_lands(ucx_loop):
+    """The requester's side likewise: a small reply that comes after a large one on the same
+    connection reaches its request while the large one is still on its way."""
+    large = torch.randn(64 << 20)
+
+    async def serve(message: m.Message) -> m.Message | None:
+        return m.EchoReply(large if message.payload.numel() == 1 else message.payload)
+
+    async def scenario():
+        async with started(serve, shared_memory_bytes=0) as server, started(shared_memory_bytes=0) as sender:
+            await sender.request(server.address, m.Echo(torch.ones(2)))  # connected
+            large_reply = asyncio.ensure_future(sender.request(server.address, m.Echo(torch.ones(1))))
+            await asyncio.sleep(0)  # posted first
+            small_reply = await sender.request(server.address, m.Echo(torch.full((4,), 7.0)))
+            answered_first = not large_reply.done()
+            assert torch.equal((await large_reply).payload, large)
+            assert torch.equal(small_reply.payload, torch.full((4,), 7.0))
+            return answered_first
+
+    assert run_bounded(ucx_loop, scenario(), 60)
