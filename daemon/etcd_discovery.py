@@ -11,7 +11,8 @@ Key layout under a prefix (default ``/infinite-llm``; one prefix per cluster sha
   the lease expires, and every watcher sees it go.
 
 Every call to etcd is bounded (``request_timeout_s``): an unreachable etcd is an
-:class:`EtcdUnreachable` error naming the endpoints, never a hang. Records that do not parse
+:class:`EtcdUnreachable` error naming the endpoints, never a hang. The daemons' clients
+(:class:`EtcdConnection`) move to another endpoint when the member in use fails. Records that do not parse
 are skipped (and logged once per key and revision), as the local membership skips
 half-written files.
 
@@ -44,6 +45,11 @@ DEFAULT_REQUEST_TIMEOUT_S = 2.0
 # defaults) by raising the TTL it grants; asking for less is a configuration mistake.
 MIN_LEASE_TTL_S = 2
 _LEADER_FIELDS = ("pid", "peer_host", "peer_port", "http_port", "socket_path")
+# gRPC shares connections among channels to the same address, with their reconnection
+# backoff (up to two minutes): a new client after a restarted etcd would still wait it out.
+# Each client gets its own connection, retried within a second.
+_CHANNEL_OPTIONS = {"grpc.use_local_subchannel_pool": 1, "grpc.initial_reconnect_backoff_ms": 200,
+                    "grpc.max_reconnect_backoff_ms": 1000}
 
 
 class EtcdUnreachable(ConnectionError):
@@ -154,23 +160,109 @@ async def connect(endpoints: str | Iterable[str], request_timeout_s: float = DEF
     Every later request of the client is bounded by ``request_timeout_s`` too (seconds).
     Raises EtcdUnreachable when none answers.
     """
+    client, _ = await _first_answering(parse_endpoints(endpoints), request_timeout_s)
+    return client
+
+
+async def _first_answering(endpoints: Iterable[tuple[str, int]], request_timeout_s: float):
+    """(client, (host, port)) of the first of ``endpoints`` that answers a status request within
+    ``request_timeout_s``, tried in order; EtcdUnreachable naming each one's error otherwise."""
     import aetcd  # the local single-machine default does not need it
 
     errors = []
-    for host, port in parse_endpoints(endpoints):
-        client = aetcd.Client(host=host, port=port, timeout=request_timeout_s)
+    for host, port in endpoints:
+        client = aetcd.Client(host=host, port=port, timeout=request_timeout_s, options=_CHANNEL_OPTIONS)
         try:
             async with asyncio.timeout(request_timeout_s):
                 await client.status()
-            return client
         except (TimeoutError, aetcd.ClientError) as exc:
-            errors.append(f"{host}:{port}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
-            try:
-                async with asyncio.timeout(request_timeout_s):
-                    await client.close()
-            except Exception:  # noqa: BLE001  a client that never connected has nothing to close
-                pass
+            errors.append(f"{host}:{port}: {error_text(exc)}")
+            await close_client(client, request_timeout_s)
+            continue
+        except BaseException:  # cancelled: leave no channel open behind
+            await close_client(client, request_timeout_s)
+            raise
+        return client, (host, port)
     raise EtcdUnreachable(f"no etcd answers within {request_timeout_s:g} s: {'; '.join(errors)}")
+
+
+def error_text(exc: BaseException) -> str:
+    """The first line of an error's message, or its type when it has none (a timeout)."""
+    text = str(exc)
+    return text.splitlines()[0] if text.strip() else type(exc).__name__
+
+
+def is_connection_failure(exc: BaseException) -> bool:
+    """Whether a failed call says the endpoint is down, cut off or too slow, so another member
+    may answer, rather than that etcd refused the request itself."""
+    import aetcd
+
+    # etcd answers "unavailable" also when the member lost its quorum or its raft leader.
+    return isinstance(exc, (TimeoutError, aetcd.ConnectionFailedError, aetcd.ConnectionTimeoutError))
+
+
+class EtcdConnection:
+    """A client on one member of an etcd cluster, moved to another member when calls fail.
+
+    An ``aetcd.Client`` talks to a single endpoint for its whole life. A cluster of three
+    members keeps its quorum and its data when one of them dies, so the users of this
+    connection call :meth:`reconnect` after a call failed with :func:`is_connection_failure`:
+    it tries the endpoints in order, starting after the one in use and ending with it (a
+    fresh channel there also skips gRPC's reconnection backoff). Leases and keys live in the
+    cluster, not in the connection; only watches must be opened again on the new client.
+    """
+
+    def __init__(self, endpoints: str | Iterable[str], request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S) -> None:
+        self.endpoints = parse_endpoints(endpoints)
+        self.request_timeout_s = request_timeout_s  # each status request while connecting, s
+        self.client = None  # the aetcd.Client in use; None before open and after close
+        self.endpoint: tuple[str, int] | None = None  # (host, port) of the member in use
+        self._reconnecting = asyncio.Lock()
+        self._num_reconnects = 0  # attempts finished, successful or not
+
+    async def open(self) -> None:
+        """Connect to the first endpoint that answers; EtcdUnreachable when none does."""
+        if self.client is None:
+            self.client, self.endpoint = await _first_answering(self.endpoints, self.request_timeout_s)
+
+    async def reconnect(self, failed_client) -> None:
+        """Replace ``failed_client`` by a client on the next endpoint that answers.
+
+        Does nothing when another task replaced it or tried to while this one waited: each
+        failing call does not add a round of probes. Bounded by ``request_timeout_s`` per
+        endpoint; raises EtcdUnreachable when none answers, keeping the client in use.
+        """
+        num_reconnects_seen = self._num_reconnects
+        async with self._reconnecting:
+            if (failed_client is not self.client or self.client is None
+                    or self._num_reconnects != num_reconnects_seen):
+                return
+            start = self.endpoints.index(self.endpoint) + 1
+            order = self.endpoints[start:] + self.endpoints[:start]
+            try:
+                client, endpoint = await _first_answering(order, self.request_timeout_s)
+            finally:
+                self._num_reconnects += 1
+            old_client, self.client, self.endpoint = self.client, client, endpoint
+            if len(self.endpoints) > 1:
+                log.warning("etcd connection moved to %s:%d", *endpoint)
+        # Closing the old client ends its watches, so their owners open them again here.
+        await close_client(old_client, self.request_timeout_s)
+
+    async def recover(self, failed_client, error: BaseException) -> None:
+        """After a call on ``failed_client`` failed with ``error``: reconnect if the error says
+        the member is out of reach. An unreachable cluster is logged; the caller retries."""
+        if not is_connection_failure(error):
+            return
+        try:
+            await self.reconnect(failed_client)
+        except EtcdUnreachable as exc:
+            log.warning("%s", exc)
+
+    async def close(self) -> None:
+        if self.client is not None:
+            client, self.client = self.client, None
+            await close_client(client, self.request_timeout_s)
 
 
 async def read_cluster(endpoints: str | Iterable[str], prefix: str = DEFAULT_PREFIX,
@@ -225,7 +317,8 @@ class EtcdMembership:
     under this process's lease (granted on the first publish, kept alive every third of its
     TTL). ``members`` and ``leader`` read the copy that a watch on the cluster's prefix keeps
     current. An instance whose lease expired while it could not reach etcd (a long pause, a
-    partition) gets a new lease and publishes again.
+    partition) gets a new lease and publishes again. A call that fails because the etcd member
+    in use is down or cut off moves the connection to the next endpoint that answers.
     """
 
     def __init__(self, endpoints: str | Iterable[str], prefix: str = DEFAULT_PREFIX,
@@ -235,7 +328,7 @@ class EtcdMembership:
         self.keys = EtcdKeys(prefix)
         self.lease_ttl_s = lease_ttl_seconds(lease_ttl_s)  # whole seconds
         self.request_timeout_s = request_timeout_s  # each etcd request, s
-        self._client = None
+        self._connection = EtcdConnection(endpoints, request_timeout_s)
         self._lease = None
         self._members: dict[int, Member] = {}
         self._leader: LeaderInfo | None = None
@@ -245,17 +338,13 @@ class EtcdMembership:
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
 
-    @property
-    def _endpoint_text(self) -> str:
-        return ",".join(f"{h}:{p}" for h, p in self.endpoints)
-
     async def start(self) -> None:
         """Connect and read the current state (bounded); then keep it current in the background.
 
         Raises EtcdUnreachable when no endpoint answers.
         """
-        self._client = await connect(self._endpoint_text, self.request_timeout_s)
-        snapshot = await with_timeout(self._client.get_prefix(self.keys.root), self.request_timeout_s)
+        await self._connection.open()
+        snapshot = await with_timeout(self._connection.client.get_prefix(self.keys.root), self.request_timeout_s)
         self._leader, self._members = _split(self.keys, snapshot)
         self._tasks = [asyncio.create_task(self._watch(snapshot.header.revision + 1), name="etcd-watch"),
                        asyncio.create_task(self._write(), name="etcd-write")]
@@ -266,16 +355,16 @@ class EtcdMembership:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
-        if self._client is None:
+        client = self._connection.client
+        if client is None:
             return
         if self._lease is not None:
             try:
-                await with_timeout(self._client.revoke_lease(self._lease.id), self.request_timeout_s)
+                await with_timeout(client.revoke_lease(self._lease.id), self.request_timeout_s)
             except Exception as exc:  # noqa: BLE001  the record then goes when the lease expires
-                log.warning("could not revoke the membership lease: %s", exc)
+                log.warning("could not revoke the membership lease: %s", error_text(exc))
             self._lease = None
-        await close_client(self._client, self.request_timeout_s)
-        self._client = None
+        await self._connection.close()
 
     def publish(self, member: Member) -> None:
         self._withdrawn.discard(member.inst_id)
@@ -311,19 +400,22 @@ class EtcdMembership:
         """Apply every change under the prefix; after a broken stream, read afresh and go on."""
         retry_s = min(1.0, self.request_timeout_s)
         while True:
+            client = self._connection.client
             try:
                 if start_revision is None:
-                    snapshot = await with_timeout(self._client.get_prefix(self.keys.root), self.request_timeout_s)
+                    snapshot = await with_timeout(client.get_prefix(self.keys.root), self.request_timeout_s)
                     self._leader, self._members = _split(self.keys, snapshot)
                     start_revision = snapshot.header.revision + 1
-                watch = await with_timeout(self._client.watch_prefix(self.keys.root, start_revision=start_revision),
+                watch = await with_timeout(client.watch_prefix(self.keys.root, start_revision=start_revision),
                                        self.request_timeout_s)
                 async for event in watch:
                     self._apply(event)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001  etcd restarting or unreachable: read again later
-                log.warning("etcd watch on %s broke: %s", self.keys.prefix, exc)
+                log.warning("etcd watch on %s broke: %s", self.keys.prefix, error_text(exc))
+                await self._connection.recover(client, exc)
+            # A watch that ended without an error was closed with its client (a reconnect).
             start_revision = None
             await asyncio.sleep(retry_s)
 
@@ -353,23 +445,31 @@ class EtcdMembership:
         self._members[member.inst_id] = member
 
     async def _write(self) -> None:
-        """Write the newest published record and keep the lease alive; errors wait a period."""
+        """Write the newest published record and keep the lease alive; a failed write is tried
+        again within a second, on another member if the one in use is out of reach."""
         refresh_s = self.lease_ttl_s / 3
+        retry_s = min(1.0, refresh_s)
+        wait_s = refresh_s
         while True:
             try:
-                await asyncio.wait_for(self._wake.wait(), timeout=refresh_s)
+                await asyncio.wait_for(self._wake.wait(), timeout=wait_s)
             except TimeoutError:
                 pass
             self._wake.clear()
+            client = self._connection.client
             try:
-                await self._write_once()
+                await self._write_once(client)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001  the record expires if this goes on for a TTL
-                log.warning("etcd membership update failed: %s", exc)
+                log.warning("etcd membership update failed: %s", error_text(exc))
+                await self._connection.recover(client, exc)
+                wait_s = retry_s
+            else:
+                wait_s = refresh_s
 
-    async def _write_once(self) -> None:
-        client, timeout_s = self._client, self.request_timeout_s
+    async def _write_once(self, client) -> None:
+        timeout_s = self.request_timeout_s
         for inst_id in sorted(self._withdrawn):
             await with_timeout(client.delete(self.keys.member(inst_id)), timeout_s)
             self._withdrawn.discard(inst_id)

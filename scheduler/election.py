@@ -5,8 +5,11 @@ One interface, two backends:
 * :class:`LocalElection` (single machine, built): leadership is an exclusive ``flock`` on
   ``<state_dir>/gmanager/leader.lock`` held for the leader's whole life. The kernel drops the
   lock when the process dies, ``kill -9`` included, so a standby polling the lock takes over
-  without anyone cleaning up. The epoch is a counter in ``<state_dir>/gmanager/epoch``,
-  incremented under the lock by each new leader, so it strictly increases across leaders.
+  without anyone cleaning up. The epoch is a counter in ``<state_dir>/gmanager.epoch``,
+  incremented under the lock by each new leader, so it strictly increases across leaders; it
+  lies outside ``gmanager/``, so that removing that folder (which deposes the leader) does not
+  start the count again below the epoch the instances have seen (they would refuse every
+  later leader).
 * :class:`~.etcd_election.EtcdElection` (several hosts): a lease kept alive by each replica, a
   transaction that creates the leader key only if absent; the key's create revision is the
   epoch; a lease not refreshed within half its TTL is lost leadership.
@@ -80,7 +83,8 @@ class LocalElection:
             raise ValueError(f"poll_interval_s must be positive, got {poll_interval_s}")
         self.folder = Path(state_dir) / "gmanager"
         self.lock_path = self.folder / "leader.lock"
-        self.epoch_path = self.folder / "epoch"
+        self.epoch_path = Path(state_dir) / "gmanager.epoch"
+        self._epoch_path_before = self.folder / "epoch"  # where earlier versions kept it
         self.leader_path = self.folder / "leader.json"
         self.poll_interval_s = poll_interval_s  # how often a standby retries the lock, s
         self._lock_fd: int | None = None
@@ -149,14 +153,18 @@ class LocalElection:
         return True
 
     def _read_epoch(self) -> int:
-        try:
-            text = self.epoch_path.read_text().strip()
-        except FileNotFoundError:
-            return 0
-        epoch = int(text)  # a corrupt counter must stop the election, not restart it at 1
-        if epoch < 0:
-            raise ValueError(f"{self.epoch_path} holds a negative epoch {epoch}")
-        return epoch
+        return max(_read_counter(self.epoch_path), _read_counter(self._epoch_path_before))
+
+
+def _read_counter(path: Path) -> int:
+    try:
+        text = path.read_text().strip()
+    except FileNotFoundError:
+        return 0
+    epoch = int(text)  # a corrupt counter must stop the election, not restart it at 1
+    if epoch < 0:
+        raise ValueError(f"{path} holds a negative epoch {epoch}")
+    return epoch
 
 
 def _write_atomically(path: Path, text: str) -> None:

@@ -2,7 +2,9 @@
 
 The scheme of etcd's own ``concurrency/election.go``:
 
-* each replica holds a lease (``lease_ttl_s``), refreshed every quarter of its TTL;
+* each replica holds a lease (``lease_ttl_s``), refreshed a quarter TTL after the last
+  successful refresh; a failed refresh is tried again within half a second, so one slow or
+  lost answer does not use up the half-TTL margin below;
 * a campaign is one transaction: *if the leader key was never created (create revision 0),
   put it with my lease*; else read who holds it;
 * the winner's epoch is the key's create revision. etcd revisions only grow, so a later
@@ -14,11 +16,17 @@ The scheme of etcd's own ``concurrency/election.go``:
 * a leader whose lease was not refreshed for half its TTL no longer leads
   (:meth:`EtcdElection.is_leader` is false): it may have been paused or cut off while the lease
   ran out and another replica took over. Half the TTL leaves the other half as margin before
-  etcd can let a successor in.
+  etcd can let a successor in;
+* a leader whose watch stream broke checks, when it reads the key again, that the key is still
+  the one it created (same create revision); if it went or was created again meanwhile, it no
+  longer leads.
 
-All calls are bounded by ``request_timeout_s``. An etcd that does not answer at the start is
-an :class:`~infinite_llm.daemon.etcd_discovery.EtcdUnreachable` error; later failures are
-retried (a standby keeps campaigning, a leader loses its lease and steps down).
+All calls are bounded by ``request_timeout_s`` (a lease refresh also by a quarter TTL). An
+etcd that does not answer at the start is an
+:class:`~infinite_llm.daemon.etcd_discovery.EtcdUnreachable` error; later failures are retried
+(a standby keeps campaigning, a leader loses its lease and steps down), and a call that fails
+because the member in use is down or cut off moves the connection to the next endpoint that
+answers (:class:`~infinite_llm.daemon.etcd_discovery.EtcdConnection`).
 """
 
 from __future__ import annotations
@@ -34,18 +42,23 @@ from infinite_llm.daemon.etcd_discovery import (
     DEFAULT_LEASE_TTL_S,
     DEFAULT_PREFIX,
     DEFAULT_REQUEST_TIMEOUT_S,
+    EtcdConnection,
     EtcdKeys,
-    with_timeout,
-    close_client,
-    connect,
     decode_leader,
     encode_leader,
+    error_text,
+    is_connection_failure,
     lease_ttl_seconds,
     parse_endpoints,
+    with_timeout,
 )
 from infinite_llm.scheduler.election import CandidateAddresses, LeaderInfo
 
 log = logging.getLogger(__name__)
+
+# Pause before trying a failed lease refresh again, s: short, so that a refresh lost in a blip
+# is retried well within the half-TTL margin, yet not a busy loop while etcd is down.
+REFRESH_RETRY_S = 0.5
 
 
 class EtcdElection:
@@ -64,7 +77,7 @@ class EtcdElection:
         self.lease_ttl_s = lease_ttl_seconds(lease_ttl_s)  # whole seconds
         self.request_timeout_s = request_timeout_s  # each etcd request, s
         self.clock = clock
-        self._client = None
+        self._connection = EtcdConnection(self.endpoints, request_timeout_s)
         self._lease = None
         self._lease_refreshed_at = -float("inf")  # clock time a successful refresh was sent, s
         self._info: LeaderInfo | None = None  # ours, while we lead
@@ -80,8 +93,7 @@ class EtcdElection:
     async def campaign(self, addresses: CandidateAddresses) -> LeaderInfo:
         if self._info is not None:  # a second campaign starts from nothing held
             self.resign()
-        if self._client is None:
-            self._client = await connect(self.endpoints, self.request_timeout_s)
+        await self._connection.open()
         if self._watch_task is None or self._watch_task.done():
             watch_ready = asyncio.get_running_loop().create_future()
             self._watch_task = asyncio.create_task(self._watch(watch_ready), name="etcd-leader-watch")
@@ -89,13 +101,15 @@ class EtcdElection:
         record = LeaderInfo(epoch=0, pid=os.getpid(), **asdict(addresses))
         retry_s = min(1.0, self.lease_ttl_s / 4)
         while True:
+            client = self._connection.client
             try:
-                await self._ensure_lease()
-                revision = await self._try_to_lead(record)
+                await self._ensure_lease(client)
+                revision = await self._try_to_lead(client, record)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001  etcd restarting, a lease gone: try again
-                log.warning("campaign attempt failed: %s", exc)
+                log.warning("campaign attempt failed: %s", error_text(exc))
+                await self._connection.recover(client, exc)
                 await asyncio.sleep(retry_s)
                 continue
             if self._info is not None:
@@ -123,7 +137,7 @@ class EtcdElection:
             self._keep_alive_task.cancel()
             self._keep_alive_task = None
         lease, self._lease = self._lease, None
-        if lease is None or self._client is None:
+        if lease is None or self._connection.client is None:
             return
         try:
             loop = asyncio.get_running_loop()
@@ -145,9 +159,7 @@ class EtcdElection:
         await asyncio.gather(*(t for t in (self._revoke_task, self._watch_task) if t is not None),
                              return_exceptions=True)
         self._watch_task = self._revoke_task = None
-        if self._client is not None:
-            await close_client(self._client, self.request_timeout_s)
-            self._client = None
+        await self._connection.close()
 
     # ---- inside ------------------------------------------------------------------------------
     def _lose(self, reason: str) -> None:
@@ -155,9 +167,9 @@ class EtcdElection:
             self._lost_reason = reason
             log.error("no longer leading with epoch %d: %s", self._info.epoch, reason)
 
-    async def _try_to_lead(self, record: LeaderInfo) -> int:
+    async def _try_to_lead(self, client, record: LeaderInfo) -> int:
         """One transaction; returns its revision. Sets ``_info`` when this replica won."""
-        client, key = self._client, self.keys.leader
+        key = self.keys.leader
         tx = client.transactions
         succeeded, responses = await with_timeout(client.transaction(
             compare=[tx.create(key) == 0],
@@ -191,28 +203,42 @@ class EtcdElection:
             except TimeoutError:
                 return
 
-    async def _ensure_lease(self) -> None:
+    async def _ensure_lease(self, client) -> None:
         if self._lease is not None:
             return
         if self._keep_alive_task is not None:
             self._keep_alive_task.cancel()
         sent_at = self.clock()
-        self._lease = await with_timeout(self._client.lease(self.lease_ttl_s), self.request_timeout_s)
+        self._lease = await with_timeout(client.lease(self.lease_ttl_s), self.request_timeout_s)
         self._lease_refreshed_at = sent_at
         self._keep_alive_task = asyncio.create_task(self._keep_alive(self._lease), name="etcd-keep-alive")
 
     async def _keep_alive(self, lease) -> None:
-        """Refresh every quarter TTL; a refresh etcd answers with TTL 0 means the lease is gone."""
+        """Refresh a quarter TTL after the last successful refresh, and within REFRESH_RETRY_S
+        after a failed one; a refresh etcd answers with TTL 0 means the lease is gone.
+
+        Each refresh waits at most a quarter TTL, so that a lost answer leaves room for another
+        try before :meth:`is_leader` gives up at half the TTL.
+        """
         interval_s = self.lease_ttl_s / 4
+        refresh_timeout_s = min(self.request_timeout_s, interval_s)
+        due_at = self._lease_refreshed_at + interval_s  # clock time of the next refresh, s
         while True:
-            await asyncio.sleep(interval_s)
+            await asyncio.sleep(max(0.0, due_at - self.clock()))
+            client = self._connection.client
             sent_at = self.clock()
             try:
-                reply = await with_timeout(self._client.refresh_lease(lease.id), self.request_timeout_s)
+                reply = await with_timeout(client.refresh_lease(lease.id), refresh_timeout_s)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001  is_leader turns false once refreshes stay away
-                log.warning("lease refresh failed: %s", exc)
+                timed_out = isinstance(exc, TimeoutError)
+                reason = f"no answer within {refresh_timeout_s:g} s" if timed_out else error_text(exc)
+                log.warning("refresh of lease %x failed: %s", lease.id, reason)
+                await self._connection.recover(client, exc)
+                # Counted from when the failed one was sent: after a timeout, which has waited
+                # already, the next one goes at once.
+                due_at = sent_at + REFRESH_RETRY_S
                 continue
             if reply is None or reply.TTL <= 0:
                 self._lose(f"etcd says lease {lease.id:x} expired")
@@ -220,6 +246,7 @@ class EtcdElection:
                     self._lease = None  # a standby campaigns with a new one
                 return
             self._lease_refreshed_at = sent_at
+            due_at = sent_at + interval_s
 
     async def _watch(self, ready: asyncio.Future) -> None:
         """Keep ``_seen`` and ``_key_revision`` current; a broken stream is read afresh."""
@@ -227,19 +254,19 @@ class EtcdElection:
 
         key = self.keys.leader
         while True:
+            client = self._connection.client
             try:
-                current = await with_timeout(self._client.get(key), self.request_timeout_s)
-                # get() gives no revision for a missing key: a status read then names the
-                # revision the watch starts after.
+                # A range read of the one key: its revision is known even when the key is missing.
+                snapshot = await with_timeout(client.get_range(key, key + b"\0"), self.request_timeout_s)
+                revision = snapshot.header.revision
+                current = next((kv for kv in snapshot if kv.key == key), None)
+                self._check_still_ours(current, revision)
                 if current is not None:
-                    revision = current.header.revision
                     self._seen = self._info or decode_leader(current.value, current.create_revision)
                 else:
-                    revision = (await with_timeout(self._client.get_prefix(self.keys.root, keys_only=True),
-                                               self.request_timeout_s)).header.revision
                     self._seen = self._info
                 self._note_change(revision)
-                watch = await with_timeout(self._client.watch(key, start_revision=revision + 1), self.request_timeout_s)
+                watch = await with_timeout(client.watch(key, start_revision=revision + 1), self.request_timeout_s)
                 if not ready.done():
                     ready.set_result(None)
                 async for event in watch:
@@ -256,11 +283,24 @@ class EtcdElection:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001  etcd restarting: read again shortly
-                log.warning("watch of the leader key broke: %s", exc)
+                log.warning("watch of the leader key broke: %s", error_text(exc))
                 if not ready.done():
                     ready.set_exception(exc)
                     return
+                await self._connection.recover(client, exc)
+            # A watch that ended without an error was closed with its client (a reconnect).
             await asyncio.sleep(min(1.0, self.request_timeout_s))
+
+    def _check_still_ours(self, current, revision: int) -> None:
+        """While leading, lose leadership when a read of the leader key at ``revision`` finds it
+        gone or created by someone else: changes made while the watch stream was down are
+        seen only by this read."""
+        if self._info is None or revision < self._info.epoch:
+            return  # not leading, or a read from before this replica's key existed
+        if current is None:
+            self._lose("the leader key was deleted")
+        elif current.create_revision != self._info.epoch:
+            self._lose(f"the leader key was created again at revision {current.create_revision}")
 
     def _note_change(self, revision: int) -> None:
         self._key_revision = max(self._key_revision, revision)
@@ -268,7 +308,7 @@ class EtcdElection:
 
     async def _revoke(self, lease_id: int) -> None:
         try:
-            await with_timeout(self._client.revoke_lease(lease_id), self.request_timeout_s)
+            await with_timeout(self._connection.client.revoke_lease(lease_id), self.request_timeout_s)
         except Exception as exc:  # noqa: BLE001  the key then goes when the lease expires
             # After a lost lease this is the expected answer ("lease not found"): nothing to undo.
-            log.info("lease %x not revoked: %s", lease_id, exc)
+            log.info("lease %x not revoked: %s", lease_id, error_text(exc))

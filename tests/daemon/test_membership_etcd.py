@@ -126,7 +126,7 @@ def test_a_publisher_whose_lease_expired_registers_again(etcd) -> None:
             publisher.publish(member(3))
             assert await publisher.wait_published(3, 5)  # in etcd: what READY waits for
             await until(lambda: 3 in reader.members(), 5, "member 3 seen")
-            await publisher._client.revoke_lease(publisher._lease.id)  # as if it expired in a pause
+            await publisher._connection.client.revoke_lease(publisher._lease.id)  # as if it expired in a pause
             await until(lambda: 3 not in reader.members(), 5, "gone with the lease")
             publisher.publish(member(3))  # the next tick's publish
             await until(lambda: 3 in reader.members(), 5, "registered again")
@@ -178,5 +178,5 @@ def test_unreachable_etcd_is_a_clear_bounded_error() -> None:
     result = CliRunner().invoke(app, ["status", "--etcd", endpoint])
     assert result.exit_code == 3 and "no etcd answers within" in result.output and "Traceback" not in result.output
     result = CliRunner().invoke(app, ["status", "--etcd", "no-port-here"])
-    assert result.exit_code == 1 and "etcd endpoint must be host:port" in result.output
+    assert result.exit_code == 2 and "etcd endpoint must be host:port" in result.output  # a usage error
     assert time.monotonic() - started < 10

@@ -34,7 +34,24 @@ def test_one_leader_per_folder_and_epochs_grow(tmp_path) -> None:
     assert campaign_within(second, 5).epoch == 2
     second.resign()
     assert campaign_within(first, 5).epoch == 3
-    assert (tmp_path / "gmanager" / "epoch").read_text().strip() == "3"
+    assert (tmp_path / "gmanager.epoch").read_text().strip() == "3"
+
+
+def test_removing_the_election_folder_does_not_start_the_epochs_again(tmp_path) -> None:
+    """The folder's removal deposes the leader; the instances have seen its epoch and refuse
+    any lower one, so the next leader's must be higher. A counter where earlier versions kept
+    it, in the folder, counts too."""
+    import shutil
+
+    first = LocalElection(tmp_path, poll_interval_s=0.01)
+    assert campaign_within(first, 5).epoch == 1
+    shutil.rmtree(tmp_path / "gmanager")
+    assert not first.is_leader()
+    second = LocalElection(tmp_path, poll_interval_s=0.01)
+    assert campaign_within(second, 5).epoch == 2
+    second.resign()
+    (tmp_path / "gmanager" / "epoch").write_text("9\n")
+    assert campaign_within(LocalElection(tmp_path, poll_interval_s=0.01), 5).epoch == 10
 
 
 def test_removing_the_lock_file_loses_leadership(tmp_path) -> None:
@@ -49,8 +66,7 @@ def test_removing_the_lock_file_loses_leadership(tmp_path) -> None:
 
 
 def test_corrupt_epoch_counter_stops_the_election(tmp_path) -> None:
-    (tmp_path / "gmanager").mkdir()
-    (tmp_path / "gmanager" / "epoch").write_text("not a number")
+    (tmp_path / "gmanager.epoch").write_text("not a number")
     with pytest.raises(ValueError):
         campaign_within(LocalElection(tmp_path), 5)
 
