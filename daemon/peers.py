@@ -381,13 +381,15 @@ class TransportLender:
             if num_blocks <= 0:
                 break
             # Peers that keep blocks for the request first (its home asked them before it
-            # started), then the most free.
+            # started), then the most free; on to the next while the request has blocks to lend
+            # and more room is needed (one peer's room alone may not make enough).
             for peer in self.peers.creditors(lambda p: (self.held_on(request_id, p.inst_id), p.num_blocks_free)):
+                if num_blocks <= 0 or count <= 0:
+                    break
                 take = min(count, num_blocks, peer.num_blocks_free + self.held_on(request_id, peer.inst_id))
                 moved = await self.move(engine, request_id, take, peer) if take > 0 else 0
-                if moved:
-                    num_blocks -= moved
-                    break
+                num_blocks -= moved
+                count -= moved
 
     def release(self, request_id: str, segment: Segment) -> None:
         peer = self.peers.by_engine(segment.instance_id)

@@ -184,13 +184,22 @@ class BlockManager:
 
     def blocks_needed(self, request_id: str, num_tokens: int) -> int:
         """New home blocks that ``allocate(request_id, num_tokens)`` would take."""
+        if num_tokens <= self.num_tokens(request_id):
+            return 0
+        return -(-max(0, num_tokens - self._home_tail_capacity(request_id)) // self.block_size)
+
+    def _home_tail_capacity(self, request_id: str) -> int:
+        """Tokens the request's blocks give slots for without a new block: up to the end of its
+        home tail's last block (where the tail is lent out, only those it has)."""
         table = self._tables.get(request_id, [])
         have = table[-1].token_end if table else 0
-        if num_tokens <= have:
-            return 0
         tail = table[-1] if table and table[-1].instance_id == self.home_instance_id else None
-        capacity = (tail.token_start + len(tail.block_ids) * self.block_size) if tail else have
-        return -(-max(0, num_tokens - capacity) // self.block_size)
+        return (tail.token_start + len(tail.block_ids) * self.block_size) if tail else have
+
+    def max_allocatable_tokens(self, request_id: str) -> int:
+        """The most tokens in all that ``allocate(request_id, ...)`` can give slots for now: the
+        room left in its home tail and in the home pool's free blocks."""
+        return self._home_tail_capacity(request_id) + self.num_free_blocks(self.home_instance_id) * self.block_size
 
     # ---- allocation ----------------------------------------------------------------------
     def can_allocate(self, request_id: str, num_tokens: int) -> bool:
@@ -399,7 +408,10 @@ class BlockManager:
         """Choose lends that free ``num_blocks`` home blocks: ``[(request_id, num_blocks, dst)]``.
 
         The requests with the most lendable blocks go first, each to the creditor with the most
-        free blocks. Returns what is possible, which may free fewer blocks than asked.
+        free blocks, then to the next while it has lendable blocks left (a long request alone
+        may need the room of several). The lends of one request are in token order: each is to
+        be committed before the next is made. Returns what is possible, which may free fewer
+        blocks than asked.
         """
         free = {i: self.num_free_blocks(i) for i in self.instance_ids if i != self.home_instance_id}
         lendable = sorted(
@@ -407,15 +419,15 @@ class BlockManager:
         )
         plan = []
         for count, request_id in lendable:
-            if num_blocks <= 0 or not free:
-                break
-            dst = max(free, key=lambda i: (free[i], -i))
-            take = min(count, num_blocks, free[dst])
-            if take <= 0:
-                continue
-            plan.append((request_id, take, dst))
-            free[dst] -= take
-            num_blocks -= take
+            while count > 0 and num_blocks > 0:
+                dst = max(free, key=lambda i: (free[i], -i), default=None)
+                if dst is None or free[dst] <= 0:
+                    return plan
+                take = min(count, num_blocks, free[dst])
+                plan.append((request_id, take, dst))
+                free[dst] -= take
+                count -= take
+                num_blocks -= take
         return plan
 
     def _allocator(self, instance_id: int) -> BlockAllocator:

@@ -54,6 +54,12 @@ class _RequestState:
     emitted_chars: int = 0  # characters of text already handed out
 
 
+def _is_prefilling(request: Request) -> bool:
+    """Whether the request's next step is a chunk rather than one token: more than one known
+    token lacks K and V (its prompt, or its prompt and outputs recomputed after a preemption)."""
+    return request.num_tokens - request.num_computed_tokens > 1
+
+
 class LLMEngine:
     def __init__(self, checkpoint: Checkpoint, config: EngineConfig = EngineConfig(),
                  remote: RemoteAttention | None = None, lender: KVLender | None = None) -> None:
@@ -140,9 +146,10 @@ class LLMEngine:
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
             raise RequestRejected(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        # Output stops at the context's end anyway; what must fit is the KV of the longest run.
-        most_tokens = min(len(token_ids) + params.max_tokens, self.max_model_len)
-        blocks = -(-most_tokens // self.config.block_size)
+        # Output stops at the context's end anyway; what must fit is the KV of the longest run,
+        # less its last token: sampled at the end, it is never fed back, so never written.
+        most_written = min(len(token_ids) + params.max_tokens, self.max_model_len) - 1
+        blocks = -(-most_written // self.config.block_size)
         capacity = self.block_manager.num_total_blocks() if self.config.spill_to_creditors and len(self.pools) > 1 \
             else self.block_manager.num_total_blocks(self.home_instance_id)
         if self.lender is not None:
@@ -151,7 +158,7 @@ class LLMEngine:
             capacity -= 1  # the padding block of graph steps
         if blocks > capacity:
             raise RequestRejected(
-                f"the request needs up to {most_tokens} tokens = {blocks} KV blocks, but the pools hold "
+                f"the request needs KV for up to {most_written} tokens = {blocks} KV blocks, but the pools hold "
                 f"{capacity} blocks in all; lower max_tokens or the prompt"
             )
         request_id = str(next(self._ids)) if request_id is None else request_id
@@ -167,6 +174,10 @@ class LLMEngine:
         prompt takes seconds to tokenize) and pass the ids to ``add_request``."""
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)
+        if isinstance(prompt, (bytes, bytearray, memoryview)):
+            # Iterating bytes gives ints: undecoded text would pass as token ids.
+            raise RequestRejected("a prompt is a string, a list of token ids or a list of chat messages; "
+                                  "decode bytes to a string first")
         try:
             items = list(prompt)  # type: ignore[call-overload]
         except TypeError:
@@ -236,15 +247,16 @@ class LLMEngine:
         return self.lender.blocks_kept_elsewhere(request.request_id, need - home_free) >= need - home_free
 
     def home_blocks_promised(self) -> int:
-        """Free home blocks that the running requests' prompts still count on: the blocks their
-        prompts still need, less what peers keep for them (their spills' share)."""
+        """Free home blocks that the running requests' prefills still count on: the blocks their
+        known tokens still need (the prompt, and after a preemption the outputs recomputed with
+        it), less what peers keep for them (their spills' share)."""
         if self.lender is None:
             return 0
         bm = self.block_manager
         promised = 0
         for r in self.scheduler.running:
-            if r.num_computed_tokens < len(r.prompt_token_ids):
-                rest = bm.blocks_needed(r.request_id, len(r.prompt_token_ids))
+            if _is_prefilling(r):
+                rest = bm.blocks_needed(r.request_id, r.num_tokens)
                 promised += max(0, rest - self.lender.blocks_kept_elsewhere(r.request_id, 0))
         return promised
 
@@ -258,9 +270,9 @@ class LLMEngine:
         running = self.scheduler.running
         head = self.scheduler.waiting[0] if self.scheduler.waiting else None
         # A block per running request (a decode may open one), and a whole chunk while a prompt
-        # is being prefilled.
+        # is being prefilled, or recomputed with its outputs after a preemption.
         wanted = len(running) + 1
-        if any(r.num_computed_tokens < len(r.prompt_token_ids) for r in running):
+        if any(_is_prefilling(r) for r in running):
             wanted += -(-self.config.max_num_batched_tokens // self.config.block_size)
         if head is not None:
             wanted = max(wanted, len(running) + bm.blocks_needed(head.request_id, head.num_computed_tokens + min(
@@ -299,7 +311,7 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             if (self.scheduler.running or self.scheduler.waiting) and self.lender is None:
-                raise RuntimeError("no request can be scheduled: the home pool is too small for one chunk")
+                raise RuntimeError("no request can be scheduled: the home pool has no room for one token of any")
             # With peers, blocks come back when their requests finish or they free segments:
             # the caller steps again later.
             return []
@@ -427,6 +439,9 @@ class LLMEngine:
                  ) -> list[RequestOutput]:
         """Run prompts to completion together; the final output of each, in order."""
         params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(params_list) != len(prompts):
+            raise RequestRejected(f"{len(prompts)} prompts but {len(params_list)} sampling params: give one "
+                                  "for all or one per prompt")
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
         final: dict[str, RequestOutput] = {}
         while len(final) < len(ids):

@@ -4,7 +4,10 @@ Each step the scheduler gives every running request its next tokens (one for a d
 request, a chunk of the prompt for a prefilling one) within a token budget, then admits waiting
 requests first-come-first-served while the budget, the request limit and the home pool allow.
 A running request that cannot get a block makes the newest running request give its blocks
-back (it waits and recomputes later), so a request never writes into blocks it does not own.
+back (it waits and recomputes later), so a request never writes into blocks it does not own;
+the newest itself takes the part of its chunk that the home pool holds, and gives its blocks
+back only when not one token fits. A request alone starts on the part of its first chunk that
+the home pool holds, so that a chunk larger than the pool never blocks the queue.
 
 A waiting request that cannot start yet (its context needs memory that is not free) lets up
 to ``queue_bypass_limit`` later requests that can start go ahead of it; then the queue waits
@@ -13,8 +16,9 @@ for it, so that a long request is delayed by a bounded number of short ones, not
 A decoding request whose KV is split over other instances makes every layer of its step wait
 for their parts, and every request batched with it waits too. With ``split_decode_interval``
 n > 1 such requests decode in one step of n while other requests run; the steps between carry
-the others alone, at the pace of the home's own device. (Prompt chunks always run: a long
-prompt held back would hold up the queue behind it.)
+the others alone, at the pace of the home's own device, unless the others get nothing (then the
+split ones run rather than leave the step empty). (Prompt chunks always run: a long prompt held
+back would hold up the queue behind it.)
 """
 
 from __future__ import annotations
@@ -118,34 +122,63 @@ class Scheduler:
         preempted: list[str] = []
         self._num_steps += 1
         held_back = self._split_decodes_held_back()
+        budget = self._schedule_running(lambda r: r.request_id not in held_back, budget, chunks, preempted)
+        if held_back and not chunks:
+            # The others got nothing (they preempted themselves): the split decodes run rather
+            # than leave the step empty.
+            budget = self._schedule_running(lambda r: r.request_id in held_back, budget, chunks, preempted)
+        # After a preemption the freed blocks are left for the running requests' next steps;
+        # but a step that would otherwise be empty admits (the preempted request restarts).
+        if not preempted or not chunks:
+            self._admit(budget, chunks)
+        return SchedulerOutput(tuple(chunks), tuple(preempted))
+
+    def _schedule_running(self, selected: Callable[[Request], bool], budget: int, chunks: list[ScheduledChunk],
+                          preempted: list[str]) -> int:
+        """Give each selected running request its next tokens, in admission order; append the
+        chunks and the preempted requests' ids; return the budget left."""
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            if request.request_id in held_back:
+            if not selected(request):
                 index += 1
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            end = request.num_computed_tokens + num_new
+            end = request.num_computed_tokens + min(request.num_tokens - request.num_computed_tokens, budget)
             while not self.block_manager.can_allocate(request.request_id, end):
                 victim = self.running[-1]
+                if victim is request:
+                    # Rather than throw away its own work, the newest request takes the part of
+                    # its chunk that the home pool holds; it gives its blocks back only when not
+                    # one token fits.
+                    end = min(end, self.block_manager.max_allocatable_tokens(request.request_id))
+                    if end > request.num_computed_tokens:
+                        break
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is request:
                     break
             if request.status is not RequestStatus.RUNNING:
                 break
+            num_new = end - request.num_computed_tokens
             self.block_manager.allocate(request.request_id, end)
             chunks.append(ScheduledChunk(request.request_id, request.num_computed_tokens, num_new, end == request.num_tokens))
             budget -= num_new
             index += 1
+        return budget
 
+    def _admit(self, budget: int, chunks: list[ScheduledChunk]) -> None:
+        """Start waiting requests while the budget, ``max_num_seqs`` and the home pool allow;
+        append their first chunks."""
         position = 0  # in the queue: past a head that cannot start, while it may be bypassed
-        while (position < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs
-               and not preempted):
+        while position < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[position]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            end = request.num_computed_tokens + num_new
-            if not self.block_manager.can_allocate(request.request_id, end) or (
+            end = request.num_computed_tokens + min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self.running and not self.block_manager.can_allocate(request.request_id, end):
+                # Alone, a request whose first chunk is larger than the home pool starts on the
+                # part the pool holds (its written blocks are then lent to creditors to make room
+                # for the rest); while others run, it waits for blocks to come back.
+                end = min(end, self.block_manager.max_allocatable_tokens(request.request_id))
+            if end <= request.num_computed_tokens or not self.block_manager.can_allocate(request.request_id, end) or (
                     self.can_start is not None and not self.can_start(request)):
                 if position == 0 and self.waiting[0].num_bypassed < self.queue_bypass_limit:
                     position = 1
@@ -156,13 +189,13 @@ class Scheduler:
                 self.waiting[0].num_bypassed += 1
                 if self.waiting[0].num_bypassed >= self.queue_bypass_limit:
                     position = len(self.waiting)  # the head's turn: no one else starts first
+            num_new = end - request.num_computed_tokens
             self.block_manager.allocate(request.request_id, end)
             request.status = RequestStatus.RUNNING
             request.num_bypassed = 0  # if it waits again (preempted), its allowance starts afresh
             self.running.append(request)
             chunks.append(ScheduledChunk(request.request_id, request.num_computed_tokens, num_new, end == request.num_tokens))
             budget -= num_new
-        return SchedulerOutput(tuple(chunks), tuple(preempted))
 
     def _split_decodes_held_back(self) -> set[str]:
         """The decoding split requests this step leaves out: none in one step of

@@ -38,21 +38,27 @@ def engine_with(bm: BlockManager, pool: torch.Tensor, written: dict[str, int]) -
         home_blocks_promised=lambda: 0)
 
 
+def creditor_daemon(tmp_path, network: InMemoryNetwork, inst_id: int, num_blocks: int) -> InstanceDaemon:
+    """A creditor daemon, not started, whose handler and placer serve on ``network``."""
+    bm = BlockManager(block_size=BLOCK_SIZE, pool_blocks=[num_blocks])
+    daemon = InstanceDaemon(InstanceConfig(state_dir=str(tmp_path / str(inst_id)), instance_id=inst_id,
+                                           http_port=None))
+    daemon.engine = engine_with(bm, torch.zeros(num_blocks, *BLOCK_SHAPE), {})
+    daemon.ledger = CreditorLedger(bm.reserve_home_blocks, bm.release_home_blocks, reservation_ttl_s=5.0,
+                                   first_reservation_id=40 * inst_id)
+    daemon.creditor = SimpleNamespace(forget=lambda home: None)
+    daemon.block_nbytes = daemon.pool[0].numel() * daemon.pool.element_size()
+    daemon.transport = network.transport(PeerAddress("memory", inst_id))
+    return daemon
+
+
 class Setup:
     """A home with one request of 3 written blocks and a creditor daemon with 8 free blocks."""
 
     def __init__(self, tmp_path) -> None:
         self.network = InMemoryNetwork()
-        creditor_bm = BlockManager(block_size=BLOCK_SIZE, pool_blocks=[8])
-        self.creditor = InstanceDaemon(InstanceConfig(state_dir=str(tmp_path), instance_id=CREDITOR,
-                                                      http_port=None))
-        self.creditor.engine = engine_with(creditor_bm, torch.zeros(8, *BLOCK_SHAPE), {})
-        self.creditor.ledger = CreditorLedger(creditor_bm.reserve_home_blocks, creditor_bm.release_home_blocks,
-                                              reservation_ttl_s=5.0, first_reservation_id=40)
-        self.creditor.creditor = SimpleNamespace(forget=lambda home: None)
-        self.creditor.block_nbytes = self.creditor.pool[0].numel() * self.creditor.pool.element_size()
-        self.creditor.transport = self.network.transport(PeerAddress("memory", CREDITOR))
-        self.creditor_free_at_start = creditor_bm.num_free_blocks(0)
+        self.creditor = creditor_daemon(tmp_path, self.network, CREDITOR, 8)
+        self.creditor_free_at_start = self.creditor.engine.block_manager.num_free_blocks(0)
 
         self.bm = BlockManager(block_size=BLOCK_SIZE, pool_blocks=[8])
         self.bm.allocate("7", 3 * BLOCK_SIZE)
@@ -120,3 +126,25 @@ def test_a_forwarded_segment_waits_for_its_commit(tmp_path):
     message = KVBlocks(1, reservation.reservation_id, (), ())
     assert s.creditor._handle(message).num_blocks == 0
     assert s.creditor.ledger.held == {} and reservation.reservation_id in s.creditor.ledger.reservations
+
+
+def test_a_spill_goes_on_to_further_creditors_while_one_has_too_little_room(tmp_path):
+    """The request must lend 3 blocks and no creditor has more than 2 free: the spill moves 2
+    to the one with the most room, then 1 to the next, rather than stop at the first."""
+    s = Setup(tmp_path)
+    third = creditor_daemon(tmp_path, s.network, 3, 8)
+    s.peer.num_blocks_free = 2
+    other = s.lender.peers.update(3, PeerAddress("memory", 3), 1, False, 8)
+    s.bm.allocate("7", 4 * BLOCK_SIZE)  # a fourth block, being written: three are lendable
+
+    async def scenario() -> None:
+        await s.creditor.transport.start(s.creditor._handle, s.creditor._place)
+        await third.transport.start(third._handle, third._place)
+        await s.lender.spill(s.engine, 3)
+        await s.network.settle()
+
+    asyncio.run(scenario())
+    table = s.bm.block_table("7")
+    assert [(seg.instance_id, len(seg.block_ids)) for seg in table] == [(s.peer.engine_id, 2), (other.engine_id, 1),
+                                                                         (0, 1)]
+    assert len(s.creditor.ledger.held) == 1 and len(third.ledger.held) == 1

@@ -120,7 +120,9 @@ def test_plan_spill_takes_the_largest_lenders_first():
     bm.allocate("a", 8)
     bm.allocate("b", 20)
     plan = bm.plan_spill(4, {"a": 8, "b": 20})
-    assert plan == [("b", 3, 2), ("a", 1, 1)]
+    assert plan == [("b", 3, 2), ("b", 1, 1)]
+    plan = bm.plan_spill(7, {"a": 8, "b": 20})
+    assert plan == [("b", 3, 2), ("b", 2, 1)]  # the creditors are full before "a"'s turn
     assert bm.plan_spill(4, {"a": 0, "b": 0}) == []
 
 
@@ -223,3 +225,27 @@ def test_a_peers_copy_must_be_named():
     with pytest.raises(ValueError, match="positive id"):
         bm.relocate_remote("a", 0, 1, 2, (11,), copy_id=0)
     assert bm.block_table("a")[0] == Segment(1, (10,), 0, 4, 5)
+
+
+def test_plan_spill_goes_on_to_further_creditors_for_one_request():
+    """A lone request whose blocks no single creditor can hold lends them to several."""
+    bm = BlockManager(block_size=4, pool_blocks=[4, 2, 2])
+    bm.allocate("a", 16)
+    assert bm.plan_spill(3, {"a": 16}) == [("a", 2, 1), ("a", 1, 2)]
+    assert bm.plan_spill(9, {"a": 16}) == [("a", 2, 1), ("a", 2, 2)]  # creditors full: fewer than asked
+    for request_id, num_blocks, dst in bm.plan_spill(3, {"a": 16}):  # carried out in order
+        bm.commit_move(bm.lend(request_id, num_blocks, dst, num_written=16))
+    assert [(s.instance_id, s.block_ids, s.token_start) for s in bm.block_table("a")] == [
+        (1, (0, 1), 0), (2, (0,), 8), (0, (3,), 12)]
+    assert bm.num_free_blocks(0) == 3
+
+
+def test_max_allocatable_tokens_counts_the_tail_room_and_the_free_home_blocks():
+    bm = BlockManager(block_size=4, pool_blocks=[4, 8])
+    assert bm.max_allocatable_tokens("a") == 16
+    bm.allocate("a", 6)  # 2 blocks, 2 slots left in the tail
+    assert bm.max_allocatable_tokens("a") == 8 + 2 * 4
+    assert bm.can_allocate("a", bm.max_allocatable_tokens("a"))
+    assert not bm.can_allocate("a", bm.max_allocatable_tokens("a") + 1)
+    bm.commit_move(bm.lend("a", 1, 1, num_written=6))
+    assert bm.max_allocatable_tokens("a") == 8 + 3 * 4

@@ -35,8 +35,30 @@ def test_token_outside_the_vocabulary(engine):
 
 
 def test_request_larger_than_every_pool_is_refused(engine):
-    with pytest.raises(RequestRejected, match="needs up to 1100 tokens = 69 KV blocks, but the pools hold 64 blocks"):
+    with pytest.raises(RequestRejected, match="needs KV for up to 1099 tokens = 69 KV blocks, but the pools hold 64 blocks"):
         engine.add_request([1] * 100, SamplingParams(max_tokens=1000))
+    assert not engine.has_unfinished
+
+
+def test_a_request_whose_written_tokens_just_fit_is_accepted(engine):
+    # 100 + 925 tokens, the last never written: 1024 tokens = the 64 blocks of 16.
+    request_id = engine.add_request([1] * 100, SamplingParams(max_tokens=925))
+    engine.abort(request_id)
+    with pytest.raises(RequestRejected, match="up to 1025 tokens = 65 blocks"):
+        engine.add_request([1] * 100, SamplingParams(max_tokens=926))
+    assert not engine.has_unfinished
+
+
+def test_generate_refuses_a_params_list_of_another_length(engine):
+    with pytest.raises(RequestRejected, match="2 prompts but 1 sampling params"):
+        engine.generate(["a", "b"], [SamplingParams(max_tokens=1)])
+    assert not engine.has_unfinished
+
+
+def test_a_bytes_prompt_is_refused_not_taken_as_token_ids(engine):
+    for prompt in (b"hello", bytearray(b"hello")):
+        with pytest.raises(RequestRejected, match="decode bytes to a string first"):
+            engine.add_request(prompt)
     assert not engine.has_unfinished
 
 

@@ -146,3 +146,73 @@ def test_a_split_prompt_being_prefilled_is_never_held_back():
     block_manager.commit_move(block_manager.lend("c", 1, 1, num_written=8))
     assert block_manager.is_split("c")
     assert [[c.request_id for c in _run(scheduler)] for _ in range(2)] == [["c"], ["c"]]
+
+
+def test_a_first_chunk_larger_than_the_home_pool_starts_on_what_the_pool_holds():
+    """Alone, a prompt whose first chunk needs more blocks than the home pool has starts on the
+    part that fits; the rest follows once its written blocks are lent out."""
+    bm = BlockManager(4, [2, 64])
+    scheduler = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=16)
+    scheduler.add(_request("a", 12))
+    assert _run(scheduler) == [ScheduledChunk("a", 0, 8, False)]
+    bm.commit_move(bm.lend("a", 2, 1, num_written=8))
+    assert _run(scheduler) == [ScheduledChunk("a", 8, 4, True)]
+
+
+def test_a_large_first_chunk_waits_while_others_hold_the_home_pool():
+    bm = BlockManager(4, [3, 64])
+    scheduler = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=16)
+    scheduler.add(_request("a", 2))
+    scheduler.add(_request("b", 16))
+    assert _run(scheduler) == [ScheduledChunk("a", 0, 2, True)]  # b's 4 blocks are more than the 2 free
+    assert scheduler.requests["b"].status is RequestStatus.WAITING
+    scheduler.finish("a")
+    assert _run(scheduler) == [ScheduledChunk("b", 0, 12, False)]
+
+
+def test_the_newest_request_takes_the_part_of_its_chunk_that_fits_rather_than_preempt_itself():
+    bm = BlockManager(4, [6, 64])
+    scheduler = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=16)
+    scheduler.add(_request("a", 4))
+    assert _run(scheduler) == [ScheduledChunk("a", 0, 4, True)]
+    scheduler.add(_request("b", 20))
+    assert _run(scheduler) == [ScheduledChunk("a", 4, 1, True), ScheduledChunk("b", 0, 15, False)]
+    assert bm.num_free_blocks(0) == 0
+    out = scheduler.schedule()  # b's next 5 tokens: 1 slot left in its tail, no block free
+    assert out.preempted == ()
+    assert out.chunks == (ScheduledChunk("a", 5, 1, True), ScheduledChunk("b", 15, 1, False))
+
+
+def test_a_request_that_preempts_itself_restarts_in_the_same_step():
+    """Alone and with not one free slot, a request gives its blocks back; the step then admits
+    it again from the start instead of coming out empty."""
+    bm = BlockManager(2, [3])
+    scheduler = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=8)
+    scheduler.add(_request("a", 6))
+    assert _run(scheduler) == [ScheduledChunk("a", 0, 6, True)]
+    out = scheduler.schedule()
+    assert out.preempted == ("a",)
+    assert out.chunks == (ScheduledChunk("a", 0, 6, False),)  # 7 tokens now: 6 fit
+
+
+def test_held_back_split_decodes_run_when_the_others_get_nothing():
+    """With an interval of 2, "a" (split) is held back in odd steps; when "b", the only other
+    request, preempts itself, "a" runs rather than leave the step empty."""
+    bm = BlockManager(2, [3, 8])
+    scheduler = Scheduler(bm, max_num_seqs=2, max_num_batched_tokens=5, split_decode_interval=2)
+    scheduler.add(Request("a", [1, 2, 3, 4], SamplingParams(max_tokens=50)))
+    scheduler.add(Request("b", [5], SamplingParams(max_tokens=50)))
+    _run(scheduler)
+    bm.commit_move(bm.lend("a", 2, 1, num_written=4))
+    for _ in range(20):
+        out = scheduler.schedule()
+        assert not out.is_empty
+        for chunk in out.chunks:
+            request = scheduler.requests[chunk.request_id]
+            request.num_computed_tokens = chunk.start + chunk.num_tokens
+            if chunk.samples:
+                request.output_token_ids.append(7)
+        if out.preempted:
+            assert [c.request_id for c in out.chunks] == ["a"]
+            return
+    raise AssertionError("b never preempted itself")
