@@ -186,6 +186,19 @@ async def _first_answering(endpoints: Iterable[tuple[str, int]], request_timeout
     raise EtcdUnreachable(f"no etcd answers within {request_timeout_s:g} s: {'; '.join(errors)}")
 
 
+async def wait_ended(tasks: Iterable[asyncio.Task], timeout_s: float) -> None:
+    """Wait, at most ``timeout_s``, for tasks that were cancelled or bound their own work to
+    end. A task cancelled inside an aetcd watch may wait on the stream's own cancellation,
+    which a half-broken connection never answers; closing the client afterwards ends it."""
+    tasks = [t for t in tasks if t is not None]
+    if not tasks:
+        return
+    _done, pending = await asyncio.wait(tasks, timeout=timeout_s)
+    for task in pending:
+        log.warning("etcd task %s did not end within %g s of its cancellation: left to the client's close",
+                    task.get_name(), timeout_s)
+
+
 def error_text(exc: BaseException) -> str:
     """The first line of an error's message, or its type when it has none (a timeout)."""
     text = str(exc)
@@ -353,7 +366,7 @@ class EtcdMembership:
         """Stop the background work and revoke the lease, which deletes this process's record."""
         for task in self._tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await wait_ended(self._tasks, self.request_timeout_s)
         self._tasks = []
         client = self._connection.client
         if client is None:

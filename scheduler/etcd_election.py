@@ -45,9 +45,9 @@ from infinite_llm.daemon.etcd_discovery import (
     EtcdConnection,
     EtcdKeys,
     decode_leader,
+    wait_ended,
     encode_leader,
     error_text,
-    is_connection_failure,
     lease_ttl_seconds,
     parse_endpoints,
     with_timeout,
@@ -155,9 +155,9 @@ class EtcdElection:
         self.resign()
         if self._watch_task is not None:
             self._watch_task.cancel()
-        # The revocation is bounded by request_timeout_s; the cancelled watch ends at once.
-        await asyncio.gather(*(t for t in (self._revoke_task, self._watch_task) if t is not None),
-                             return_exceptions=True)
+        # The revocation is bounded by request_timeout_s; the cancelled watch ends at once, or
+        # with the client's close (a stream that never answers its cancellation).
+        await wait_ended((self._revoke_task, self._watch_task), self.request_timeout_s + 1.0)
         self._watch_task = self._revoke_task = None
         await self._connection.close()
 

@@ -44,7 +44,7 @@ def test_a_request_whose_written_tokens_just_fit_is_accepted(engine):
     # 100 + 925 tokens, the last never written: 1024 tokens = the 64 blocks of 16.
     request_id = engine.add_request([1] * 100, SamplingParams(max_tokens=925))
     engine.abort(request_id)
-    with pytest.raises(RequestRejected, match="up to 1025 tokens = 65 blocks"):
+    with pytest.raises(RequestRejected, match="up to 1025 tokens = 65 KV blocks"):
         engine.add_request([1] * 100, SamplingParams(max_tokens=926))
     assert not engine.has_unfinished
 
