@@ -484,18 +484,20 @@ class InstanceDaemon:
                                                  self._prompt_tokens.get(request_id, 0), num_output))
         log.error("%d requests ended: %s", len(request_ids), reason)
 
-    async def generate(self, prompt: str | tuple[int, ...] | None, messages: Sequence[dict[str, str]] | None,
-                       params: SamplingParams) -> AsyncIterator[GenerationEvent]:
+    def _refuse_while_draining(self) -> None:
         if self.draining:
             raise RequestRefused("this instance is draining and admits no new requests", status=503)
+
+    async def generate(self, prompt: str | tuple[int, ...] | None, messages: Sequence[dict[str, str]] | None,
+                       params: SamplingParams) -> AsyncIterator[GenerationEvent]:
+        self._refuse_while_draining()
         request_id = str(next(self._request_ids))
         source: Any = prompt if prompt is not None else list(messages or ())
         try:
             # On a thread: a prompt of megabytes takes seconds to render and tokenize, and this
             # event loop serves peers' attend requests, heartbeats and the watchdog meanwhile.
             token_ids = await asyncio.to_thread(self.engine.prompt_token_ids, source)
-            if self.draining:  # the drain began while the prompt was tokenized
-                raise RequestRefused("this instance is draining and admits no new requests", status=503)
+            self._refuse_while_draining()  # a drain may have begun while the prompt was tokenized
             self.engine.add_request(token_ids, params, request_id=request_id)
         except RequestRejected as exc:
             raise RequestRefused(str(exc)) from None

@@ -54,12 +54,6 @@ class _RequestState:
     emitted_chars: int = 0  # characters of text already handed out
 
 
-def _is_prefilling(request: Request) -> bool:
-    """Whether the request's next step is a chunk rather than one token: more than one known
-    token lacks K and V (its prompt, or its prompt and outputs recomputed after a preemption)."""
-    return request.num_tokens - request.num_computed_tokens > 1
-
-
 class LLMEngine:
     def __init__(self, checkpoint: Checkpoint, config: EngineConfig = EngineConfig(),
                  remote: RemoteAttention | None = None, lender: KVLender | None = None) -> None:
@@ -255,7 +249,7 @@ class LLMEngine:
         bm = self.block_manager
         promised = 0
         for r in self.scheduler.running:
-            if _is_prefilling(r):
+            if r.is_prefilling:
                 rest = bm.blocks_needed(r.request_id, r.num_tokens)
                 promised += max(0, rest - self.lender.blocks_kept_elsewhere(r.request_id, 0))
         return promised
@@ -272,7 +266,7 @@ class LLMEngine:
         # A block per running request (a decode may open one), and a whole chunk while a prompt
         # is being prefilled, or recomputed with its outputs after a preemption.
         wanted = len(running) + 1
-        if any(_is_prefilling(r) for r in running):
+        if any(r.is_prefilling for r in running):
             wanted += -(-self.config.max_num_batched_tokens // self.config.block_size)
         if head is not None:
             wanted = max(wanted, len(running) + bm.blocks_needed(head.request_id, head.num_computed_tokens + min(

@@ -59,6 +59,12 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    @property
+    def is_prefilling(self) -> bool:
+        """Whether the next step is a chunk rather than one token: more than one known token
+        lacks K and V (the prompt, or the prompt and outputs recomputed after a preemption)."""
+        return self.num_tokens - self.num_computed_tokens > 1
+
 
 @dataclass(frozen=True)
 class ScheduledChunk:

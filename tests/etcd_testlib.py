@@ -7,6 +7,7 @@ they are skipped with the reason. Every wait here is bounded.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import signal
@@ -18,6 +19,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+from infinite_llm.daemon.membership import Member
+from infinite_llm.scheduler.election import CandidateAddresses
 
 ETCD_BINARY = shutil.which("etcd") or "/usr/bin/etcd"
 START_TIMEOUT_S = 20.0
@@ -101,3 +105,34 @@ def etcd():
         yield server.start()
     finally:
         server.stop()
+
+
+# ---- what the etcd tests share ---------------------------------------------------------------
+def addresses(port: int) -> CandidateAddresses:
+    """A gManager replica's addresses, told apart by ``port``."""
+    return CandidateAddresses(peer_host="127.0.0.1", peer_port=port, http_port=port + 1, socket_path=f"/tmp/gm{port}.sock")
+
+
+def member(inst_id: int, free: int = 10) -> Member:
+    """An instance's membership record, with ``free`` blocks free of 64."""
+    return Member(inst_id=inst_id, pid=1000 + inst_id, peer_host="10.0.0.1", peer_port=5000 + inst_id, http_port=0,
+                  socket_path=f"/run/i{inst_id}.sock", num_blocks_total=64, num_blocks_free=free, draining=False,
+                  updated_at=time.time())
+
+
+def run(coroutine, timeout_s: float = 30.0):
+    """Run ``coroutine`` on a fresh event loop, within ``timeout_s``."""
+    async def bounded():
+        async with asyncio.timeout(timeout_s):
+            return await coroutine
+    return asyncio.run(bounded())
+
+
+async def until(predicate, timeout_s: float, what: str) -> float:
+    """Seconds until ``predicate()`` holds; AssertionError after ``timeout_s``."""
+    started = time.monotonic()
+    while not predicate():
+        if time.monotonic() - started > timeout_s:
+            raise AssertionError(f"{what}: not within {timeout_s} s")
+        await asyncio.sleep(0.05)
+    return time.monotonic() - started

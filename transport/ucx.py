@@ -106,7 +106,7 @@ class _Connection:
     new_slots: list = field(default_factory=list)  # of the frame being encoded
     # Inbound, where the peer's region is open: its requests' buffers are read from there.
     shared_in: PeerRegion | None = None
-    # Inbound: frames whose buffers are landing in the background (``MAX_FRAMES_RECEIVING``).
+    # Frames whose buffers are landing in tasks (``lands_in_background``).
     receiving: int = 0
 
     def __post_init__(self) -> None:
@@ -256,11 +256,6 @@ class _Connection:
         buf[:max(length, codec.PREAMBLE.size)] = 0
         return codec.decode_header(data, self.config.limits)
 
-    async def recv_buffers(self, header: codec.FrameHeader, destinations: list, land_shared: bool = True) -> None:
-        """Receive a frame's buffers into ``destinations``. ``land_shared`` False: those in the
-        peer's shared memory are left there (a refused frame has nothing of them to drain)."""
-        await self.land_buffers(header, destinations, self.post_buffer_recvs(header, destinations), land_shared)
-
     def post_buffer_recvs(self, header: codec.FrameHeader, destinations: list) -> list:
         """Land the frame's inline buffers and post the receives of those that come over UCX;
         returns their UCX requests (``land_buffers`` waits for them). Once they are posted, the
@@ -294,6 +289,21 @@ class _Connection:
         except (UCXError, TimeoutError) as e:
             self.abort()
             raise ConnectionBroken(f"{self.label}: receive failed: {e!r}") from e
+
+    def lands_in_background(self, requests: list) -> bool:
+        """Whether a frame whose UCX receives are ``requests`` lands in a task rather than in the
+        connection's loop, so that the frames behind it are not held up by its transfer; if so,
+        it is counted until the task ends (``landed_in_background``). A frame with nothing over
+        UCX lands in the loop (its copies run on this thread either way), and so does one beyond
+        ``MAX_FRAMES_RECEIVING``: the bound keeps a peer from having more of its frames' buffers
+        allocated at once."""
+        if requests and self.receiving < MAX_FRAMES_RECEIVING:
+            self.receiving += 1
+            return True
+        return False
+
+    def landed_in_background(self) -> None:
+        self.receiving -= 1
 
     def _ensure_open(self) -> None:
         """ConnectionBroken unless the connection is open: a peer whose connection broke may
@@ -672,10 +682,7 @@ class UcxTransport:
                 else:
                     destinations = self._fresh_destinations(header)
                     requests = connection.post_buffer_recvs(header, destinations)
-                    if requests and connection.receiving < MAX_FRAMES_RECEIVING:
-                        # As on the listener's side: the replies behind this one are not held
-                        # up by its transfer.
-                        connection.receiving += 1
+                    if connection.lands_in_background(requests):
                         self._spawn(self._land_reply(peer, connection, header, destinations, requests))
                         continue
                     await connection.land_buffers(header, destinations, requests)
@@ -691,7 +698,7 @@ class UcxTransport:
         except Exception as e:  # noqa: BLE001
             self._reading_failed(peer, connection, e)
         finally:
-            connection.receiving -= 1
+            connection.landed_in_background()
 
     def _reading_failed(self, peer: PeerAddress, connection: _Connection, error: Exception) -> None:
         """A reply could not be read: the connection is of no more use."""
@@ -759,13 +766,7 @@ class UcxTransport:
             if destinations is None:  # fresh tensors, or scratch to drain a refused frame into
                 destinations = self._fresh_destinations(header)
             requests = connection.post_buffer_recvs(header, destinations)
-            if requests and connection.receiving < MAX_FRAMES_RECEIVING:
-                # Landed in the background: the frames behind this one (a decode step's attend
-                # requests behind a move's KV blocks) are not held up by its transfer over UCX.
-                # The bound keeps a peer from having more of its frames' buffers allocated at
-                # once. (A frame whose buffers are all inline or in shared memory lands here:
-                # its copies run on this thread either way.)
-                connection.receiving += 1
+            if connection.lands_in_background(requests):  # e.g. a move's KV blocks, ahead of attend requests
                 self._spawn(self._land_and_dispatch(connection, header, destinations, requests, refusal))
                 return
             await connection.land_buffers(header, destinations, requests, land_shared=refusal is None)
@@ -781,7 +782,7 @@ class UcxTransport:
         except ConnectionBroken:
             pass  # the connection's loop ends with it
         finally:
-            connection.receiving -= 1
+            connection.landed_in_background()
 
     async def _deliver(self, connection: _Connection, header: codec.FrameHeader, destinations: list,
                        refusal: ErrorReply | None) -> None:

@@ -14,33 +14,9 @@ from typer.testing import CliRunner
 from infinite_llm.cli.client import ClusterClient
 from infinite_llm.cli.main import app
 from infinite_llm.daemon.etcd_discovery import EtcdKeys, EtcdMembership, EtcdUnreachable
-from infinite_llm.daemon.membership import Member
-from etcd_testlib import closed_port, etcd  # noqa: F401  (etcd: the fixture)
+from etcd_testlib import closed_port, etcd, member, run, until  # noqa: F401  (etcd: the fixture)
 
 TTL_S = 2
-
-
-def member(inst_id: int, free: int = 10) -> Member:
-    return Member(inst_id=inst_id, pid=1000 + inst_id, peer_host="10.0.0.1", peer_port=5000 + inst_id, http_port=0,
-                  socket_path=f"/run/i{inst_id}.sock", num_blocks_total=64, num_blocks_free=free, draining=False,
-                  updated_at=time.time())
-
-
-def run(coroutine, timeout_s: float = 30.0):
-    async def bounded():
-        async with asyncio.timeout(timeout_s):
-            return await coroutine
-    return asyncio.run(bounded())
-
-
-async def until(predicate, timeout_s: float, what: str) -> float:
-    """Seconds until ``predicate()`` holds; AssertionError after ``timeout_s``."""
-    started = time.monotonic()
-    while not predicate():
-        if time.monotonic() - started > timeout_s:
-            raise AssertionError(f"{what}: not within {timeout_s} s")
-        await asyncio.sleep(0.05)
-    return time.monotonic() - started
 
 
 def test_publish_watch_withdraw_and_malformed_records(etcd) -> None:

@@ -234,6 +234,13 @@ class Cluster:
         self.gm.view.receive(heartbeat(inst_id, self.seq[inst_id], 64, free, batch, 0, self.seq[inst_id],
                                        upserts=upserts, lent=lent, borrowed=borrowed), now_s=self.now)
 
+    def one_debtor_two_empty(self) -> None:
+        """Instance 1 is a debtor with one long request (7, its 64 blocks all at home) and a full
+        pool; 2 and 3 are empty."""
+        self.beat(1, 0, 1, upserts=((7, 1, 64),))
+        self.beat(2, 64, 0)
+        self.beat(3, 64, 0)
+
     def restart(self, inst_id: int) -> None:
         """The instance starts again: its heartbeats number from 1."""
         self.seq[inst_id] = 0

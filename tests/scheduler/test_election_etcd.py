@@ -11,22 +11,10 @@ import aetcd
 import pytest
 
 from infinite_llm.daemon.etcd_discovery import EtcdKeys, EtcdUnreachable, read_cluster
-from infinite_llm.scheduler.election import CandidateAddresses
 from infinite_llm.scheduler.etcd_election import EtcdElection
-from etcd_testlib import closed_port, etcd  # noqa: F401  (etcd: the fixture)
+from etcd_testlib import addresses, closed_port, etcd, run  # noqa: F401  (etcd: the fixture)
 
 TTL_S = 2  # the shortest lease etcd grants with its default election timeout
-
-
-def addresses(port: int) -> CandidateAddresses:
-    return CandidateAddresses(peer_host="127.0.0.1", peer_port=port, http_port=port + 1, socket_path=f"/tmp/gm{port}.sock")
-
-
-def run(coroutine, timeout_s: float = 30.0):
-    async def bounded():
-        async with asyncio.timeout(timeout_s):
-            return await coroutine
-    return asyncio.run(bounded())
 
 
 async def raw_get(endpoint: str, key: bytes):

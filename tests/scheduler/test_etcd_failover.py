@@ -12,36 +12,9 @@ import aetcd
 import pytest
 
 from infinite_llm.daemon.etcd_discovery import EtcdConnection, EtcdKeys, EtcdMembership, read_cluster
-from infinite_llm.daemon.membership import Member
-from infinite_llm.scheduler.election import CandidateAddresses
 from infinite_llm.scheduler.etcd_election import EtcdElection
 from etcd_faults_testlib import TcpProxy, etcd_cluster_of
-from etcd_testlib import etcd  # noqa: F401  (etcd: the fixture)
-
-
-def addresses(port: int) -> CandidateAddresses:
-    return CandidateAddresses(peer_host="127.0.0.1", peer_port=port, http_port=port + 1, socket_path=f"/tmp/gm{port}.sock")
-
-
-def member(inst_id: int, free: int = 10) -> Member:
-    return Member(inst_id=inst_id, pid=1000 + inst_id, peer_host="10.0.0.1", peer_port=5000 + inst_id, http_port=0,
-                  socket_path=f"/run/i{inst_id}.sock", num_blocks_total=64, num_blocks_free=free, draining=False,
-                  updated_at=time.time())
-
-
-def run(coroutine, timeout_s: float = 30.0):
-    async def bounded():
-        async with asyncio.timeout(timeout_s):
-            return await coroutine
-    return asyncio.run(bounded())
-
-
-async def until(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout_s} s")
-        await asyncio.sleep(0.05)
+from etcd_testlib import addresses, etcd, member, run, until  # noqa: F401  (etcd: the fixture)
 
 
 async def leads_throughout(election: EtcdElection, until_s: float, what: str) -> None:

@@ -82,10 +82,7 @@ def test_drain_refusals_plan_moves_and_safe_to_stop(tmp_path) -> None:
 def test_the_policy_places_nothing_on_a_draining_instance(tmp_path) -> None:
     c = Cluster(tmp_path)
     gm = c.gm
-    # Instance 1 is a debtor with a long request; 2 and 3 are empty.
-    c.beat(1, 0, 1, upserts=((7, 1, 64),))
-    c.beat(2, 64, 0)
-    c.beat(3, 64, 0)
+    c.one_debtor_two_empty()
 
     async def scenario() -> None:
         before = {m["dst_inst_id"] for m in (await gm.rebalance(dry_run=True))["moves"]}

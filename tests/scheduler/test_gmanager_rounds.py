@@ -27,10 +27,7 @@ async def post_rebalance(c: Cluster, body: dict) -> tuple[int, dict]:
 def test_a_round_waits_for_heartbeats_newer_than_the_last_moves(tmp_path) -> None:
     c = Cluster(tmp_path)
     gm = c.gm
-    # Instance 1 is a debtor with one long request and a full pool; 2 and 3 are empty.
-    c.beat(1, 0, 1, upserts=((7, 1, 64),))
-    c.beat(2, 64, 0)
-    c.beat(3, 64, 0)
+    c.one_debtor_two_empty()
 
     async def scenario() -> None:
         c.now = 1.0
@@ -63,9 +60,7 @@ def test_a_round_waits_for_heartbeats_newer_than_the_last_moves(tmp_path) -> Non
 def test_a_move_under_way_holds_off_the_next_round(tmp_path) -> None:
     c = Cluster(tmp_path)
     gm = c.gm
-    c.beat(1, 0, 1, upserts=((7, 1, 64),))
-    c.beat(2, 64, 0)
-    c.beat(3, 64, 0)
+    c.one_debtor_two_empty()
 
     class SlowTransport(RecordingTransport):
         """Answers once the test lets it: a move waiting for its commit."""
