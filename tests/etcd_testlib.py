@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import shutil
 import signal
 import socket
@@ -27,10 +28,34 @@ ETCD_BINARY = shutil.which("etcd") or "/usr/bin/etcd"
 START_TIMEOUT_S = 20.0
 
 
+def _ephemeral_port_range() -> tuple[int, int]:
+    try:
+        low, high = open("/proc/sys/net/ipv4/ip_local_port_range").read().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port free now, taken below the kernel's ephemeral range.
+
+    A port the kernel hands out for port 0 can be handed out again, between our release and
+    etcd's bind, as the local end of any outgoing connection (a client's, UCX's); ports below
+    the ephemeral range are only ever taken by an explicit bind.
+    """
+    ephemeral_low, _ = _ephemeral_port_range()
+    low, high = 10000, ephemeral_low - 1
+    if high - low < 1000:
+        low, high = 1024, ephemeral_low - 1
+    for _ in range(200):
+        port = random.randint(low, high)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free loopback port in {low}-{high}")
 
 
 def closed_port() -> int:
@@ -100,9 +125,18 @@ def etcd():
     """A running etcd for the test module; stopped (and its data removed) at the end."""
     if not os.access(ETCD_BINARY, os.X_OK):
         pytest.skip("etcd is not installed (apt-get install etcd-server)")
-    server = EtcdServer()
+    for attempt in range(3):
+        server = EtcdServer()
+        try:
+            server.start()
+            break
+        except RuntimeError as error:
+            server.stop()
+            # Another process bound a chosen port between our check and etcd's bind: new ports.
+            if "address already in use" not in str(error) or attempt == 2:
+                raise
     try:
-        yield server.start()
+        yield server
     finally:
         server.stop()
 

@@ -118,13 +118,18 @@ def etcd_cluster_of(num_members: int):
     """A fresh cluster for one test (skipped without the etcd binary); stopped at the end."""
     if not os.access(ETCD_BINARY, os.X_OK):
         pytest.skip("etcd is not installed (apt-get install etcd-server)")
-    cluster = EtcdCluster(num_members)
-    try:
-        cluster.start()
-    except BaseException:
-        cluster.stop()
-        raise
-    return cluster
+    for attempt in range(3):
+        cluster = EtcdCluster(num_members)
+        try:
+            return cluster.start()
+        except RuntimeError as error:
+            cluster.stop()
+            # Another process bound a chosen port between our check and etcd's bind: new ports.
+            if "address already in use" not in str(error) or attempt == 2:
+                raise
+        except BaseException:
+            cluster.stop()
+            raise
 
 
 class TcpProxy:
