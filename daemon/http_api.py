@@ -76,9 +76,11 @@ class InstanceService(Protocol):
 
     def generate(
         self, prompt: str | tuple[int, ...] | None, messages: tuple[dict[str, str], ...] | None,
-        params: SamplingParams,
+        params: SamplingParams, refuse_past_context: bool = False,
     ) -> AsyncIterator[GenerationEvent]:
-        """Stream a request's progress; raises :class:`RequestRefused` before the first event."""
+        """Stream a request's progress; raises :class:`RequestRefused` before the first event.
+        ``refuse_past_context``: refuse a prompt whose tokens and ``params.max_tokens`` exceed
+        the model's context (else the output ends at the context's end)."""
         ...
 
     def status(self) -> dict[str, Any]: ...
@@ -176,7 +178,8 @@ class OpenAIApp:
             body = await _read_json(request)
             parse = parse_chat_request if chat else parse_completion_request
             req = parse(body, self.service.served_model)
-            stream = self.service.generate(req.prompt, req.messages, req.params)
+            stream = self.service.generate(req.prompt, req.messages, req.params,
+                                           refuse_past_context=req.max_tokens_given)
             first = await _first_event(stream)
         except OpenAIError as exc:
             return _openai_error(exc)

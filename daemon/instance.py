@@ -489,7 +489,7 @@ class InstanceDaemon:
             raise RequestRefused("this instance is draining and admits no new requests", status=503)
 
     async def generate(self, prompt: str | tuple[int, ...] | None, messages: Sequence[dict[str, str]] | None,
-                       params: SamplingParams) -> AsyncIterator[GenerationEvent]:
+                       params: SamplingParams, refuse_past_context: bool = False) -> AsyncIterator[GenerationEvent]:
         self._refuse_while_draining()
         request_id = str(next(self._request_ids))
         source: Any = prompt if prompt is not None else list(messages or ())
@@ -498,6 +498,12 @@ class InstanceDaemon:
             # event loop serves peers' attend requests, heartbeats and the watchdog meanwhile.
             token_ids = await asyncio.to_thread(self.engine.prompt_token_ids, source)
             self._refuse_while_draining()  # a drain may have begun while the prompt was tokenized
+            context = self.engine.max_model_len
+            if refuse_past_context and len(token_ids) + params.max_tokens > context:
+                raise RequestRejected(
+                    f"max_tokens is too large: {params.max_tokens}. This model's maximum context length is "
+                    f"{context} tokens and the request has {len(token_ids)} input tokens "
+                    f"({params.max_tokens} > {context} - {len(token_ids)})")
             self.engine.add_request(token_ids, params, request_id=request_id)
         except RequestRejected as exc:
             raise RequestRefused(str(exc)) from None

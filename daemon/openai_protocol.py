@@ -55,6 +55,9 @@ class GenerationRequest:
     params: SamplingParams
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with token counts
+    # The client set max_tokens (or max_completion_tokens): a prompt with that many tokens more
+    # than the context is refused, as vLLM does, rather than cut short at the context's end.
+    max_tokens_given: bool = False
 
 
 def _require_object(body: object) -> Mapping[str, Any]:
@@ -175,7 +178,8 @@ def parse_completion_request(body: object, served_model: str) -> GenerationReque
         raise OpenAIError("prompt must be a non-empty string or a list of token ids (one prompt per request)", param="prompt")
     max_tokens = _integer(body, "max_tokens", None, 1)
     stream, include_usage = _stream_flags(body)
-    return GenerationRequest(model, prompt, None, _sampling_params(body, max_tokens), stream, include_usage)
+    return GenerationRequest(model, prompt, None, _sampling_params(body, max_tokens), stream, include_usage,
+                             max_tokens_given=max_tokens is not None)
 
 
 def parse_chat_request(body: object, served_model: str) -> GenerationRequest:
@@ -188,7 +192,8 @@ def parse_chat_request(body: object, served_model: str) -> GenerationRequest:
     if max_tokens is None:
         max_tokens = _integer(body, "max_tokens", None, 1)
     stream, include_usage = _stream_flags(body)
-    return GenerationRequest(model, None, parsed, _sampling_params(body, max_tokens), stream, include_usage)
+    return GenerationRequest(model, None, parsed, _sampling_params(body, max_tokens), stream, include_usage,
+                             max_tokens_given=max_tokens is not None)
 
 
 def parse_messages(messages: object) -> tuple[dict[str, str], ...]:

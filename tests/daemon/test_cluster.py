@@ -150,6 +150,12 @@ def test_bad_input_gets_clear_errors_and_harms_no_one(cluster):
     assert code == 400 and "max_tokens" in body["error"]["message"]
     code, body = inst.post("/v1/completions", {"model": MODEL, "prompt": passkey_prompt(200), "max_tokens": 4})
     assert code == 400 and "KV blocks" in body["error"]["message"]
+    # More output asked for than the context leaves is refused, as vLLM does (not cut short).
+    code, body = inst.post("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1_000_000})
+    assert code == 400 and "maximum context length is 8192 tokens" in body["error"]["message"], body
+    code, body = inst.post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                                    "max_completion_tokens": 8192})
+    assert code == 400 and "max_tokens is too large: 8192" in body["error"]["message"], body
     # The cluster still serves.
     code, body = inst.post("/v1/completions", {"model": MODEL, "prompt": "The sky is", "max_tokens": 3, "temperature": 0})
     assert code == 200 and body["usage"]["completion_tokens"] >= 1
