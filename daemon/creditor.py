@@ -34,8 +34,10 @@ import logging
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
+from infinite_llm.engine.dist_attention import BlockIdArrays, table_rows
 from infinite_llm.kernels import MicroAttentionPlan, plan_micro_attention, run_micro_attention
 from infinite_llm.transport import wire_trace
 from infinite_llm.transport.messages import AttendRequest, AttendResult, AttendSlice
@@ -91,6 +93,7 @@ class CreditorAttention:
         self.num_heads = num_heads
         self.sm_scale = 1.0 / math.sqrt(kv_pool.shape[-1])
         self._plans: dict[int, _ServePlan] = {}  # home -> its last request's plan
+        self._block_arrays: dict[int, BlockIdArrays] = {}  # home -> its held segments' block ids as arrays
         # Lower is higher; torch maps a value past the device's range to its highest priority.
         self.stream = torch.cuda.Stream(kv_pool.device, priority=-16) if kv_pool.is_cuda else None
         # Pinned host memory for the copies of a staged request (its query in, its result out):
@@ -127,19 +130,17 @@ class CreditorAttention:
             if self._retarget(home, kept, request.slices, segments):
                 kept.held_changes = held_changes
                 return kept
-        tables, lens, starts = self._block_tables(request.slices, segments)
         block_size = self.kv_pool.shape[3]
-        longest = max(lens)
+        longest = max(s.num_tokens for s in request.slices)
         # Room for the KV that moves here (or away) while the request decodes: an eighth of the
         # keys, at least PLAN_ROOM_BLOCKS blocks, either way.
         needed_blocks = -(-longest // block_size)
         margin_blocks = max(PLAN_ROOM_BLOCKS, needed_blocks // 8)
         room_blocks = needed_blocks + margin_blocks
         device = self.kv_pool.device
-        block_tables = torch.tensor([t + [0] * (room_blocks - len(t)) for t in tables], dtype=torch.int32,
-                                    device=device)
+        tables, lens, starts = self._block_tables(home, request.slices, segments, width=room_blocks)
         plan = plan_micro_attention(
-            block_tables,
+            torch.from_numpy(tables).to(device),
             torch.tensor(lens, dtype=torch.int32, device=device),
             torch.tensor(starts, dtype=torch.int32, device=device),
             num_heads=self.num_heads, num_kv_heads=self.kv_pool.shape[4], head_dim=self.kv_pool.shape[5],
@@ -170,12 +171,10 @@ class CreditorAttention:
         longest = max(s.num_tokens for s in slices)
         if not kept.min_tokens <= longest <= kept.max_tokens:
             return False
-        tables, lens, _ = self._block_tables(slices, segments)
-        width = kept.plan.block_tables.shape[1]
+        tables, lens, _ = self._block_tables(home, slices, segments, width=kept.plan.block_tables.shape[1])
         try:
-            kept.plan.block_tables.copy_(torch.tensor([t + [0] * (width - len(t)) for t in tables],
-                                                      dtype=torch.int32))
-            kept.plan.kv_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+            kept.plan.block_tables.copy_(torch.from_numpy(tables))
+            kept.plan.kv_lens.copy_(torch.from_numpy(np.array(lens, dtype=np.int32)))
         except BaseException:
             # Half rewritten, the plan matches neither the old slices nor the new: drop it.
             self._plans.pop(home, None)
@@ -184,21 +183,30 @@ class CreditorAttention:
         self.plan_retargets += 1
         return True
 
-    def _block_tables(self, slices: tuple[AttendSlice, ...],
-                      segments: tuple[HeldSegment, ...]) -> tuple[list[list[int]], list[int], list[int]]:
-        """Per slice its blocks (from its segments, in order) and keys; the rows' start offsets."""
+    def _block_tables(self, home: int, slices: tuple[AttendSlice, ...], segments: tuple[HeldSegment, ...],
+                      width: int | None = None) -> tuple[np.ndarray, list[int], list[int]]:
+        """Per slice its blocks (from its segments, in order) as a row of an int32 table of
+        ``width`` columns (None: the widest row's), 0-padded; its keys; the rows' start offsets.
+        The segments' blocks come from arrays kept per home: a plan changed by a move reads
+        thousands of blocks that did not move."""
         block_size = self.kv_pool.shape[3]
-        tables, lens, starts = [], [], [0]
+        arrays = self._block_arrays.setdefault(home, BlockIdArrays())
+        rows: list[list[np.ndarray]] = []
+        lens, starts = [], [0]
         held = iter(segments)
         for s in slices:
             needed = -(-s.num_tokens // block_size)
-            blocks: list[int] = []
-            while len(blocks) < needed:
-                blocks.extend(next(held).block_ids)
-            tables.append(blocks[:needed])
+            pieces: list[np.ndarray] = []
+            found = 0
+            while found < needed:
+                piece = arrays.of(next(held).block_ids)[:needed - found]
+                pieces.append(piece)
+                found += len(piece)
+            rows.append(pieces)
             lens.append(s.num_tokens)
             starts.append(starts[-1] + s.num_rows)
-        return tables, lens, starts
+        arrays.end_step()
+        return table_rows(rows, width), lens, starts
 
     def attend(self, request: AttendRequest) -> AttendResult:
         """Partial attention of the request's rows over the held segments.
@@ -388,3 +396,4 @@ class CreditorAttention:
 
     def forget(self, home_inst_id: int) -> None:
         self._plans.pop(home_inst_id, None)
+        self._block_arrays.pop(home_inst_id, None)

@@ -182,11 +182,12 @@ class TransportRemoteAttention(RemoteAttention):
     def _slices_of(self, batch: AttendBatch) -> tuple[AttendSlice, ...]:
         key = (batch.step_id, batch.instance_id)
         if key not in self._slices:
-            starts = batch.query_start_loc.tolist()
-            lens = batch.kv_lens.tolist()
+            # From the batch's host copy of its layout: its tensors are on the device, and reading
+            # them back would wait for the step's queued kernels.
             self._slices[key] = tuple(
-                AttendSlice(int(request_id), starts[i], starts[i + 1] - starts[i], token_start // self.block_size, lens[i])
-                for i, (request_id, token_start) in enumerate(batch.entry_keys)
+                AttendSlice(int(request_id), first_row, num_rows, token_start // self.block_size, num_keys)
+                for (request_id, token_start), (first_row, num_rows, num_keys) in zip(batch.entry_keys,
+                                                                                    batch.entry_rows)
             )
         return self._slices[key]
 

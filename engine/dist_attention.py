@@ -18,6 +18,7 @@ from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+import numpy as np
 import torch
 
 from infinite_llm.kernels import (
@@ -62,6 +63,8 @@ class AttendBatch:
     max_query_len: int
     max_kv_len: int
     entry_keys: tuple[tuple[str, int], ...] = ()  # per entry: (request id, the segment's token_start)
+    # per entry, on the host: (its first query row, its rows, its keys), as the tensors above say
+    entry_rows: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def num_entries(self) -> int:
@@ -155,6 +158,49 @@ class StepAttention:
     placements: dict[int, _Placement]
 
 
+class BlockIdArrays:
+    """Segments' block ids as int32 arrays, kept from one step to the next.
+
+    A step's block tables are built from its requests' segments; a long request's home segment
+    holds thousands of block ids, and turning that tuple into a tensor every step (about 0.6 ms
+    for 7,500 ids on the development CPU) would cost a decode step more than its kernels. A
+    segment's ``block_ids`` tuple is the same object until the segment gains a block (every
+    ``block_size`` tokens of a decode), so its array is made once and found again by identity.
+    Arrays no step asked for since the last ``end_step`` are dropped then.
+    """
+
+    def __init__(self) -> None:
+        self._kept: dict[int, tuple[tuple[int, ...], np.ndarray]] = {}
+        self._used: dict[int, tuple[tuple[int, ...], np.ndarray]] = {}
+
+    def of(self, block_ids: tuple[int, ...]) -> np.ndarray:
+        """``block_ids`` as a read-only int32 array."""
+        key = id(block_ids)
+        entry = self._used.get(key) or self._kept.get(key)
+        if entry is None or entry[0] is not block_ids:  # the tuple holds its id while it is kept
+            array = np.array(block_ids, dtype=np.int32)
+            array.flags.writeable = False
+            entry = (block_ids, array)
+        self._used[key] = entry
+        return entry[1]
+
+    def end_step(self) -> None:
+        self._kept, self._used = self._used, {}
+
+
+def table_rows(rows: list[list[np.ndarray]], width: int | None = None) -> np.ndarray:
+    """``[len(rows), width]`` int32 (None: the widest row's), row ``i`` the pieces of
+    ``rows[i]`` in order, 0-padded."""
+    widths = [sum(len(piece) for piece in pieces) for pieces in rows]
+    table = np.zeros((len(rows), max(widths) if width is None else width), dtype=np.int32)
+    for i, pieces in enumerate(rows):
+        if len(pieces) == 1:
+            table[i, :widths[i]] = pieces[0]
+        else:
+            np.concatenate(pieces, out=table[i, :widths[i]])
+    return table
+
+
 def build_step_attention(
     step_id: int,
     chunks: Sequence[ScheduledChunk],
@@ -164,10 +210,16 @@ def build_step_attention(
     home_instance_id: int,
     block_size: int,
     device: torch.device,
+    block_arrays: BlockIdArrays | None = None,
 ) -> StepAttention:
-    """Lay out one step's attention over the segments of each chunk's request."""
-    # instance id -> entries [row, num_rows, first q position, block ids, kv_start_pos, num_keys, part,
-    # request id]
+    """Lay out one step's attention over the segments of each chunk's request.
+
+    ``block_arrays``: where the segments' block ids are kept as arrays across steps (the engine
+    keeps one; ``end_step`` is called here); without it they are made for this step alone.
+    """
+    arrays = block_arrays if block_arrays is not None else BlockIdArrays()
+    # instance id -> entries [row, num_rows, first q position, block id pieces (arrays), kv_start_pos,
+    # num_keys, part, request id]
     entries: dict[int, list[list]] = {}
     num_parts = 1
     row = 0
@@ -179,7 +231,7 @@ def build_step_attention(
             num_keys = min(segment.token_end, end) - segment.token_start
             if num_keys <= 0:
                 continue
-            used_blocks = segment.block_ids[: -(-num_keys // block_size)]
+            used_blocks = arrays.of(segment.block_ids)[: -(-num_keys // block_size)]
             if (previous is not None and previous.instance_id == segment.instance_id
                     and previous.token_end == segment.token_start
                     and previous.token_end - previous.token_start == len(previous.block_ids) * block_size):
@@ -187,14 +239,14 @@ def build_step_attention(
                 # KV moved while decoding arrives a piece per move): one entry over their blocks
                 # in order, so the instance attends for the row once and the row merges one part
                 # per instance, not one per segment. A creditor reads such an entry across the
-                # segments it holds (``CreditorAttention``). The blocks are extended in place:
+                # segments it holds (``CreditorAttention``). The pieces are joined once, below:
                 # hundreds of pieces join in time linear in their blocks.
                 entry = entries[segment.instance_id][-1]
-                entry[3].extend(used_blocks)
+                entry[3].append(used_blocks)
                 entry[5] += num_keys
             else:
                 entries.setdefault(segment.instance_id, []).append(
-                    [row, chunk.num_tokens, chunk.start, list(used_blocks), segment.token_start, num_keys, part,
+                    [row, chunk.num_tokens, chunk.start, [used_blocks], segment.token_start, num_keys, part,
                      chunk.request_id]
                 )
                 part += 1
@@ -202,46 +254,53 @@ def build_step_attention(
         num_parts = max(num_parts, part)
         row += chunk.num_tokens
     num_tokens = row
+    arrays.end_step()
 
     batches: dict[int, AttendBatch] = {}
     placements: dict[int, _Placement] = {}
+    # The layout is made in numpy and handed to torch at the end: a step of a few entries would
+    # otherwise spend more in the dispatch of a few dozen tiny torch ops than in its kernels.
     for instance_id, rows in entries.items():
-        max_blocks = max(len(e[3]) for e in rows)
-        table = torch.zeros(len(rows), max_blocks, dtype=torch.int32)
-        for i, e in enumerate(rows):
-            table[i, : len(e[3])] = torch.tensor(e[3], dtype=torch.int32)
-        q_lens = torch.tensor([e[1] for e in rows], dtype=torch.int64)
-        starts = torch.zeros(len(rows) + 1, dtype=torch.int32)
-        starts[1:] = torch.cumsum(q_lens, 0)
-        q_pos = torch.cat([torch.arange(e[2], e[2] + e[1]) for e in rows])
-        token_rows = torch.cat([torch.arange(e[0], e[0] + e[1]) for e in rows])
-        parts = torch.repeat_interleave(torch.tensor([e[6] for e in rows]), q_lens)
+        q_lens = np.array([e[1] for e in rows], dtype=np.int64)
+        starts = np.zeros(len(rows) + 1, dtype=np.int32)
+        np.cumsum(q_lens, out=starts[1:])
+        if len(rows) == 1:
+            e = rows[0]
+            q_pos = np.arange(e[2], e[2] + e[1], dtype=np.int32)
+            token_rows = np.arange(e[0], e[0] + e[1], dtype=np.int64)
+        else:
+            q_pos = np.concatenate([np.arange(e[2], e[2] + e[1], dtype=np.int32) for e in rows])
+            token_rows = np.concatenate([np.arange(e[0], e[0] + e[1], dtype=np.int64) for e in rows])
+        entry_parts = [e[6] for e in rows]
+        parts = np.repeat(np.array(entry_parts, dtype=np.int64), q_lens)
         # Segments whose keys all precede their queries (lent, older blocks) need no mask.
         causal = any(e[4] + e[5] - 1 > e[2] for e in rows)
-        all_rows = len(token_rows) == num_tokens and bool((token_rows == torch.arange(num_tokens)).all())
+        all_rows = len(token_rows) == num_tokens and bool((token_rows == np.arange(num_tokens)).all())
         identity = num_parts == 1 and all_rows
-        shared_part = parts[0].item() if len(parts) and bool((parts == parts[0]).all()) else None
+        shared_part = entry_parts[0] if all(p == entry_parts[0] for p in entry_parts) else None
+        kv_lens = [e[5] for e in rows]
         batches[instance_id] = AttendBatch(
             step_id=step_id,
             instance_id=instance_id,
-            block_tables=table.to(device),
-            kv_lens=torch.tensor([e[5] for e in rows], dtype=torch.int32).to(device),
-            kv_start_pos=torch.tensor([e[4] for e in rows], dtype=torch.int32).to(device),
-            query_start_loc=starts.to(device),
-            q_pos=q_pos.to(torch.int32).to(device) if causal else None,
+            block_tables=torch.from_numpy(table_rows([e[3] for e in rows])).to(device),
+            kv_lens=torch.from_numpy(np.array(kv_lens, dtype=np.int32)).to(device),
+            kv_start_pos=torch.from_numpy(np.array([e[4] for e in rows], dtype=np.int32)).to(device),
+            query_start_loc=torch.from_numpy(starts).to(device),
+            q_pos=torch.from_numpy(q_pos).to(device) if causal else None,
             max_query_len=int(q_lens.max()),
-            max_kv_len=max(e[5] for e in rows),
+            max_kv_len=max(kv_lens),
             entry_keys=tuple((e[7], e[4]) for e in rows),
+            entry_rows=tuple((int(first), e[1], e[5]) for first, e in zip(starts, rows)),
         )
-        placements[instance_id] = _Placement(token_rows.to(device), parts.to(device), identity, all_rows,
-                                             shared_part)
+        placements[instance_id] = _Placement(torch.from_numpy(token_rows).to(device),
+                                             torch.from_numpy(parts).to(device), identity, all_rows, shared_part)
     if home_instance_id not in batches:
         raise ValueError("every chunk must have its newest tokens on the home instance")
     return StepAttention(
         step_id=step_id,
         num_tokens=num_tokens,
         num_parts=num_parts,
-        slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64).to(device),
+        slot_mapping=torch.from_numpy(np.array(slot_mapping, dtype=np.int64)).to(device),
         batches=batches,
         placements=placements,
     )

@@ -19,7 +19,8 @@ from infinite_llm.kernels import KVPoolShape, allocate_kv_pool
 
 from .block_manager import BlockManager, Segment, SegmentMove
 from .config import EngineConfig
-from .dist_attention import DistAttention, InProcessRemoteAttention, RemoteAttention, build_step_attention
+from .dist_attention import (BlockIdArrays, DistAttention, InProcessRemoteAttention, RemoteAttention,
+                             build_step_attention)
 from .loader import Checkpoint, load_checkpoint
 from .model import LlamaModel
 from .cuda_graphs import DEFAULT_BATCH_SIZES, LocalDecodeGraphs, PiecewiseDecodeGraphs
@@ -112,6 +113,7 @@ class LLMEngine:
         self._states: dict[str, _RequestState] = {}
         self._ids = itertools.count()
         self._step_ids = itertools.count()
+        self._block_arrays = BlockIdArrays()  # the segments' block ids as arrays, kept across steps
         self._loop: asyncio.AbstractEventLoop | None = None
         # Next-token logits ([vocab] float32) of each request sampled in the last step.
         self.last_step_logits: dict[str, torch.Tensor] = {}
@@ -322,7 +324,7 @@ class LLMEngine:
         for chunk in scheduled.chunks:
             request = requests[chunk.request_id]
             end = chunk.start + chunk.num_tokens
-            token_ids += request.all_token_ids[chunk.start:end]
+            token_ids += request.token_ids_between(chunk.start, end)
             positions += range(chunk.start, end)
             slots += self.block_manager.slot_mapping(chunk.request_id, chunk.start, end)
             if chunk.samples:
@@ -331,6 +333,7 @@ class LLMEngine:
         layout = build_step_attention(
             step_id, scheduled.chunks, {c.request_id: self.block_manager.block_table(c.request_id) for c in scheduled.chunks},
             slots, home_instance_id=self.home_instance_id, block_size=self.config.block_size, device=self.device,
+            block_arrays=self._block_arrays,
         )
         attention = DistAttention(layout, self.pools[self.home_instance_id], self.home_instance_id, self.remote,
                                   num_heads=self.model_config.num_heads, sm_scale=self.model.sm_scale)

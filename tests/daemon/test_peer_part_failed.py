@@ -23,7 +23,7 @@ def one_entry_batch() -> AttendBatch:
     i32 = dict(dtype=torch.int32)
     return AttendBatch(step_id=7, instance_id=1, block_tables=torch.zeros(1, 1, **i32), kv_lens=torch.tensor([16], **i32),
                        kv_start_pos=torch.zeros(1, **i32), query_start_loc=torch.tensor([0, 1], **i32), q_pos=None,
-                       max_query_len=1, max_kv_len=16, entry_keys=(("3", 0),))
+                       max_query_len=1, max_kv_len=16, entry_keys=(("3", 0),), entry_rows=((0, 1, 16),))
 
 
 async def home_and_creditor(serve):

@@ -216,3 +216,11 @@ def test_held_back_split_decodes_run_when_the_others_get_nothing():
             assert [c.request_id for c in out.chunks] == ["a"]
             return
     raise AssertionError("b never preempted itself")
+
+
+def test_token_ids_between_reads_prompt_and_output_as_one_sequence():
+    request = Request("r", [10, 11, 12, 13], SamplingParams(max_tokens=8), output_token_ids=[20, 21, 22])
+    whole = request.all_token_ids
+    for start in range(len(whole) + 1):
+        for end in range(start, len(whole) + 1):
+            assert request.token_ids_between(start, end) == whole[start:end], (start, end)
