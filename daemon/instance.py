@@ -18,7 +18,7 @@ import signal
 import time
 from collections.abc import Awaitable
 from pathlib import Path
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence
 
 import torch
 from aiohttp import web
@@ -552,8 +552,11 @@ class InstanceDaemon:
                                         time.monotonic())
             return KVHoldReply(held, self._free_for_others())
         if isinstance(message, KVBlocks):
-            # The data is already in the reserved blocks (the placer put it there).
-            reservation = self.ledger.reservation(message.reservation_id)
+            # The data is already in the reserved blocks (the placer checked the runs against the
+            # reservation and put it there); a reservation given up meanwhile is released now.
+            if not self.ledger.reservation(message.reservation_id).receiving:
+                raise ValueError(f"blocks for reservation {message.reservation_id} came without being placed in it")
+            reservation = self.ledger.landed(message.reservation_id)
             if message.commit_segment_id >= 0:  # the home's own move: committed with its data
                 self.ledger.commit(message.reservation_id, reservation.home_inst_id, reservation.req_id,
                                    message.commit_segment_id, time.monotonic())
@@ -652,7 +655,8 @@ class InstanceDaemon:
             try:
                 dst = self.peers.by_inst(message.dst_inst_id)
                 ok = await self.lender.move_held(self.engine, str(message.req_id), message.num_blocks,
-                                                 self.peers.by_inst(message.src_inst_id), dst, message.epoch)
+                                                 self.peers.by_inst(message.src_inst_id), dst, message.epoch,
+                                                 still_ordered=self._still_ordered(message))
             except Exception as exc:  # the gManager hears of it; the engine goes on
                 log.warning("ordered move %d failed: %s", message.move_id, exc)
                 ok = False
@@ -670,13 +674,24 @@ class InstanceDaemon:
             # may be under way. It ends within a piece's round trips; then this move goes on.
             await self.lender.until_not_moving(str(message.req_id), self.config.timeouts.peer_request_s)
             moved = await self.lender.move(self.engine, str(message.req_id), message.num_blocks, dst,
-                                           switch=self._switch_at_step_boundary, epoch=message.epoch)
+                                           switch=self._switch_at_step_boundary, epoch=message.epoch,
+                                           still_ordered=self._still_ordered(message))
         except Exception as exc:  # the gManager hears of it; the engine goes on
             log.warning("ordered move %d failed: %s", message.move_id, exc)
         if 0 < moved < message.num_blocks:
             log.info("ordered move %d: %d of %d blocks moved", message.move_id, moved, message.num_blocks)
         if not done.done():
             done.set_result(moved > 0)
+
+    def _still_ordered(self, message: MoveKV) -> Callable[[], bool]:
+        """Whether the leader that ordered ``message`` is still the newest this instance knows:
+        a move of several pieces stops once a newer one spoke (its plan may differ)."""
+        def still_ordered() -> bool:
+            if message.epoch >= self.fence.newest_epoch:
+                return True
+            self.metrics.stale_epoch_commands.inc()
+            return False
+        return still_ordered
 
     async def _switch_at_step_boundary(self, move: SegmentMove, dst: Peer) -> bool:
         """Hand a committed piece to the engine loop, which switches it at the next step boundary."""
@@ -712,17 +727,33 @@ class InstanceDaemon:
         reservation = self.ledger.reservations.get(message.reservation_id)
         if reservation is None:
             raise PlacementRefused(f"no reservation {message.reservation_id} (expired or never made)")
+        if (message.home_inst_id, message.req_id) != (reservation.home_inst_id, reservation.req_id):
+            raise PlacementRefused(
+                f"reservation {reservation.reservation_id} is for request {reservation.req_id} of instance "
+                f"{reservation.home_inst_id}, not request {message.req_id} of instance {message.home_inst_id}")
+        if reservation.cancelled:
+            raise PlacementRefused(f"reservation {reservation.reservation_id} was given up by its home")
+        if reservation.receiving:
+            raise PlacementRefused(f"data for reservation {reservation.reservation_id} is landing already")
+        # The runs fill every reserved block once: a commit with the data, or one after it, must
+        # not make a segment of blocks nobody wrote.
+        reserved = set(reservation.block_ids)
+        written: set[int] = set()
+        views = []
+        for run in message.runs:
+            ids = range(run.dst_block_id, run.dst_block_id + run.num_blocks)
+            if not reserved.issuperset(ids) or not written.isdisjoint(ids):
+                raise PlacementRefused(f"blocks {ids.start}..{ids.stop - 1} are not in reservation "
+                                       f"{reservation.reservation_id}, or are written twice")
+            written.update(ids)
+            views.append(self.pool[ids.start:ids.stop])
+        if written != reserved:
+            raise PlacementRefused(f"the runs fill {len(written)} of the {len(reserved)} blocks of reservation "
+                                   f"{reservation.reservation_id}")
         # UCX writes into these blocks until the frame's receive ends (bounded by the transport's
         # frame timeout): the reservation outlives that, or its blocks could be given to others
         # while still being written.
         self.ledger.hold_while_receiving(message.reservation_id, time.monotonic() + self._frame_timeout_s)
-        reserved = set(reservation.block_ids)
-        views = []
-        for run in message.runs:
-            ids = range(run.dst_block_id, run.dst_block_id + run.num_blocks)
-            if not reserved.issuperset(ids):
-                raise PlacementRefused(f"blocks {ids.start}..{ids.stop - 1} are not in reservation {reservation.reservation_id}")
-            views.append(self.pool[ids.start:ids.stop])
         return views
 
     # ---- upkeep ---------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 The creditor side of a KV move: ``reserve`` takes free blocks first-come-first-served (or
 refuses), ``commit`` turns a reservation into a held segment, ``release_expired`` frees
 reservations whose commit never came, ``free_segment`` and ``free_lost_debtors`` give blocks
-back, ``held_for`` and ``free_audited`` let a home's audit free what it no longer counts on.
+back (a reservation whose data is still landing only once it has landed: ``cancel``), ``held_for`` and ``free_audited`` let a home's audit free what it no longer counts on.
 Time is passed in (seconds on any monotonic clock), so tests drive it by hand.
 """
 
@@ -25,6 +25,12 @@ class Reservation:
     req_id: int
     block_ids: tuple[int, ...]  # blocks in this pool, in the order the moved blocks fill them
     expires_at: float  # clock seconds
+    # Data is being written into the blocks (``hold_while_receiving``) until ``landed``: the blocks
+    # may not go to anyone else before then, whatever happens to the request.
+    receiving: bool = False
+    # Its home gave it up (a free naming it, the request's end, the home gone) while it was
+    # receiving: never committed, released once the data has landed or at its expiry.
+    cancelled: bool = False
 
 
 @dataclass(frozen=True)
@@ -138,6 +144,8 @@ class CreditorLedger:
     def commit(self, reservation_id: int, home_inst_id: int, req_id: int, segment_id: int, now: float) -> HeldSegment:
         """The home switched its block table: the reserved blocks become a held segment."""
         reservation = self.reservation(reservation_id)
+        if reservation.cancelled:
+            raise LedgerError(f"reservation {reservation_id} was given up by instance {reservation.home_inst_id}")
         if (reservation.home_inst_id, reservation.req_id) != (home_inst_id, req_id):
             raise LedgerError(
                 f"reservation {reservation_id} is for request {reservation.req_id} of instance "
@@ -181,10 +189,15 @@ class CreditorLedger:
     def free_segment(self, home_inst_id: int, req_id: int, segment_id: int, reservation_id: int | None = None) -> int:
         """Free one held segment; returns the blocks freed (0 if it was not held: frees repeat).
         ``reservation_id``: only the copy committed from that reservation (a late free leaves a
-        newer copy under the same id alone); None: whichever is held."""
+        newer copy under the same id alone); None: whichever is held. A copy not committed yet
+        (its home gave up a move whose data is still landing here) is cancelled: never
+        committed, its blocks free once no data is written into them."""
         key = (home_inst_id, req_id, segment_id)
         segment = self.held.get(key)
         if segment is None or (reservation_id is not None and segment.reservation_id != reservation_id):
+            reservation = self.reservations.get(reservation_id) if reservation_id is not None else None
+            if reservation is not None and (reservation.home_inst_id, reservation.req_id) == (home_inst_id, req_id):
+                return self.cancel(reservation_id)
             return 0
         del self.held[key]
         self.held_changes[home_inst_id] = self.held_changes.get(home_inst_id, 0) + 1
@@ -197,7 +210,7 @@ class CreditorLedger:
         for key in [k for k in self.held if k[:2] == (home_inst_id, req_id)]:
             freed += self.free_segment(*key)
         for rid in [r.reservation_id for r in self.reservations.values() if (r.home_inst_id, r.req_id) == (home_inst_id, req_id)]:
-            freed += self._release(rid)
+            freed += self.cancel(rid)
         self.holds.pop((home_inst_id, req_id), None)
         return freed
 
@@ -209,11 +222,37 @@ class CreditorLedger:
         to someone else while they are being written) before ``until``, the latest the receive
         can end, plus the usual time for the commit."""
         reservation = self.reservation(reservation_id)
+        if reservation.cancelled:
+            raise LedgerError(f"reservation {reservation_id} was given up by instance {reservation.home_inst_id}")
         expires_at = max(reservation.expires_at, until + self.reservation_ttl_s)
-        if expires_at != reservation.expires_at:
-            reservation = dataclasses.replace(reservation, expires_at=expires_at)
-            self.reservations[reservation_id] = reservation
+        reservation = dataclasses.replace(reservation, expires_at=expires_at, receiving=True)
+        self.reservations[reservation_id] = reservation
         return reservation
+
+    def landed(self, reservation_id: int) -> Reservation:
+        """The data of ``hold_while_receiving`` is all written: the blocks are this pool's to
+        give again if the reservation ends. Raises LedgerError, and releases it, if its home gave
+        it up meanwhile."""
+        reservation = self.reservation(reservation_id)
+        if reservation.cancelled:
+            self._release(reservation_id)
+            raise LedgerError(f"reservation {reservation_id} was given up by instance {reservation.home_inst_id} "
+                              "while its data landed")
+        reservation = dataclasses.replace(reservation, receiving=False)
+        self.reservations[reservation_id] = reservation
+        return reservation
+
+    def cancel(self, reservation_id: int) -> int:
+        """Give a reservation up: released now, or, while data is written into its blocks, never
+        committed and released once it landed (or at its expiry, which the receive extended).
+        Returns the blocks freed now."""
+        reservation = self.reservations.get(reservation_id)
+        if reservation is None:
+            return 0
+        if not reservation.receiving:
+            return self._release(reservation_id)
+        self.reservations[reservation_id] = dataclasses.replace(reservation, cancelled=True)
+        return 0
 
     def release_expired(self, now: float) -> list[Reservation]:
         """Release reservations whose commit did not come in time; returns them."""
@@ -236,7 +275,7 @@ class CreditorLedger:
         for key in [k for k in self.held if k[0] == home_inst_id]:
             count += self.free_segment(*key)
         for rid in [r.reservation_id for r in self.reservations.values() if r.home_inst_id == home_inst_id]:
-            count += self._release(rid)
+            count += self.cancel(rid)
         for key in [k for k in self.holds if k[0] == home_inst_id]:
             del self.holds[key]
         self.last_heard.pop(home_inst_id, None)

@@ -403,16 +403,22 @@ class TransportLender:
         return self.engine.config.block_size
 
     async def move(self, engine: LLMEngine, request_id: str, num_blocks: int, peer: Peer,
-                   switch: Callable[[SegmentMove, Peer], Awaitable[bool]] | None = None, epoch: int = 0) -> int:
+                   switch: Callable[[SegmentMove, Peer], Awaitable[bool]] | None = None, epoch: int = 0,
+                   still_ordered: Callable[[], bool] | None = None) -> int:
         """Move the request's oldest ``num_blocks`` home blocks to ``peer``, in pieces of at
         most :func:`move_piece_blocks`, each reserved, sent, committed and switched before the
         next; it stops, as a partial move, once none of the rest is written. ``switch``: how a
         piece switches (None: at once, for a caller that holds the engine between steps; a
         background move passes one that waits for the next step boundary). ``epoch``: the
         gManager's, for a move it ordered (the peer refuses it once a newer leader spoke); 0 for
-        this instance's own spills. Returns the blocks moved."""
+        this instance's own spills. ``still_ordered``: asked before each piece; False (a newer
+        leader spoke since the order) stops the move there. Returns the blocks moved."""
         moved = 0
         while moved < num_blocks:
+            if still_ordered is not None and not still_ordered():
+                log.info("move of request %s stopped after %d blocks: its order is no longer the leader's",
+                         request_id, moved)
+                break
             room = peer.num_blocks_free + self.held_on(request_id, peer.inst_id)
             if moved and not (self.lendable_now(engine, request_id) and room > 0):
                 break
@@ -523,7 +529,8 @@ class TransportLender:
             # Committed there with its data: nothing is checked here between the two.
             runs, data = pack_kv_runs(pool, move.src_block_ids, move.dst_block_ids, self._staging)
             stored = await self.transport.request(
-                peer.address, KVBlocks(move_id, reply.reservation_id, runs, data, commit_segment_id=segment_id),
+                peer.address, KVBlocks(move_id, reply.reservation_id, runs, data, commit_segment_id=segment_id,
+                                       home_inst_id=self.peers.own_inst_id, req_id=int(request_id)),
                 timeout_s=kv_data_timeout_s(self.timeout_s, num_blocks * block_nbytes))
             self._staging.give_back(data)  # answered: the peer holds the data
             if not isinstance(stored, KVBlocksStored) or stored.num_blocks != num_blocks:
@@ -561,10 +568,11 @@ class TransportLender:
                                               move.dst_copy_id))
 
     async def move_held(self, engine: LLMEngine, request_id: str, num_blocks: int, src: Peer, dst: Peer,
-                        epoch: int) -> bool:
+                        epoch: int, still_ordered: Callable[[], bool] | None = None) -> bool:
         """Move the request's segments held by ``src`` to ``dst``, whole, oldest first, as many
         as fit in ``num_blocks``; True once all of them moved. A failure stops there: the
-        segments moved before it stay moved, the rest stay on ``src``.
+        segments moved before it stay moved, the rest stay on ``src``. ``still_ordered``: asked
+        before each segment; False (a newer leader spoke since the order) stops there too.
 
         Called between steps (the ordered moves of the engine loop): the table switches only
         once ``dst`` committed each copy, and ``src`` frees its copy only after the switch.
@@ -584,6 +592,10 @@ class TransportLender:
             raise ValueError(f"request {request_id} has no whole segment of at most {num_blocks} blocks "
                              f"on instance {src.inst_id}")
         for segment in picked:
+            if still_ordered is not None and not still_ordered():
+                log.info("move of request %s's segments to instance %d stopped: its order is no longer the "
+                         "leader's", request_id, dst.inst_id)
+                return False
             if not await self._relocate(engine, request_id, segment, src, dst, epoch):
                 return False
         return True
@@ -756,7 +768,8 @@ async def forward_segment(transport: Transport, ledger: CreditorLedger, pool: to
     runs, data = pack_kv_runs(pool, segment.block_ids, message.dst_block_ids)
     nbytes = sum(d.numel() * d.element_size() for d in data)
     stored = await transport.request(PeerAddress(message.dst_host, message.dst_port),
-                                     KVBlocks(message.move_id, message.reservation_id, runs, data),
+                                     KVBlocks(message.move_id, message.reservation_id, runs, data,
+                                              home_inst_id=message.home_inst_id, req_id=message.req_id),
                                      timeout_s=kv_data_timeout_s(timeout_s, nbytes))
     if not isinstance(stored, KVBlocksStored):
         raise RuntimeError(f"instance {message.dst_inst_id} answered the blocks with {type(stored).__name__}")

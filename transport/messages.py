@@ -296,7 +296,7 @@ class KVBlocks:
     """Source -> destination: block data, one buffer per run, received into reserved blocks."""
 
     TYPE: ClassVar[str] = "kv_blocks"
-    VERSION: ClassVar[int] = 2  # 2: commit_segment_id
+    VERSION: ClassVar[int] = 3  # 2: commit_segment_id; 3: home_inst_id, req_id
     TENSORS: ClassVar[tuple[str, ...]] = ("runs_data",)
 
     move_id: int  # echoed
@@ -309,10 +309,15 @@ class KVBlocks:
     # and the commit: once the data is stored, the reservation becomes this segment of its
     # request, as MoveCommit would make it, and a round trip is saved.
     commit_segment_id: int = -1
+    # The request the reservation was made for, which the destination checks against its own
+    # record of it (-1: not named; an instance daemon refuses such blocks).
+    home_inst_id: int = -1
+    req_id: int = -1
 
     def __post_init__(self) -> None:
         _require(len(self.runs) == len(self.runs_data), "one buffer per run")
         _require(self.commit_segment_id >= -1, "commit_segment_id is a segment id or -1")
+        _require(self.home_inst_id >= -1 and self.req_id >= -1, "home_inst_id and req_id are ids or -1")
         for run, data in zip(self.runs, self.runs_data):
             _require(run.num_blocks > 0, "a run has at least one block")
             _require(len(data.shape) >= 1 and data.shape[0] == run.num_blocks,

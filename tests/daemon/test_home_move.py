@@ -8,17 +8,19 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from infinite_llm.daemon.config import InstanceConfig
 from infinite_llm.daemon.instance import InstanceDaemon
-from infinite_llm.daemon.ledger import CreditorLedger
+from infinite_llm.daemon.ledger import CreditorLedger, LedgerError
 from infinite_llm.daemon.metrics import InstanceMetrics
 from infinite_llm.daemon.peers import PeerDirectory, TransportLender
 from infinite_llm.engine.block_manager import BlockManager
+from infinite_llm.transport.errors import PlacementRefused
 from infinite_llm.transport.interface import PeerAddress
 from infinite_llm.transport.memory import InMemoryNetwork
-from infinite_llm.transport.messages import KVBlocks
+from infinite_llm.transport.messages import BlockRun, KVBlocks, MoveKV, TryMoveKV
 
 BLOCK_SIZE = 4
 HOME, CREDITOR = 1, 2
@@ -123,8 +125,11 @@ def test_a_forwarded_segment_waits_for_its_commit(tmp_path):
     reservation: the home commits it once it has checked its table."""
     s = Setup(tmp_path)
     reservation = s.creditor.ledger.reserve(HOME, 7, 1, 0.0)
-    message = KVBlocks(1, reservation.reservation_id, (), ())
-    assert s.creditor._handle(message).num_blocks == 0
+    (block,) = reservation.block_ids
+    message = KVBlocks(1, reservation.reservation_id, (BlockRun(block, 1),), (s.creditor.pool[block:block + 1],),
+                       home_inst_id=HOME, req_id=7)
+    s.creditor._place(message)
+    assert s.creditor._handle(message).num_blocks == 1
     assert s.creditor.ledger.held == {} and reservation.reservation_id in s.creditor.ledger.reservations
 
 
@@ -148,3 +153,155 @@ def test_a_spill_goes_on_to_further_creditors_while_one_has_too_little_room(tmp_
     assert [(seg.instance_id, len(seg.block_ids)) for seg in table] == [(s.peer.engine_id, 2), (other.engine_id, 1),
                                                                          (0, 1)]
     assert len(s.creditor.ledger.held) == 1 and len(third.ledger.held) == 1
+
+
+async def turns_until(condition, max_turns: int = 10_000) -> None:
+    """Let the event loop turn until ``condition()`` holds (the in-memory network needs no time)."""
+    for _ in range(max_turns):
+        if condition():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError(f"not so after {max_turns} turns of the event loop")
+
+
+def test_a_free_that_overtakes_the_blocks_leaves_nothing_held(tmp_path):
+    """The home stops waiting for its blocks to land (they land in the background, for up to the
+    frame timeout) and frees the copy by name before they have: the creditor gives the
+    reservation up, never commits it, and frees its blocks once they have landed."""
+    s = Setup(tmp_path)
+    serve = s.creditor._handle
+    landing = asyncio.Event()
+    order = []
+
+    def blocks_land_late(message):
+        if isinstance(message, KVBlocks):
+            async def once_landed():
+                await landing.wait()
+                order.append("kv_blocks")
+                return serve(message)
+            return once_landed()
+        order.append(message.TYPE)
+        return serve(message)
+    s.creditor._handle = blocks_land_late
+
+    async def scenario():
+        await s.creditor.transport.start(s.creditor._handle, s.creditor._place)
+        move = asyncio.ensure_future(s.lender.send_move(s.engine, "7", 2, s.peer))
+        await turns_until(lambda: any(r.receiving for r in s.creditor.ledger.reservations.values()))
+        s.network.clock.tick(6.0)  # past the home's wait for the data's answer
+        assert await move is None
+        await turns_until(lambda: "free_segment" in order)
+        (reservation,) = s.creditor.ledger.reservations.values()
+        assert reservation.cancelled  # given up, its blocks still being written
+        assert s.creditor.engine.block_manager.num_free_blocks(0) == s.creditor_free_at_start - 2
+        landing.set()
+        await s.network.settle()
+
+    asyncio.run(scenario())
+    assert order == ["try_move_kv", "free_segment", "kv_blocks"]
+    assert s.creditor.ledger.held == {} and s.creditor.ledger.reservations == {}
+    assert s.creditor.engine.block_manager.num_free_blocks(0) == s.creditor_free_at_start
+    assert [seg.instance_id for seg in s.bm.block_table("7")] == [0]
+
+
+def test_blocks_still_landing_are_not_given_to_another_home_when_theirs_is_forgotten(tmp_path):
+    """A home restarts (or its request ends) while a segment forwarded for it lands here: the
+    reservation is given up, but its blocks stay out of the free list until the data has landed."""
+    network = InMemoryNetwork()
+    creditor = creditor_daemon(tmp_path, network, CREDITOR, 4)
+    reservation = creditor.ledger.reserve(HOME, 7, 2, 0.0)
+    blocks = KVBlocks(9, reservation.reservation_id, (BlockRun(reservation.block_ids[0], 2),), (pool_of(2),),
+                      home_inst_id=HOME, req_id=7)
+    views = creditor._place(blocks)  # UCX now writes into these blocks
+    assert creditor.ledger.forget_home(HOME) == 0
+    assert creditor.ledger.reserve(3, 5, 3, 0.0) is None  # two free blocks, not four
+    views[0].copy_(pool_of(2))  # the rest of the frame lands
+    try:
+        creditor._handle(blocks)
+    except LedgerError as exc:
+        assert "given up" in str(exc)
+    else:
+        raise AssertionError("blocks for a given-up reservation were acknowledged")
+    assert creditor.ledger.reservations == {} and creditor.ledger.held == {}
+    assert creditor.engine.block_manager.num_free_blocks(0) == 4
+
+
+def test_blocks_must_fill_their_own_requests_reservation_once(tmp_path):
+    network = InMemoryNetwork()
+    creditor = creditor_daemon(tmp_path, network, CREDITOR, 8)
+    ours = creditor.ledger.reserve(HOME, 7, 2, 0.0)
+    first = ours.block_ids[0]
+
+    def blocks(runs, home=HOME, req=7):
+        return KVBlocks(1, ours.reservation_id, runs, tuple(pool_of(r.num_blocks) for r in runs),
+                        commit_segment_id=0, home_inst_id=home, req_id=req)
+
+    for bad, why in ((blocks((BlockRun(first, 2),), home=3, req=1), "not request 1 of instance 3"),
+                     (blocks((BlockRun(first, 2),), req=8), "not request 8 of instance 1"),
+                     (blocks((BlockRun(first, 1),)), "fill 1 of the 2 blocks"),
+                     (blocks((BlockRun(first, 1), BlockRun(first, 1))), "written twice"),
+                     (blocks((BlockRun(first + 1, 2),)), "not in reservation")):
+        try:
+            creditor._place(bad)
+        except PlacementRefused as exc:
+            assert why in str(exc), (why, exc)
+        else:
+            raise AssertionError(f"placed: {bad.runs}")
+        with pytest.raises(ValueError, match="without being placed"):
+            creditor._handle(bad)
+    assert creditor.ledger.held == {} and ours.reservation_id in creditor.ledger.reservations
+    good = blocks((BlockRun(first, 2),))
+    creditor._place(good)
+    with pytest.raises(PlacementRefused, match="landing already"):
+        creditor._place(good)
+    assert creditor._handle(good).num_blocks == 2
+    assert list(creditor.ledger.held) == [(HOME, 7, 0)]
+
+
+def test_an_ordered_move_stops_at_the_next_piece_once_a_newer_leader_spoke(tmp_path, monkeypatch):
+    """A gManager's move goes piece by piece; after the first piece the home hears of a newer
+    leader (epoch 6): no further piece goes out under the old order (epoch 5)."""
+    import infinite_llm.daemon.peers as peers_module
+
+    network = InMemoryNetwork()
+    creditor = creditor_daemon(tmp_path, network, CREDITOR, 8)
+    bm = BlockManager(block_size=BLOCK_SIZE, pool_blocks=[8])
+    bm.allocate("7", 4 * BLOCK_SIZE)
+    engine = engine_with(bm, pool_of(8), {"7": 4 * BLOCK_SIZE})
+    monkeypatch.setattr(peers_module, "MOVE_PIECE_BYTES", engine.pools[0][0].numel() * 4)  # a block a piece
+    home = InstanceDaemon(InstanceConfig(state_dir=str(tmp_path / "home"), instance_id=HOME, http_port=None))
+    home.engine = engine
+    home.peers.update(CREDITOR, PeerAddress("memory", CREDITOR), 8, False, 8)
+    home.lender = TransportLender(network.transport(PeerAddress("memory", HOME)), home.peers, home.metrics,
+                                  timeout_s=5.0)
+    home.lender.engine = engine
+    tried_epochs = []
+    serve = creditor._handle
+
+    def noting_epochs(message):
+        if isinstance(message, TryMoveKV):
+            tried_epochs.append(message.epoch)
+        return serve(message)
+
+    async def scenario() -> bool:
+        await creditor.transport.start(noting_epochs, creditor._place)
+        for fence in (home.fence, creditor.fence):
+            fence.admit(5)
+        done = asyncio.get_running_loop().create_future()
+        order = MoveKV(epoch=5, move_id=1, home_inst_id=HOME, req_id=7, src_inst_id=HOME, dst_inst_id=CREDITOR,
+                       num_blocks=4)
+        task = asyncio.ensure_future(home._send_ordered_move(order, done))
+        for _ in range(100):  # step boundaries
+            if task.done():
+                break
+            await network.settle()
+            if home._committed_moves:
+                await home._carry_out_ordered_moves()
+                home.fence.admit(6)  # a heartbeat reply from a new leader
+        assert task.done()
+        return await done
+
+    assert asyncio.run(scenario()) is True  # one piece moved
+    assert tried_epochs == [5]
+    assert [(seg.instance_id, len(seg.block_ids)) for seg in bm.block_table("7")] == [(1, 1), (0, 3)]
+    assert home.metrics.stale_epoch_commands._value.get() == 1

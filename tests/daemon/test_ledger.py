@@ -200,3 +200,40 @@ def test_reservation_ids_start_where_they_are_told() -> None:
     ledger = CreditorLedger(pool.allocate, pool.free, reservation_ttl_s=1.0, first_reservation_id=1 << 40)
     assert ledger.reserve(1, 7, 1, now=0.0).reservation_id == 1 << 40
     assert ledger.reserve(1, 8, 1, now=0.0).reservation_id == (1 << 40) + 1
+
+
+def test_a_reservation_given_up_is_released_at_once_unless_data_is_landing_in_it() -> None:
+    pool, ledger = make(num_blocks=6, ttl=10.0)
+    idle = ledger.reserve(1, 7, 2, now=0.0)
+    landing = ledger.reserve(1, 7, 2, now=0.0)
+    ledger.hold_while_receiving(landing.reservation_id, until=30.0)
+    # The home frees the copies by name before either was committed.
+    assert ledger.free_segment(1, 7, 0, idle.reservation_id) == 2
+    assert ledger.free_segment(1, 7, 2, landing.reservation_id) == 0
+    assert ledger.free_segment(2, 7, 2, landing.reservation_id) == 0  # another home's free names nothing
+    assert pool.free_ids == [0, 1, 4, 5]  # the landing blocks stay out
+    with pytest.raises(LedgerError, match="given up"):
+        ledger.commit(landing.reservation_id, 1, 7, segment_id=2, now=1.0)
+    with pytest.raises(LedgerError, match="given up"):
+        ledger.landed(landing.reservation_id)  # and released now that nothing writes there
+    assert ledger.reservations == {} and pool.free_ids == [0, 1, 2, 3, 4, 5]
+
+
+def test_a_forgotten_home_or_ended_request_keeps_landing_blocks_until_their_expiry() -> None:
+    pool, ledger = make(num_blocks=4, ttl=10.0)
+    landing = ledger.reserve(1, 7, 2, now=0.0)
+    ledger.hold_while_receiving(landing.reservation_id, until=30.0)  # the frame timeout
+    other = ledger.reserve(1, 8, 2, now=0.0)
+    assert ledger.free_request(1, 8) == 2 and ledger.forget_home(1) == 0
+    assert pool.free_ids == [2, 3]
+    assert ledger.release_expired(now=39.0) == []  # the receive may go on until 30 s
+    assert [r.reservation_id for r in ledger.release_expired(now=40.0)] == [landing.reservation_id]
+    assert pool.free_ids == [0, 1, 2, 3] and other.reservation_id not in ledger.reservations
+
+
+def test_landed_data_is_committed_as_before() -> None:
+    _, ledger = make()
+    reservation = ledger.reserve(1, 7, 2, now=0.0)
+    ledger.hold_while_receiving(reservation.reservation_id, until=30.0)
+    assert not ledger.landed(reservation.reservation_id).receiving
+    assert ledger.commit(reservation.reservation_id, 1, 7, segment_id=4, now=1.0).block_ids == (0, 1)

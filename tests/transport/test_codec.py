@@ -190,7 +190,7 @@ def test_a_valid_hand_made_frame_decodes():
     (frame_with(echo_body(b=[[4, 2]]), b"abcd"), m.ErrorCode.INVALID_FIELDS),
     (frame_with(echo_body(x={"payload": ["uint8", [1 << 40]]}, b=[[1 << 40, 0]])),
      m.ErrorCode.BUFFER_TOO_LARGE),
-    (frame_with({"t": "kv_blocks", "v": 2, "id": 1, "re": None,
+    (frame_with({"t": "kv_blocks", "v": 3, "id": 1, "re": None,
                  "f": {"move_id": 1, "reservation_id": 1, "runs": [[0, 1]] * 5000, "commit_segment_id": -1},
                  "x": {"runs_data": [["uint8", [1]]] * 5000}, "b": [[1, 0]] * 5000}),
      m.ErrorCode.TOO_MANY_BUFFERS),
