@@ -5,22 +5,27 @@ K and V it makes: they are the request's segments on that host, and decode then 
 DistAttention over them. What differs is what a host's rows attend to.
 
 **APB** (anchor block plus passing blocks, arXiv 2502.12085): the document is cut into H
-contiguous chunks of equal length, one per host. Every host but the first puts an *anchor
-block*, the document's first ``anchor_len`` tokens, before its chunk, and every host puts the
-query rows (the question that follows the document; they only score, see below). Per layer:
+contiguous chunks, one per host, of about equal length (they may differ: one all-gather of the
+lengths before layer 0 gives every host its true positions). Every host but the first puts an
+*anchor block*, the document's first ``anchor_len`` tokens, before its chunk, and every host puts
+the query rows (the question that follows the document, rotated at its positions after the
+document; they only score, see below). Per layer:
 
 - the anchor block attends causally to itself;
 - each host scores its chunk's keys by the attention its query rows (or, with no query, its
   last ``observe_len`` chunk rows) pay them, max-pooled over ``pool_width`` neighbours, and
-  keeps the ``passing_len`` best per KV head: its *passing block*;
+  keeps the ``passing_len`` best per KV head: its *passing block*. Host 0 never passes its
+  first ``anchor_len`` keys, which the later hosts hold already as their anchor block, so its
+  block may be shorter; it is zero-padded for the all-gather and the padding cut off again;
 - the passing blocks are all-gathered;
 - the chunk's rows attend to the anchor block's document keys and the passing blocks of the
   hosts before this one (no mask: all are earlier), and causally to their own chunk, merged by
   log-sum-exp.
 
 So a host's attention is about its own chunk's, and only ``passing_len`` keys per host cross
-the wire per layer. With ``anchor_len = 0`` and ``passing_len`` at least the chunk length,
-nothing is dropped and APB is exact prefill (the tests hold it to that).
+the wire per layer. Every earlier key is seen at most once; with ``passing_len`` at least the
+longest chunk nothing is dropped and APB is exact prefill, whatever ``anchor_len`` (the tests
+hold it to that).
 
 **Ring** (RingAttention with the zigzag layout of context-parallel training): the prompt is cut
 into 2H chunks and host r holds chunks r and 2H-1-r, which balances the causal work. Each
@@ -150,14 +155,23 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cau
 
     Returns ``AttentionState(out [n, heads, head_dim] in q's dtype, lse [n, heads] float32,
     natural log)``; rows that see no key (m == 0) get a zero output and ``-inf``.
+
+    Raises ValueError when k and v differ in shape, when head_dim differs from q's, or when
+    ``heads`` is not a multiple of ``kv_heads`` (the kernel would read past the last KV head).
     """
     n, num_heads, head_dim = q.shape
-    m = k.shape[0]
+    m, num_kv_heads, k_head_dim = k.shape
+    if v.shape != k.shape:
+        raise ValueError(f"k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k_head_dim != head_dim:
+        raise ValueError(f"q has head_dim {head_dim}, k and v have {k_head_dim}")
+    if num_kv_heads == 0 or num_heads % num_kv_heads:
+        raise ValueError(f"query heads ({num_heads}) must be a multiple of KV heads ({num_kv_heads})")
     if causal and n != m:
         raise ValueError(f"causal attention needs as many keys as rows, got {n} rows and {m} keys")
     if m == 0 or n == 0:
         return AttentionState(torch.zeros_like(q), torch.full((n, num_heads), float("-inf"), device=q.device))
-    group = num_heads // k.shape[1]
+    group = num_heads // num_kv_heads
     # [1, heads, tokens, head_dim] views; the flash kernels take equal head counts.
     q4 = q.transpose(0, 1).unsqueeze(0)
     k4 = k.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
@@ -216,7 +230,8 @@ class HostPrefill:
 
 
 def passing_block(k: torch.Tensor, v: torch.Tensor, score_q: torch.Tensor, score_pos: torch.Tensor,
-                  key_pos: torch.Tensor, config: APBConfig, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                  key_pos: torch.Tensor, config: APBConfig, sm_scale: float, *,
+                  first_candidate: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``passing_len`` keys of a chunk that its scoring rows attend to most, per KV head.
 
     Args:
@@ -224,24 +239,33 @@ def passing_block(k: torch.Tensor, v: torch.Tensor, score_q: torch.Tensor, score
         score_q: ``[s, heads, head_dim]``, the scoring rows' queries.
         score_pos, key_pos: ``[s]`` and ``[n]`` positions; a scoring row sees keys at positions
             up to its own (all of them, for query rows that follow the chunk).
+        first_candidate: keys ``[:first_candidate]`` take part in the softmax but are never
+            passed (host 0's anchor tokens: every later host holds them already, as its anchor
+            block, and would count them twice).
 
     Returns:
-        ``(k, v)`` each ``[min(passing_len, n), kv_heads, head_dim]``, per head in position order.
+        ``(k, v)`` each ``[min(passing_len, n - first_candidate), kv_heads, head_dim]``, per head
+        in position order.
     """
     n, kv_heads, head_dim = k.shape
-    keep = min(config.passing_len, n)
-    if keep == n:
-        return k, v
+    if not 0 <= first_candidate <= n:
+        raise ValueError(f"first_candidate must be in [0, {n}], got {first_candidate}")
+    num_candidates = n - first_candidate
+    keep = min(config.passing_len, num_candidates)
+    if keep == num_candidates:
+        return k[first_candidate:], v[first_candidate:]
     group = score_q.shape[1] // kv_heads
     # [kv_heads, group * s, head_dim] x [kv_heads, head_dim, n]: probabilities of every scoring row.
     q = score_q.float().view(-1, kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(kv_heads, -1, head_dim)
     logits = torch.bmm(q, k.float().permute(1, 2, 0)) * sm_scale
     visible = key_pos.view(1, n) <= score_pos.view(-1, 1)  # [s, n]
     logits = logits.view(kv_heads, group, -1, n).masked_fill(~visible, float("-inf"))
-    scores = logits.softmax(dim=-1).sum(dim=(1, 2))  # [kv_heads, n]
+    # Cut the non-candidates off before pooling, so that a heavily attended anchor key (the
+    # first tokens often are) does not lift the candidates next to it.
+    scores = logits.softmax(dim=-1).sum(dim=(1, 2))[:, first_candidate:]  # [kv_heads, num_candidates]
     if config.pool_width > 1:
         scores = F.max_pool1d(scores.unsqueeze(1), config.pool_width, stride=1, padding=config.pool_width // 2).squeeze(1)
-    chosen = scores.topk(keep, dim=-1).indices.sort(dim=-1).values  # [kv_heads, keep]
+    chosen = scores.topk(keep, dim=-1).indices.sort(dim=-1).values + first_candidate  # [kv_heads, keep]
     index = chosen.t().unsqueeze(-1).expand(keep, kv_heads, head_dim)
     return k.gather(0, index), v.gather(0, index)
 
@@ -252,49 +276,74 @@ async def apb_prefill(model: LlamaModel, group: HostGroup, chunk_ids: torch.Tens
 
     Args:
         model: the same weights on every host.
-        group: the hosts; host r holds chunk r.
-        chunk_ids: ``[chunk_len]`` int64, this host's chunk; every host's has the same length.
+        group: the hosts; host r holds chunk r, the document's tokens after hosts 0..r-1's.
+        chunk_ids: ``[chunk_len]`` int64, this host's chunk, not empty. The hosts' lengths may
+            differ (a document that does not split evenly); host 0's must hold the anchor.
         anchor_ids: ``[anchor_len]`` int64, the document's first tokens (unused on host 0,
             whose chunk begins with them).
-        query_ids: ``[query_len]`` int64, the question after the document (may be empty).
+        query_ids: ``[query_len]`` int64, the question after the document (may be empty); its
+            rows sit at positions ``doc_len ... doc_len + query_len - 1``, ``doc_len`` being all
+            chunks' tokens together.
         config: anchor and passing lengths.
 
     Returns:
-        The host's :class:`HostPrefill` for its chunk rows (positions
-        ``rank * chunk_len ...``).
+        The host's :class:`HostPrefill` for its chunk rows (positions ``chunk_start ...
+        chunk_start + chunk_len - 1``, ``chunk_start`` the tokens of the hosts before it).
+
+    Raises:
+        ValueError: ``anchor_ids`` is not ``anchor_len`` long; or some host's chunk is empty, or
+            ``anchor_len`` is longer than host 0's chunk (raised on every host alike).
     """
-    chunk_len = chunk_ids.shape[0]
-    if chunk_len == 0:
-        raise ValueError("every host needs a non-empty chunk of the document")
     if anchor_ids.shape[0] != config.anchor_len:
         raise ValueError(f"anchor_ids has {anchor_ids.shape[0]} tokens, config.anchor_len is {config.anchor_len}")
-    if config.anchor_len > chunk_len:
-        raise ValueError(f"anchor_len ({config.anchor_len}) is longer than a host's chunk ({chunk_len})")
     device = model.device
     c = model.config
+    chunk_len = chunk_ids.shape[0]
+    # One small all-gather before layer 0: each host learns where its chunk starts and how long
+    # the others' passing blocks are, and the checks below fail on every host at once instead of
+    # leaving the others waiting in a collective.
+    chunk_lens = [int(n) for n in torch.cat(await group.all_gather(torch.tensor([chunk_len], device=device))).tolist()]
+    if min(chunk_lens) == 0:
+        raise ValueError(f"every host needs a non-empty chunk of the document, got chunk lengths {chunk_lens}")
+    if config.anchor_len > chunk_lens[0]:
+        raise ValueError(f"anchor_len ({config.anchor_len}) is longer than host 0's chunk ({chunk_lens[0]}), "
+                         "which must hold the anchor")
+    chunk_start = sum(chunk_lens[:group.rank])
+    doc_len = sum(chunk_lens)
+    # Host 0's chunk begins with the anchor tokens, which every later host holds as its anchor
+    # block: host 0 does not pass them, or those hosts would count them twice.
+    first_candidate = [config.anchor_len] + [0] * (group.size - 1)
+    pass_lens = [min(config.passing_len, n - skip) for n, skip in zip(chunk_lens, first_candidate)]
+    pass_width = max(pass_lens)  # all_gather takes one shape: shorter blocks are zero-padded to it
+
     anchor_len = config.anchor_len if group.rank > 0 else 0
     query_len = query_ids.shape[0]
     block_len = anchor_len + query_len  # the anchor block's rows: anchor document tokens, then query
-    chunk_start = group.rank * chunk_len
     ids = torch.cat([anchor_ids[:anchor_len], query_ids, chunk_ids]).to(device)
-    positions = torch.cat([torch.arange(block_len), torch.arange(chunk_start, chunk_start + chunk_len)]).to(device)
+    # Every row is rotated at its true position, the query rows after the whole document; the
+    # anchor block's positions rise with its rows, so a plain causal mask over it stays right.
+    positions = torch.cat([torch.arange(anchor_len), torch.arange(doc_len, doc_len + query_len),
+                           torch.arange(chunk_start, chunk_start + chunk_len)]).to(device)
     local_pos = positions[block_len:]
     if query_len:
         score_rows = slice(anchor_len, block_len)
-        score_pos = torch.full((query_len,), chunk_start + chunk_len, device=device)  # after the whole chunk
     else:
         observe = min(config.observe_len, chunk_len)
         score_rows = slice(block_len + chunk_len - observe, block_len + chunk_len)
-        score_pos = local_pos[-observe:]
+    score_pos = positions[score_rows]
 
     hidden = model.embed(ids)
     kept: list[tuple[torch.Tensor, torch.Tensor]] = []
     for layer in range(c.num_layers):
         q, k, v = model.pre_attention(layer, hidden, positions)
         k_local, v_local = k[block_len:], v[block_len:]
-        k_pass, v_pass = passing_block(k_local, v_local, q[score_rows], score_pos, local_pos, config, model.sm_scale)
-        gathered = await group.all_gather(torch.stack([k_pass, v_pass]))
-        earlier = gathered[: group.rank]
+        k_pass, v_pass = passing_block(k_local, v_local, q[score_rows], score_pos, local_pos, config, model.sm_scale,
+                                       first_candidate=first_candidate[group.rank])
+        # sent: [2 (k, v), pass_width, kv_heads, head_dim], rows past pass_lens[rank] zero.
+        sent = F.pad(torch.stack([k_pass, v_pass]), (0, 0, 0, 0, 0, pass_width - k_pass.shape[0]))
+        gathered = await group.all_gather(sent)
+        # The padding is cut off here, so it never takes part in the attention.
+        earlier = [block[:, :n] for block, n in zip(gathered[:group.rank], pass_lens)]
         prefix_k = torch.cat([k[:anchor_len], *(g[0] for g in earlier)])
         prefix_v = torch.cat([v[:anchor_len], *(g[1] for g in earlier)])
         block_out = attention_with_lse(q[:block_len], k[:block_len], v[:block_len], causal=True,
