@@ -335,8 +335,6 @@ class LLMEngine:
             slots, home_instance_id=self.home_instance_id, block_size=self.config.block_size, device=self.device,
             block_arrays=self._block_arrays,
         )
-        attention = DistAttention(layout, self.pools[self.home_instance_id], self.home_instance_id, self.remote,
-                                  num_heads=self.model_config.num_heads, sm_scale=self.model.sm_scale)
         ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
         rows = torch.tensor(logits_rows, dtype=torch.int64, device=self.device)
@@ -350,6 +348,9 @@ class LLMEngine:
                                                       home_batch.kv_lens, rows)
             self.remote.end_step(step_id)
         else:
+            # Planned only here: the whole-step graph above reads the layout's tables itself.
+            attention = DistAttention(layout, self.pools[self.home_instance_id], self.home_instance_id, self.remote,
+                                      num_heads=self.model_config.num_heads, sm_scale=self.model.sm_scale)
             forward = self.model.forward
             if decode and self.decode_graphs is not None and self.decode_graphs.can_run(len(token_ids)):
                 forward = self.decode_graphs.forward
