@@ -39,7 +39,7 @@ class TransportConfig:
     connect_timeout_s: float = 1.0  # connecting to a peer (a dead port shows only as this), s
     request_timeout_s: float = 5.0  # default wait for a reply, s
     frame_timeout_s: float = 10.0  # sending a frame, or receiving its buffers, s
-    idle_timeout_s: float = 300.0  # a connection with no traffic this long is closed, s
+    idle_timeout_s: float = 300.0  # a connection with no traffic this long, and none in flight, is closed, s
     receive_device: str = "cpu"  # where received tensors are allocated: "cpu" or "cuda[:n]"
     # A frame whose buffers all travel inside its header lands in host memory even when
     # receive_device is a GPU: its bytes are on the host already, and landing them on the

@@ -165,6 +165,9 @@ class InMemoryNetwork:
 
     def _deliver(self, receiver: InMemoryTransport, src: PeerAddress,
                  frame: codec.EncodedFrame) -> None:
+        if receiver._closed:  # killed or closed since the frame was queued: no handler runs
+            self._in_flight -= 1
+            return
         task = asyncio.get_running_loop().create_task(receiver._receive(src, frame))
         task.add_done_callback(self._delivered)
 
@@ -264,13 +267,21 @@ class InMemoryTransport:
         try:
             destinations = self._placer(header.message) if self._placer else None
             message = _carry(header, frame, destinations, self._config)
+        except ProtocolError as e:  # as UCX refuses a frame whose buffers disagree with it
+            reply: Message = ErrorReply(e.code, e.detail)
         except (PlacementRefused, ValueError) as e:
-            reply: Message = ErrorReply(ErrorCode.PLACEMENT_REFUSED, str(e))
+            reply = ErrorReply(ErrorCode.PLACEMENT_REFUSED, str(e))
         else:
             reply = await self._serve(message)
         if header.wants_reply:
-            reply_frame = codec.encode(reply, next(self._next_msg_id), reply_to=header.msg_id,
-                                       wants_reply=False)
+            try:
+                reply_frame = codec.encode(reply, next(self._next_msg_id), reply_to=header.msg_id,
+                                           wants_reply=False)
+            except Exception as e:  # noqa: BLE001  a handler's bad tensor: the requester hears why, as on UCX
+                reply = ErrorReply(ErrorCode.HANDLER_FAILED, f"the {reply.TYPE} reply could not be encoded: "
+                                                             f"{type(e).__name__}: {e}")
+                reply_frame = codec.encode(reply, next(self._next_msg_id), reply_to=header.msg_id,
+                                           wants_reply=False)
             self._network._post(self._address, src, reply_frame, reply,
                                 header.msg_id, header.msg_id)
 

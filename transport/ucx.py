@@ -108,6 +108,8 @@ class _Connection:
     shared_in: PeerRegion | None = None
     # Frames whose buffers are landing in tasks (``lands_in_background``).
     receiving: int = 0
+    # Handlers of this connection's requests running as tasks (their replies still to come).
+    handling: int = 0
 
     def __post_init__(self) -> None:
         self.header_buffer = np.zeros(self.config.limits.max_header_bytes, dtype=np.uint8)
@@ -234,14 +236,26 @@ class _Connection:
             self.keep_until_sent(requests, frame)  # the caller gave up: UCX may still read it
             raise
 
+    def busy(self) -> bool:
+        """Whether work is in flight on this connection: requests awaiting replies, frames
+        landing, handlers running. It is not idle then, whatever the time since its last frame."""
+        return bool(self.pending) or self.receiving > 0 or self.handling > 0
+
     async def recv_header(self, timeout_s: float) -> codec.FrameHeader:
         """The next frame's header. Raises ProtocolError for a bad frame, ConnectionBroken
-        when the peer is gone or the connection idles past ``timeout_s``."""
+        when the peer is gone or the connection idles (``busy`` is False) past ``timeout_s``."""
         buf = self.header_buffer
         try:
             self._check_open()
             request = self._post_recv(self._header_array)
-            await self.progress.wait(request, time.monotonic() + timeout_s)
+            while True:
+                try:
+                    await self.progress.wait(request, time.monotonic() + timeout_s)
+                    break
+                except TimeoutError:
+                    if not self.busy():
+                        raise
+                    # A long handler, reply or landing: the same receive waits on.
         except UCXMessageTruncatedError:
             raise ProtocolError(ErrorCode.OVERSIZED_FRAME,
                                 f"header over {buf.nbytes} bytes") from None
@@ -668,7 +682,7 @@ class UcxTransport:
     async def _read_replies(self, peer: PeerAddress, connection: _Connection) -> None:
         try:
             while True:
-                # An outbound connection idles only while nothing is pending.
+                # An outbound connection idles only while nothing is pending (``busy``).
                 header = await connection.recv_header(self._config.idle_timeout_s)
                 wire_trace.record("reply.header", header.message.TYPE, -1 if header.reply_to is None else header.reply_to)
                 if header.reply_to is not None and connection.shared_slots:
@@ -781,6 +795,9 @@ class UcxTransport:
             await self._refuse(connection, e)
         except ConnectionBroken:
             pass  # the connection's loop ends with it
+        except Exception:  # as in the connection's loop: the requester hears at once, not at its timeout
+            log.exception("serving %s failed", connection.label)
+            connection.abort()
         finally:
             connection.landed_in_background()
 
@@ -811,6 +828,7 @@ class UcxTransport:
                 outcome = _handler_failed(message, e)
         wire_trace.record("in.handled", message.TYPE, header.msg_id)
         if inspect.isawaitable(outcome):
+            connection.handling += 1
             self._spawn(self._finish(connection, header, message, outcome))
         elif header.wants_reply:
             self._post_reply(connection, header.msg_id, outcome or Ack())
@@ -818,11 +836,14 @@ class UcxTransport:
     async def _finish(self, connection: _Connection, header: codec.FrameHeader, message: Message,
                       pending: Awaitable[Message | None]) -> None:
         try:
-            reply = await pending or Ack()
-        except Exception as e:
-            reply = _handler_failed(message, e)
-        if header.wants_reply:
-            await self._reply(connection, header.msg_id, reply)
+            try:
+                reply = await pending or Ack()
+            except Exception as e:
+                reply = _handler_failed(message, e)
+            if header.wants_reply:
+                await self._reply(connection, header.msg_id, reply)
+        finally:
+            connection.handling -= 1
 
     def _accept_shared_memory(self, connection: _Connection, offer: SharedMemoryOffer) -> Message:
         """Map the region a new connection's peer offers, if it is on this host's shared memory."""

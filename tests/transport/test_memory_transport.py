@@ -234,3 +234,33 @@ def test_two_phase_move_lands_in_the_reserved_blocks():
             "try_move_kv", "move_reserved", "kv_blocks", "kv_blocks_stored",
             "move_commit", "ack", "kv_blocks", "error_reply"]
     run(scenario())
+
+
+def test_a_reply_that_cannot_be_encoded_is_an_error_reply_as_on_ucx():
+    async def scenario():
+        net = InMemoryNetwork()
+        a, b = net.transport(A), net.transport(B)
+        await a.start(echo)
+        await b.start(lambda message: m.EchoReply(message.payload.view(8, 8).t()))  # not contiguous
+        request = asyncio.ensure_future(a.request(B, m.Echo(torch.randn(64)), timeout_s=5))
+        await net.settle()
+        assert request.done()  # at once, no timeout on the fake clock
+        with pytest.raises(RemoteError) as info:
+            await request
+        assert info.value.code == m.ErrorCode.HANDLER_FAILED and "could not be encoded" in info.value.detail
+    run(scenario())
+
+
+def test_a_killed_instance_handles_nothing_queued_to_it():
+    """As a peer killed with SIGKILL runs no handler: frames on their way to it are lost."""
+    async def scenario():
+        net = InMemoryNetwork()
+        a, b = net.transport(A), net.transport(B)
+        handled: list[str] = []
+        await a.start(echo)
+        await b.start(lambda message: handled.append(message.TYPE))
+        await a.send(B, m.Echo(torch.ones(4)))
+        net.kill(B)
+        await net.settle()
+        assert handled == []
+    run(scenario())

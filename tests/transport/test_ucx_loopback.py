@@ -759,3 +759,54 @@ def test_a_reply_behind_a_large_reply_is_delivered_before_it_lands(ucx_loop):
             return answered_first
 
     assert run_bounded(ucx_loop, scenario(), 60)
+
+
+def test_an_unexpected_failure_while_a_frame_lands_in_the_background_fails_its_request_at_once(ucx_loop, monkeypatch):
+    """A frame with a buffer over UCX lands in a task; a failure there that is no protocol error
+    (a device copy's, say) closes the connection as it would in the connection's loop: the
+    requester hears at once instead of at its timeout, and its shared-memory slots are freed."""
+    from infinite_llm.transport.shared_memory import PeerRegion
+    seen: list[m.Message] = []
+
+    def keep(message: m.Message):
+        seen.append(message)
+        return None
+
+    def failing_copy(region, view, offset, nbytes):
+        raise RuntimeError("a device copy failed")
+
+    run_bytes = filled_blocks(0, 16).numel() * 4
+    monkeypatch.setattr(PeerRegion, "copy_to", failing_copy)
+
+    async def scenario():
+        # The sender's region holds the first run only: the second goes over UCX, in a task.
+        async with started(keep) as server, started(shared_memory_bytes=4096 + run_bytes) as sender:
+            await sender.connect(server.address)
+            assert sender.uses_shared_memory(server.address)
+            runs = (m.BlockRun(0, 16), m.BlockRun(32, 16))
+            started_at = time.monotonic()
+            with pytest.raises(PeerUnreachable):
+                await sender.request(server.address, m.KVBlocks(1, 7, runs, (filled_blocks(0, 16), filled_blocks(32, 16))),
+                                     timeout_s=5)
+            assert time.monotonic() - started_at < 2
+            assert seen == [] and not server._inbound
+    run_bounded(ucx_loop, scenario(), 30)
+
+
+def test_a_connection_with_work_in_flight_is_not_idle(ucx_loop):
+    """Idle timeouts of 1 s on both sides and a handler that answers after 2 s: neither side
+    closes the connection while the request waits for its answer."""
+    async def slow_echo(message: m.Message) -> m.Message | None:
+        await asyncio.sleep(2.0)
+        return m.EchoReply(message.payload)
+
+    async def scenario():
+        async with started(slow_echo, idle_timeout_s=1.0) as server, started(idle_timeout_s=1.0) as client:
+            reply = await client.request(server.address, m.Echo(torch.ones(4)), timeout_s=5)
+            assert reply.payload.tolist() == [1.0] * 4
+            # Idle now: both ends close within about their timeout.
+            deadline = time.monotonic() + 5
+            while (server._inbound or client._outbound) and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert not server._inbound and not client._outbound
+    run_bounded(ucx_loop, scenario(), 30)
