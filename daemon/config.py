@@ -52,7 +52,7 @@ class InstanceConfig:
     engine's default applies.
     """
 
-    instance_id: int = 0
+    instance_id: int = 1  # >= 1: the gManager numbers instances from 1
     model: str | None = None  # GGUF file or Hugging Face folder; None: the embedded SmolLM2
     served_model_name: str | None = None  # the name in the OpenAI API; None: the model file's stem
     device: str = "cpu"  # "cpu", "cuda" or "cuda:N"
@@ -102,7 +102,7 @@ class InstanceConfig:
     timeouts: Timeouts = field(default_factory=Timeouts)
 
     def __post_init__(self) -> None:
-        _check_int("instance_id", self.instance_id, minimum=0)
+        _check_int("instance_id", self.instance_id, minimum=1)
         if self.model is not None and not isinstance(self.model, str):
             raise ConfigError(f"model must be a path string, got {self.model!r}")
         if not isinstance(self.device, str) or not (

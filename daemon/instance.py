@@ -498,8 +498,7 @@ class InstanceDaemon:
             # event loop serves peers' attend requests, heartbeats and the watchdog meanwhile.
             token_ids = await asyncio.to_thread(self.engine.prompt_token_ids, source)
             self._refuse_while_draining()  # a drain may have begun while the prompt was tokenized
-            context = self.engine.max_model_len
-            if refuse_past_context and len(token_ids) + params.max_tokens > context:
+            if refuse_past_context and len(token_ids) + params.max_tokens > (context := self.engine.max_model_len):
                 raise RequestRejected(
                     f"max_tokens is too large: {params.max_tokens}. This model's maximum context length is "
                     f"{context} tokens and the request has {len(token_ids)} input tokens "

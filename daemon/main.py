@@ -16,7 +16,7 @@ from .instance import DeviceFailed, InstanceDaemon
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict]:
     parser = argparse.ArgumentParser(prog="infinited", description="Run one Infinite-LLM instance.")
-    parser.add_argument("--config", help="TOML file (see systemd/infinited.toml.example)")
+    parser.add_argument("--config", help="TOML file (see systemd/etc/infinited.toml.example)")
     parser.add_argument("--instance-id", type=int, dest="instance_id")
     parser.add_argument("--model", help="GGUF file or Hugging Face folder (default: the embedded SmolLM2)")
     parser.add_argument("--served-model-name", dest="served_model_name")

@@ -37,6 +37,7 @@ def test_toml_then_flags(tmp_path: Path) -> None:
         ('device = "tpu"', "device must be"),
         ("kv_pool_blocks = 10\nkv_pool_bytes = 10", "not both"),
         ("kv_pool_blocks = 0", "kv_pool_blocks must be >= 1"),
+        ("instance_id = 0", "instance_id must be >= 1, got 0"),  # the gManager numbers instances from 1
         ("http_port = 70000", r"http_port must be in \[0, 65535\]"),
         ("max_num_seqs = true", "max_num_seqs must be an integer"),
         ("[timeouts]\npeer_request_s = -1", "timeouts.peer_request_s must be a finite number of seconds"),

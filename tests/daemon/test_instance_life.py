@@ -203,9 +203,9 @@ def test_a_creditor_audits_each_home_once_a_period_and_frees_what_it_no_longer_c
     from infinite_llm.transport.memory import InMemoryNetwork
     from infinite_llm.transport.messages import AuditHeld
 
-    d = daemon(tmp_path)  # instance 0, the creditor; held_audit_s 60
+    d = daemon(tmp_path)  # instance 1, the creditor; held_audit_s 60
     network = InMemoryNetwork()
-    d.transport = network.transport(PeerAddress("memory", 0))
+    d.transport = network.transport(PeerAddress("memory", 1))
     free = list(range(8))
     d.ledger = CreditorLedger(allocate=lambda n: [free.pop(0) for _ in range(n)], free=free.extend,
                               reservation_ttl_s=5.0)
@@ -218,7 +218,7 @@ def test_a_creditor_audits_each_home_once_a_period_and_frees_what_it_no_longer_c
 
     # Home 2: its request 1 is on this creditor still, request 2 ended (its free was lost).
     home_peers = PeerDirectory(2)
-    creditor_there = home_peers.update(0, PeerAddress("memory", 0), 8, False, 8)
+    creditor_there = home_peers.update(1, PeerAddress("memory", 1), 8, False, 8)
     bm = BlockManager(block_size=4, pool_blocks=[8])
     bm.allocate("1", 12)
     copy_of_1 = d.ledger.held[(2, 1, 0)].reservation_id
