@@ -146,6 +146,8 @@ class CreditorLedger:
         reservation = self.reservation(reservation_id)
         if reservation.cancelled:
             raise LedgerError(f"reservation {reservation_id} was given up by instance {reservation.home_inst_id}")
+        if reservation.receiving:  # a held segment's blocks may be freed at once: not while written
+            raise LedgerError(f"data for reservation {reservation_id} is still landing")
         if (reservation.home_inst_id, reservation.req_id) != (home_inst_id, req_id):
             raise LedgerError(
                 f"reservation {reservation_id} is for request {reservation.req_id} of instance "

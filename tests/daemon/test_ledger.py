@@ -235,5 +235,7 @@ def test_landed_data_is_committed_as_before() -> None:
     _, ledger = make()
     reservation = ledger.reserve(1, 7, 2, now=0.0)
     ledger.hold_while_receiving(reservation.reservation_id, until=30.0)
+    with pytest.raises(LedgerError, match="still landing"):
+        ledger.commit(reservation.reservation_id, 1, 7, segment_id=4, now=1.0)
     assert not ledger.landed(reservation.reservation_id).receiving
     assert ledger.commit(reservation.reservation_id, 1, 7, segment_id=4, now=1.0).block_ids == (0, 1)
