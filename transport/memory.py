@@ -118,7 +118,8 @@ class InMemoryNetwork:
         if transport is not None:
             transport._fail_all(PeerUnreachable(address, "killed"))
             transport._closed = True
-        for other in list(self._listeners.values()):
+        # Every live transport, serving or only requesting: its requests to the killed one break.
+        for other in list(self._transports.values()) + list(self._listeners.values()):
             other._fail_requests_to(address, PeerUnreachable(address, "connection reset"))
 
     def silence(self, address: PeerAddress) -> None:

@@ -264,3 +264,18 @@ def test_a_killed_instance_handles_nothing_queued_to_it():
         await net.settle()
         assert handled == []
     run(scenario())
+
+
+def test_a_request_to_a_killed_instance_fails_for_a_requester_that_does_not_serve():
+    async def scenario():
+        net = InMemoryNetwork()
+        a, b = net.transport(A), net.transport(B)  # a only sends requests: never started
+        await b.start(echo)
+        request = asyncio.ensure_future(a.request(B, m.Echo(torch.ones(4)), timeout_s=5))
+        await asyncio.sleep(0)  # queued to b
+        net.kill(B)
+        await net.settle()
+        assert request.done()
+        with pytest.raises(PeerUnreachable):
+            await request
+    run(scenario())
