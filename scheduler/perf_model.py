@@ -59,8 +59,8 @@ class PerfModel:
     kv_bytes_per_token: int | None = None  # all layers, K and V; only to report g in bytes/s
 
     def __post_init__(self) -> None:
-        if self.num_layers <= 0:
-            raise ValueError(f"num_layers must be positive, got {self.num_layers}")
+        if isinstance(self.num_layers, bool) or not isinstance(self.num_layers, int) or self.num_layers <= 0:
+            raise ValueError(f"num_layers must be a positive integer, got {self.num_layers!r}")
         for name in ("attn_s_per_token", "remote_overhead_s"):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
@@ -72,8 +72,17 @@ class PerfModel:
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"PerfModel.{name} must be finite, got {getattr(self, name)}")
         for name in ("dense_knee_batch", "attn_knee_tokens"):
-            if getattr(self, name) is not None and getattr(self, name) <= 0:
-                raise ValueError(f"PerfModel.{name} must be positive or None, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise ValueError(f"PerfModel.{name} must be positive and finite, or None, got {value}")
+        # Dense time must not fall as the batch grows, nor be zero at one request: either would
+        # make a larger batch, or a fraction of one, look faster than it is.
+        above_knee = self.dense_per_seq_s + (self.dense_per_seq_above_knee_s if self.dense_knee_batch is not None else 0.0)
+        if self.dense_per_seq_s < 0 or above_knee < 0:
+            raise ValueError(f"dense time per request must be >= 0 below and above the knee, got "
+                             f"{self.dense_per_seq_s} and {above_knee}")
+        if self.dense_fixed_s + self.dense_per_seq_s <= 0:
+            raise ValueError(f"dense time at batch 1 must be positive, got {self.dense_fixed_s + self.dense_per_seq_s}")
 
     # -- the pieces -------------------------------------------------------------------------
     def dense_time(self, batch):
@@ -322,15 +331,19 @@ def fit(
     for knees in ((b, t) for b in batch_knees for t in token_knees):
         coef = _fit_linear(batch[train], tokens[train], layer_s[train], knees)
         # Attention must not get cheaper with more tokens anywhere: that would make hosting
-        # tokens look like it speeds an instance up.
+        # tokens look like it speeds an instance up. Likewise dense time with more requests, and
+        # a step of one request must take time (a noisy top point can tilt a fit either way).
         if coef[2] < 0 or coef[2] + coef[4] < 0:
+            continue
+        if coef[1] < 0 or coef[1] + coef[3] < 0 or coef[0] + coef[1] <= 0:
             continue
         predicted = _design(batch[train], tokens[train], knees) @ coef
         error = float(_mape(layer_s[train], predicted).mean())
         if best is None or error < best[0] - 1e-9:
             best = (error, knees, coef)
     if best is None:
-        raise ValueError("no fit with a non-negative attention cost per token: are the times noise?")
+        raise ValueError("no fit whose attention and dense costs never fall with more tokens or requests: "
+                         "are the times noise?")
     _, (batch_knee, token_knee), coef = best
     model = PerfModel(
         num_layers=num_layers,

@@ -32,6 +32,7 @@ The best ``k`` is searched two ways that give the same plan:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Iterator, Literal
 
@@ -64,8 +65,9 @@ class InstanceState:
 
     def __post_init__(self) -> None:
         for name in ("total_blocks", "free_blocks", "num_waiting", "waiting_blocks"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"instance {self.inst_id}: {name} must be >= 0, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+                raise ValueError(f"instance {self.inst_id}: {name} must be an integer >= 0, got {value!r}")
         if self.free_blocks > self.total_blocks:
             raise ValueError(f"instance {self.inst_id}: free_blocks {self.free_blocks} > total_blocks {self.total_blocks}")
         if (self.num_waiting == 0) != (self.waiting_blocks == 0):
@@ -149,12 +151,14 @@ class Thresholds:
     def __post_init__(self) -> None:
         if not 0 <= self.creditor_max_used_fraction <= 1:
             raise ValueError(f"creditor_max_used_fraction must be in [0, 1], got {self.creditor_max_used_fraction}")
-        if self.max_moves < 0 or self.debtor_max_batch < 0:
-            raise ValueError("max_moves and debtor_max_batch must be >= 0")
+        for name in ("max_moves", "debtor_max_batch"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
         if self.creditors_per_debtor is not None and self.creditors_per_debtor <= 0:
             raise ValueError(f"creditors_per_debtor must be positive or None, got {self.creditors_per_debtor}")
-        if self.min_relative_gain < 0:
-            raise ValueError(f"min_relative_gain must be >= 0, got {self.min_relative_gain}")
+        if not (math.isfinite(self.min_relative_gain) and self.min_relative_gain >= 0):
+            raise ValueError(f"min_relative_gain must be finite and >= 0, got {self.min_relative_gain}")
 
 
 # -- validation and the working state ---------------------------------------------------------
@@ -223,7 +227,8 @@ class _State:
             pairs, inverse = np.unique(pair, return_inverse=True)
             sums = np.bincount(inverse, weights=table.num_blocks[~local]) * B
             for key, tokens in zip(pairs.tolist(), sums.tolist()):
-                self.parts.setdefault(key // num, {})[key % num] = tokens
+                if tokens > 0:  # a row of 0 blocks is no remote part (apply_moves drops such rows too)
+                    self.parts.setdefault(key // num, {})[key % num] = tokens
         self.largest_part = np.zeros(num)
         self.has_remote = np.zeros(num)
         for home, parts in self.parts.items():
@@ -247,12 +252,18 @@ class _State:
 
 
 def _throughput_parts(model: PerfModel, B, batch, own_tokens, free, num_waiting, per_waiting, largest_part, has_remote):
-    """(effective batch, per-layer time) of instances in a given state; numpy-broadcast."""
+    """(effective batch, per-layer time) of instances in a given state; numpy-broadcast.
+
+    The effective batch counts the waiting requests the free blocks admit, fractions included
+    (an expectation); a step runs at least one request, so its dense time is taken at a batch
+    of at least 1: an instance that admits a fraction of a request is not faster for it.
+    """
     admitted = np.minimum(num_waiting, free / per_waiting)
     batch_eff = batch + admitted
     local_tokens = own_tokens + admitted * per_waiting * B
     attention_tokens = np.maximum(local_tokens, largest_part)
-    layer_s = model.dense_time(batch_eff) + model.attention_time(attention_tokens) + model.remote_overhead_s * has_remote
+    layer_s = (model.dense_time(np.maximum(batch_eff, 1.0)) + model.attention_time(attention_tokens)
+               + model.remote_overhead_s * has_remote)
     return batch_eff, layer_s
 
 
@@ -317,8 +328,11 @@ class _Pair:
                    (other - p) / B]
         Ac, fc, Wc, perc, Rc = c["own"], c["free"], c["waiting"], c["per"], c["part"]
         points += [fc - Wc * perc, (Rc - Ac - Wc * perc * B) / B]
-        if m.dense_knee_batch is not None:
-            points += [(m.dense_knee_batch - d["batch"]) * per - f + 0 * p, fc - (m.dense_knee_batch - c["batch"]) * perc]
+        # Where the effective batch crosses 1 (below it the dense time stays at one request's)
+        # and the dense knee.
+        for knee in (1.0, m.dense_knee_batch):
+            if knee is not None:
+                points += [(knee - d["batch"]) * per - f + 0 * p, fc - (knee - c["batch"]) * perc]
         if m.attn_knee_tokens is not None:
             knee = m.attn_knee_tokens
             points += [(cap_local - knee) / B + 0 * p, (knee - p) / B, (knee - Ac - Wc * perc * B) / B]

@@ -177,3 +177,35 @@ def test_holdout_spread_over_random_splits():
     spread = holdout_spread(synthetic(TRUE, noise=0.03, seed=2), 30, num_splits=5)
     assert spread["num_splits"] == 5 and spread["num_failed"] == 0
     assert 0 < spread["min"] <= spread["median"] <= spread["max"] < 10
+
+
+def test_a_model_whose_dense_time_falls_with_the_batch_or_is_none_at_one_request_is_refused():
+    base = dict(num_layers=30, dense_fixed_s=4e-4, dense_per_seq_s=6e-5, attn_s_per_token=8e-8)
+    with pytest.raises(ValueError, match="dense time per request must be >= 0"):
+        PerfModel(**{**base, "dense_per_seq_s": -1e-6})
+    with pytest.raises(ValueError, match="dense time per request must be >= 0"):
+        PerfModel(**{**base, "dense_knee_batch": 8, "dense_per_seq_above_knee_s": -7e-5})
+    with pytest.raises(ValueError, match="dense time at batch 1 must be positive"):
+        PerfModel(**{**base, "dense_fixed_s": -1e-3})
+    with pytest.raises(ValueError, match="positive and finite"):
+        PerfModel(**{**base, "dense_knee_batch": float("nan")})
+    with pytest.raises(ValueError, match="num_layers must be a positive integer"):
+        PerfModel(**{**base, "num_layers": 2.5})
+    # A negative intercept is fine while a step of one request still takes time.
+    assert float(PerfModel(**{**base, "dense_fixed_s": -1e-5}).dense_time(1)) == pytest.approx(5e-5)
+
+
+def test_fit_skips_knees_that_make_a_larger_batch_cheaper():
+    """Flat dense time with the top batch measured 3% fast (noise): the best knee by error alone
+    makes dense time fall past it, and throughput grows faster than the batch beyond the grid."""
+    layers = 32
+    points = []
+    for b in (1, 2, 4, 8, 16, 32, 64):
+        for c in (1024, 4096, 16384):
+            layer_s = 358e-6 + 0.3e-6 * b + 1.4e-10 * b * c
+            points.append(Measurement(b, c, layer_s * layers * (0.97 if b == 64 else 1.0)))
+    model, _ = fit(points, layers)
+    above = model.dense_per_seq_s + (model.dense_per_seq_above_knee_s if model.dense_knee_batch else 0.0)
+    assert model.dense_per_seq_s >= 0 and above >= 0
+    times = [float(model.dense_time(b)) for b in (64, 256, 1024, 4096)]
+    assert times == sorted(times)

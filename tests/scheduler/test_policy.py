@@ -137,8 +137,17 @@ def test_bad_snapshots_raise_clear_errors(instances, entries, message):
 def test_bad_instance_states_and_thresholds_raise():
     with pytest.raises(ValueError, match="free_blocks 11 > total_blocks 10"):
         InstanceState(0, 10, 11)
-    with pytest.raises(ValueError, match="free_blocks must be >= 0"):
+    with pytest.raises(ValueError, match="free_blocks must be an integer >= 0"):
         InstanceState(0, 10, -1)
+    for bad in (float("nan"), float("inf"), 2.5):
+        with pytest.raises(ValueError, match="total_blocks must be an integer"):
+            InstanceState(0, bad, 0)
+    with pytest.raises(ValueError, match="max_moves must be an integer"):
+        Thresholds(4, 0.9, max_moves=float("nan"))
+    with pytest.raises(ValueError, match="debtor_max_batch must be an integer"):
+        Thresholds(float("nan"), 0.9)
+    with pytest.raises(ValueError, match="min_relative_gain must be finite"):
+        Thresholds(4, 0.9, min_relative_gain=float("nan"))
     with pytest.raises(ValueError, match="both zero or both positive"):
         InstanceState(0, 10, 5, num_waiting=2)
     with pytest.raises(ValueError, match="creditor_max_used_fraction"):
@@ -167,3 +176,33 @@ def test_one_round_for_1024_instances_and_100k_requests_within_50_ms():
     assert moves, "the synthetic snapshot should give the policy something to move"
     assert statistics.median(times) < 0.050, f"median {statistics.median(times) * 1e3:.1f} ms"
     assert len(snap.placement) == 100_000 and np.unique(snap.placement.inst_id).size > 900
+
+
+def test_a_remote_row_of_no_blocks_is_no_remote_part():
+    """Its home pays no remote overhead for it: planning nothing changes nothing."""
+    snap = snapshot([InstanceState(0, 100, 40), InstanceState(1, 100, 90)],
+                    [RequestPlacementEntry(1, 0, 60, True), RequestPlacementEntry(1, 1, 0, False)])
+    model = PerfModel(num_layers=2, dense_fixed_s=1e-4, dense_per_seq_s=1e-5, attn_s_per_token=1e-8,
+                      remote_overhead_s=5e-5)
+    assert predicted_cluster_throughput(snap, model) == pytest.approx(
+        predicted_cluster_throughput(apply_moves(snap, []), model))
+
+
+def test_a_fraction_of_a_request_admitted_is_not_faster_than_one():
+    """With a model whose dense time is small at batch 1, an instance that the move leaves room
+    for a quarter of a waiting request is not predicted faster for running a quarter: the
+    committed CPU model planned such moves (dense time at batch 0.25 fell to its floor), and
+    its two searches disagreed."""
+    from pathlib import Path
+    from infinite_llm.scheduler.perf_model import load_model
+    model = load_model(Path(__file__).resolve().parents[2] / "bench" / "results" / "perf_model-cpu.json")
+    I = InstanceState
+    snap = ClusterSnapshot(1, (I(0, 228, 3, 6, 120), I(1, 158, 0, 5, 85), I(2, 12, 10, 3, 48), I(3, 144, 95, 1, 1),
+                               I(4, 11, 9, 3, 9), I(5, 50, 9, 4, 56)),
+                           PlacementTable([0, 1, 1, 2, 2, 3, 3], [0, 1, 0, 1, 0, 5, 1], [114, 114, 32, 12, 29, 36, 15],
+                                          [True, True, False, True, False, True, False]))
+    thresholds = Thresholds(6, 0.9213599951200491, max_moves=12, creditors_per_debtor=1)
+    assert plan(snap, model, thresholds) == plan(snap, model, thresholds, search="scan")
+    base = predicted_cluster_throughput(snap, model)
+    gains = [predicted_cluster_throughput(apply_moves(snap, [Move(0, 0, 2, k, 0)]), model) - base for k in range(1, 10)]
+    assert max(gains) < 0  # it was +543 tokens/s at k = 6, on a CPU whose instances make ~40 each
