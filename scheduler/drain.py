@@ -9,10 +9,10 @@ A drain empties instance D so that it may stop:
   taking D's memory. The newest block of each stays, as new tokens are written into it.
 
 :func:`plan_drain` takes a :class:`DrainSnapshot` built from heartbeats and returns a
-:class:`DrainPlan`, or raises :class:`UnknownInstance` or :class:`DrainRefused` (the cluster
-lacks room: nothing may be sent). :func:`drain_figures` says from the same snapshot whether D
-is safe to stop. The gManager sends the plan and plans again from newer heartbeats until
-nothing is left on D.
+:class:`DrainPlan`, or raises :class:`UnknownInstance`, :class:`DrainRefused` (no room for what
+D holds was found: nothing may be sent) or ``ValueError`` (an inconsistent snapshot).
+:func:`drain_figures` says from the same snapshot whether D is safe to stop. The gManager sends
+the plan and plans again from newer heartbeats until nothing is left on D.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ class UnknownInstance(LookupError):
 
 
 class DrainRefused(ValueError):
-    """The other instances lack room for what the instance holds; nothing was planned."""
+    """No placement of what the instance holds was found (the other instances lack room for it,
+    or the search for one gave up); nothing was planned."""
 
 
 @dataclass(frozen=True)
@@ -100,13 +101,20 @@ def plan_drain(snapshot: DrainSnapshot, inst_id: int, own_blocks: bool = True) -
     for other homes (an instance that stops hands over those and finishes its own requests,
     whose blocks free as they end).
 
-    Each request's blocks on the drained instance go to one destination: the live,
-    non-draining instance with the most free blocks left (ties: the lower id), never the
-    request's home for a held segment (a home does not take blocks back on command). Moves are
-    placed largest first. Raises UnknownInstance for an instance not in the snapshot and
-    DrainRefused when some request's blocks fit nowhere.
+    Each request's blocks on the drained instance go to one destination, never the drained
+    instance, a draining one, or the request's home for a held segment (a home does not take
+    blocks back on command). Held segments are placed first, then own blocks, each group
+    largest first (ties: the lower home, then request id); each goes to the allowed instance
+    with the most free blocks left (ties: the lower id), which spreads the load. When that
+    leaves a request with nowhere to go, the placement backtracks (:func:`_place`): a
+    drain is refused only when no placement exists, or when none was found within
+    ``_MAX_BACKTRACK_STEPS`` steps of backtracking (the message says which). The plan depends
+    only on the snapshot's contents, not on the order of its instances or entries.
+
+    Raises UnknownInstance for an instance not in the snapshot, ValueError for an
+    inconsistent snapshot, and DrainRefused as above.
     """
-    by_id = {i.inst_id: i for i in snapshot.instances}
+    by_id = _instances_by_id(snapshot)
     if inst_id not in by_id:
         raise UnknownInstance(f"unknown instance {inst_id} (no recent heartbeat)")
     free = {i.inst_id: i.num_blocks_free for i in snapshot.instances if i.inst_id != inst_id and not i.draining}
@@ -129,29 +137,132 @@ def plan_drain(snapshot: DrainSnapshot, inst_id: int, own_blocks: bool = True) -
             f"instance {inst_id} holds {num_held} blocks for other instances and its requests have {num_own} "
             f"movable blocks, but the other live instances have only {free_elsewhere} free blocks")
 
-    moves: list[DrainMove] = []
     wanted = [((home, req), n) for (home, req), n in held.items()]
     wanted += [((inst_id, req), n) for req, n in own_movable.items()]
     # Held segments first (the drain cannot end without them), each group largest first.
     wanted.sort(key=lambda w: (w[0][0] == inst_id, -w[1], w[0]))
     for (home, req), num_blocks in wanted:
-        candidates = [i for i in free if i != home and free[i] >= num_blocks]
-        if not candidates:
+        most_free = max((n for i, n in free.items() if i != home), default=0)
+        if most_free < num_blocks:
             raise DrainRefused(
                 f"request {req} of instance {home} has {num_blocks} blocks on instance {inst_id} and no other "
                 f"live instance{'' if home == inst_id else ' than its home'} has that many free "
-                f"(most free: {max((free[i] for i in free if i != home), default=0)})")
-        dst = min(candidates, key=lambda i: (-free[i], i))
-        free[dst] -= num_blocks
-        moves.append(DrainMove(home, req, inst_id, dst, num_blocks))
+                f"(most free: {most_free})")
+    try:
+        dsts = _place([n for _, n in wanted], [home for (home, _), _ in wanted], free)
+    except _SearchExhausted:
+        raise DrainRefused(
+            f"no placement of the {len(wanted)} requests' blocks on instance {inst_id} ({num_held + num_own} "
+            f"blocks; {free_elsewhere} free elsewhere) was found within {_MAX_BACKTRACK_STEPS} steps of "
+            f"backtracking; one may exist") from None
+    if dsts is None:
+        raise DrainRefused(
+            f"instance {inst_id} holds {num_held} blocks for other instances and its requests have {num_own} "
+            f"movable blocks, and the other live instances have {free_elsewhere} free blocks, but in no "
+            f"placement does each request's blocks fit on one instance (a held segment not at its home)")
+    moves = [DrainMove(home, req, inst_id, dst, n) for ((home, req), n), dst in zip(wanted, dsts)]
     return DrainPlan(inst_id, tuple(moves), num_held, num_own, free_elsewhere)
 
 
+# Bounds the placement search beyond the greedy path's one step (one request placed) per request: the
+# gManager plans on its event loop, and a step takes ~0.13 ms at a thousand instances (a search
+# that gives up there takes ~0.4 s, ~25 ms at 64 instances).
+_MAX_BACKTRACK_STEPS = 2_000
+
+
+class _SearchExhausted(Exception):
+    """The placement search backtracked ``_MAX_BACKTRACK_STEPS`` steps without an answer."""
+
+
+def _place(sizes: list[int], homes: list[int], free: dict[int, int]) -> list[int] | None:
+    """Destinations for requests of ``sizes`` blocks, in order, each on one instance of ``free``
+    (free blocks by instance) other than its entry in ``homes``; None when none exists. Raises
+    _SearchExhausted when neither is known within ``len(sizes) + _MAX_BACKTRACK_STEPS`` steps.
+
+    A depth-first search that tries the instance with the most free blocks first (ties: the
+    lower id), so its first path spreads the blocks as the plain greedy placement does, and it
+    backtracks only where that leaves a request nowhere to go. Pruned: instances
+    equal in free blocks and home to no later request lead to the same outcome (only the lower
+    id is tried); states that failed once are remembered; requests left needing more blocks
+    than are free fail at once.
+    """
+    n = len(sizes)
+    if n == 0:
+        return []
+    free = dict(free)
+    total_free = sum(free.values())
+    rest = [0] * (n + 1)  # blocks of requests k.. in rest[k]
+    later_homes: list[frozenset[int]] = [frozenset()] * (n + 1)  # homes of requests k..
+    for k in reversed(range(n)):
+        rest[k] = rest[k + 1] + sizes[k]
+        later_homes[k] = later_homes[k + 1] | {homes[k]} if homes[k] in free else later_homes[k + 1]
+    failed: set[tuple] = set()
+
+    def state(k: int) -> tuple:
+        # Instances no later request calls home differ only in their free blocks.
+        named = tuple(free[i] for i in sorted(later_homes[k]))
+        return k, named, tuple(sorted(m for i, m in free.items() if i not in later_homes[k]))
+
+    def options(k: int) -> list[int]:
+        """Destinations of request k, the most free last (the search pops from the end)."""
+        chosen, seen = [], set()
+        for i in sorted((i for i in free if i != homes[k] and free[i] >= sizes[k]), key=lambda i: (-free[i], i)):
+            outcome = (free[i], i if i in later_homes[k + 1] else None)
+            if outcome not in seen:
+                seen.add(outcome)
+                chosen.append(i)
+        return chosen[::-1]
+
+    def node(k: int) -> list:
+        # Until a state has failed there is none to look up (the greedy path pays no lookups).
+        hopeless = rest[k] > total_free or (bool(failed) and state(k) in failed)
+        return [[] if hopeless else options(k), None]  # options left, destination
+
+    path = [node(0)]
+    steps = 0
+    while path:
+        k = len(path) - 1
+        left, dst = path[-1]
+        if dst is not None:  # undo the option just tried
+            free[dst] += sizes[k]
+            total_free += sizes[k]
+        if not left:
+            failed.add(state(k))  # every option undone: free is as it was on entering k
+            path.pop()
+            continue
+        dst = left.pop()
+        path[-1][1] = dst
+        free[dst] -= sizes[k]
+        total_free -= sizes[k]
+        if k + 1 == n:
+            return [entry[1] for entry in path]
+        steps += 1
+        if steps > n + _MAX_BACKTRACK_STEPS:
+            raise _SearchExhausted
+        path.append(node(k + 1))
+    return None
+
+
 def drain_figures(snapshot: DrainSnapshot, inst_id: int) -> DrainFigures:
-    """What is left on ``inst_id``; raises UnknownInstance when it is not in the snapshot."""
-    by_id = {i.inst_id: i for i in snapshot.instances}
+    """What is left on ``inst_id``; raises UnknownInstance when it is not in the snapshot and
+    ValueError for an inconsistent snapshot."""
+    by_id = _instances_by_id(snapshot)
     if inst_id not in by_id:
         raise UnknownInstance(f"unknown instance {inst_id} (no recent heartbeat)")
     own = {e.req_id for e in snapshot.entries if e.home_inst_id == inst_id}
     on_it = sum(e.num_blocks for e in snapshot.entries if e.inst_id == inst_id and e.home_inst_id != inst_id)
     return DrainFigures(by_id[inst_id].num_running, len(own), by_id[inst_id].num_blocks_lent, on_it)
+
+
+def _instances_by_id(snapshot: DrainSnapshot) -> dict[int, DrainInstance]:
+    """The snapshot's instances by id; ValueError for an instance listed twice (which of its
+    figures hold, and whether it may take blocks, would be a guess) or a negative count."""
+    by_id: dict[int, DrainInstance] = {}
+    for inst in snapshot.instances:
+        if inst.inst_id in by_id:
+            raise ValueError(f"instance {inst.inst_id} is listed twice in the drain snapshot")
+        for name in ("num_blocks_free", "num_blocks_lent", "num_running"):
+            if getattr(inst, name) < 0:
+                raise ValueError(f"instance {inst.inst_id} reports {name} = {getattr(inst, name)} (negative)")
+        by_id[inst.inst_id] = inst
+    return by_id

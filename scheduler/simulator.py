@@ -346,7 +346,9 @@ class Simulation:
                 self._release(req)
                 self.finished.append((req, end))
                 continue
-            if req.context % self.B == 1 or self.B == 1:  # the new token opened a block
+            # The request holds ceil((context + 1) / B) blocks: its context and the slot the next
+            # token is written to. That slot opens a block when the context reaches a multiple of B.
+            if req.context % self.B == 0:
                 if not self._grow(inst, req):
                     continue
             still.append(req)

@@ -87,9 +87,10 @@ def test_infinite_admits_a_request_its_home_cannot_fit_on_spare_memory_elsewhere
     # instance 2; D needs 90 blocks, routed to instance 2 (70 free). Static waits for
     # instance 2 to drain; Infinite-LLM admits D at once, 70 blocks at home, 20 elsewhere.
     cluster = ClusterConfig(num_instances=3, blocks_per_instance=100, block_size=16)
-    # A prompt of n * 16 - 1 tokens and its next token fill exactly n blocks.
-    trace = [Request(0, 0.0, 80 * 16 - 1, 50), Request(1, 0.0, 80 * 16 - 1, 50),
-             Request(2, 0.0, 30 * 16 - 1, 50), Request(3, 0.0, 90 * 16 - 1, 50)]
+    # A prompt of n * 16 - 2 tokens and its next token fill n blocks, and so do they and the
+    # token after: the first step (the run stops after it) opens no block.
+    trace = [Request(0, 0.0, 80 * 16 - 2, 50), Request(1, 0.0, 80 * 16 - 2, 50),
+             Request(2, 0.0, 30 * 16 - 2, 50), Request(3, 0.0, 90 * 16 - 2, 50)]
     running = {}
     for policy in ("infinite", "static"):
         sim = Simulation(trace, MODEL, cluster, policy, until_s=0.0)
@@ -138,3 +139,48 @@ def test_prefill_chunks_share_one_budget_per_step():
     assert steps_both == pytest.approx(steps_one, rel=0.1)
     with pytest.raises(ValueError, match="prefill_tokens_per_s"):
         ClusterConfig(num_instances=1, blocks_per_instance=10, prefill_tokens_per_s=0.0)
+
+
+@pytest.mark.parametrize("memory", ["ample", "tight"])
+@pytest.mark.parametrize("policy", ["static", "infinite"])
+@pytest.mark.parametrize("block_size", [1, 2, 16])
+def test_a_running_request_holds_its_context_and_next_token_slot_at_every_step(block_size, policy, memory):
+    # A request holds ceil((context + 1) / B) blocks: the KV of its context and the slot its next
+    # token is written to, no more and no fewer, from admission to its last step. Prompts on,
+    # just before and just after block boundaries, outputs long enough to cross several. Tight
+    # memory (room for the longest request and one block more per instance) makes requests grow
+    # through moves (infinite) and come back from preemption (both).
+    b = block_size
+    output = 3 * b + 2
+    prompts = sorted({1, b - 1, b, b + 1, 2 * b, 2 * b + 1, 3 * b - 1} - {0})
+    trace = [Request(i, 0.0, prompt, output) for i, prompt in enumerate(prompts)]
+    blocks_per_instance = 4000 if memory == "ample" else max(-(-(p + output) // b) for p in prompts) + 1
+    cluster = ClusterConfig(num_instances=2, blocks_per_instance=blocks_per_instance, block_size=b)
+    sim = Simulation(trace, MODEL, cluster, policy)
+    seen: list[tuple[int, int, int]] = []  # (req_id, context, blocks)
+
+    def check(inst) -> None:
+        for req in inst.running:
+            blocks = sum(req.blocks.values())
+            seen.append((req.spec.req_id, req.context, blocks))
+            assert blocks == -(-(req.context + 1) // b), (req.spec.req_id, req.context, req.blocks)
+
+    admit, step = sim._admit, sim._step
+
+    def admit_and_check(inst) -> None:
+        admit(inst)
+        check(inst)
+
+    def step_and_check(inst) -> None:
+        step(inst)
+        check(inst)
+
+    sim._admit, sim._step = admit_and_check, step_and_check
+    result = sim.run()
+    assert result.num_finished == len(trace)
+    if memory == "tight":
+        assert result.num_preemptions > 0 and (result.num_moves > 0) == (policy == "infinite")
+    # Every request was seen at every context from its prompt to its last step's.
+    for i, prompt in enumerate(prompts):
+        contexts = {context for req_id, context, _ in seen if req_id == i}
+        assert contexts == set(range(prompt, prompt + output))
