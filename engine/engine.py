@@ -413,6 +413,8 @@ class LLMEngine:
                 reason = "stop"
         if reason is None and (len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len):
             reason = "length"
+            state.detokenizer.flush()  # a character the output ends inside of, as the full decode renders it
+            text = state.detokenizer.text
         finished = reason is not None
         if finished:
             visible = len(text)

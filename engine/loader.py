@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import struct
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -136,6 +137,8 @@ def load_gguf(path: Path, *, show_progress: bool = True) -> Checkpoint:
         reader = GGUFReader(path)
     except ValueError as exc:  # e.g. a tensor type id the gguf package does not know
         raise ValueError(f"cannot read GGUF file {path}: {exc}") from exc
+    except (IndexError, struct.error, OSError) as exc:  # the reader ran past the end of the data
+        raise ValueError(f"cannot read GGUF file {path}: truncated or corrupt ({type(exc).__name__}: {exc})") from exc
     fields = _gguf_fields(reader)
     arch = fields.get("general.architecture")
     if arch not in _SUPPORTED_ARCHITECTURES:
@@ -152,7 +155,9 @@ def load_gguf(path: Path, *, show_progress: bool = True) -> Checkpoint:
     hidden = int(meta("embedding_length"))
     head_dim = int(fields.get(f"{arch}.attention.key_length", hidden // num_heads))
     names = {t.name for t in reader.tensors}
-    token_embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    token_embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if token_embd is None:
+        raise ValueError(f"{path}: tensor 'token_embd.weight' (the token embedding) is missing")
     vocab_size = int(fields.get(f"{arch}.vocab_size", token_embd.shape[1]))
     scaling = _gguf_rope_scaling(fields, arch)
     config = ModelConfig(
@@ -190,6 +195,8 @@ def load_gguf(path: Path, *, show_progress: bool = True) -> Checkpoint:
             _, layer, suffix = name.split(".", 2)
             if suffix not in _GGUF_LAYER_NAMES:
                 continue
+            if not layer.isdigit():
+                raise ValueError(f"{path}: tensor {name!r} does not name its layer by number")
             key = _GGUF_LAYER_NAMES[suffix]
             # llama.cpp permutes q/k of llama-architecture files (not qwen2's) for its RoPE.
             if arch != "qwen2" and key in ("q_proj", "q_bias"):
@@ -303,7 +310,7 @@ def load_hf_folder(folder: Path, *, show_progress: bool = True) -> Checkpoint:
         rope_scaling=scaling,
         rotary_dim=head_dim,
     )
-    if tie or "lm_head" not in weights:
+    if tie and "embed_tokens" in weights:  # an untied checkpoint without its head is incomplete
         weights["lm_head"] = weights["embed_tokens"]
     _check_weights(weights, config, str(folder))
     generation_eos: list[int] = []

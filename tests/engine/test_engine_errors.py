@@ -132,3 +132,69 @@ def test_chat_messages_the_template_cannot_render_are_refused():
             LLMEngine.prompt_token_ids(stub, [{"role": "assistant", "content": "hi"}])
     with pytest.raises(RequestRejected, match="a prompt is a string"):
         LLMEngine.prompt_token_ids(SimpleNamespace(), 5)
+
+
+def _embedded_copy(tmp_path, edit):
+    """The embedded GGUF copied, then ``edit(bytearray)`` applied to its bytes."""
+    from infinite_llm.engine.loader import embedded_model_path
+    data = bytearray(embedded_model_path().read_bytes())
+    edit(data)
+    path = tmp_path / "edited.gguf"
+    path.write_bytes(bytes(data))
+    return path
+
+
+def test_a_truncated_gguf_file_is_named_as_such(tmp_path):
+    path = _embedded_copy(tmp_path, lambda data: data.__delitem__(slice(983, None)))
+    with pytest.raises(ValueError, match=f"cannot read GGUF file {path}"):
+        load_checkpoint(path)
+
+
+def test_a_gguf_file_without_its_token_embedding_names_the_tensor(tmp_path):
+    def rename(data):  # same length, so the file stays well formed
+        at = data.index(b"token_embd.weight")
+        data[at:at + 17] = b"token_embx.weight"
+    path = _embedded_copy(tmp_path, rename)
+    with pytest.raises(ValueError, match="tensor 'token_embd.weight' .* is missing"):
+        load_checkpoint(path)
+
+
+def test_a_gguf_layer_tensor_without_a_layer_number_is_named(tmp_path):
+    def rename(data):
+        at = data.index(b"blk.0.ffn_up.weight")
+        data[at:at + 19] = b"blk.X.ffn_up.weight"
+    path = _embedded_copy(tmp_path, rename)
+    with pytest.raises(ValueError, match="'blk.X.ffn_up.weight' does not name its layer by number"):
+        load_checkpoint(path)
+
+
+def test_streamed_text_equals_the_full_decode_over_a_long_output(smollm2):
+    """The detokeniser decodes a window per token, not the whole output: its text, streamed,
+    must equal a decode of every id, multi-byte characters split across tokens included; an
+    output that ends inside a character flushes it as the full decode renders it."""
+    from infinite_llm.engine.tokenizer import IncrementalDetokenizer
+    tokenizer = smollm2.tokenizer
+    text = "Grüße aus Köln! 東京タワー 🙂👍🏽 naïve café — ∑ x² " * 20
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    rng = np.random.default_rng(0)
+    ids = ids + [int(i) for i in rng.integers(0, 49000, 200)]  # random tokens, any bytes
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    streamed = "".join(detokenizer.add([i]) for i in ids)
+    streamed += detokenizer.flush()
+    assert streamed == detokenizer.text == tokenizer.decode(ids)
+    cut = tokenizer.encode("x🙂", add_special_tokens=False)[:-1]  # ends inside the emoji
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    assert "".join(detokenizer.add([i]) for i in cut) == "x"
+    assert detokenizer.flush() == tokenizer.decode(cut)[1:] and detokenizer.text == tokenizer.decode(cut)
+
+
+def test_chat_templates_render_as_transformers_does():
+    """Loop controls work, and tojson writes plain JSON (no HTML escapes)."""
+    from infinite_llm.engine.tokenizer import Tokenizer
+    template = ("{% for m in messages %}{% if m.role == 'skip' %}{% continue %}{% endif %}"
+                "{{ m.content | tojson }}{% endfor %}")
+    tokenizer = Tokenizer.__new__(Tokenizer)
+    tokenizer.chat_template = template
+    tokenizer.bos_token_id, tokenizer.eos_token_ids = None, []
+    rendered = tokenizer.apply_chat_template([{"role": "skip", "content": "no"}, {"role": "user", "content": "a<b & 'c'"}])
+    assert rendered == '"a<b & \'c\'"'
