@@ -553,8 +553,6 @@ class InstanceDaemon:
         if isinstance(message, KVBlocks):
             # The data is already in the reserved blocks (the placer checked the runs against the
             # reservation and put it there); a reservation given up meanwhile is released now.
-            if not self.ledger.reservation(message.reservation_id).receiving:
-                raise ValueError(f"blocks for reservation {message.reservation_id} came without being placed in it")
             reservation = self.ledger.landed(message.reservation_id)
             if message.commit_segment_id >= 0:  # the home's own move: committed with its data
                 self.ledger.commit(message.reservation_id, reservation.home_inst_id, reservation.req_id,
@@ -730,8 +728,6 @@ class InstanceDaemon:
             raise PlacementRefused(
                 f"reservation {reservation.reservation_id} is for request {reservation.req_id} of instance "
                 f"{reservation.home_inst_id}, not request {message.req_id} of instance {message.home_inst_id}")
-        if reservation.cancelled:
-            raise PlacementRefused(f"reservation {reservation.reservation_id} was given up by its home")
         if reservation.receiving:
             raise PlacementRefused(f"data for reservation {reservation.reservation_id} is landing already")
         # The runs fill every reserved block once: a commit with the data, or one after it, must

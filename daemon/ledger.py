@@ -3,7 +3,8 @@
 The creditor side of a KV move: ``reserve`` takes free blocks first-come-first-served (or
 refuses), ``commit`` turns a reservation into a held segment, ``release_expired`` frees
 reservations whose commit never came, ``free_segment`` and ``free_lost_debtors`` give blocks
-back (a reservation whose data is still landing only once it has landed: ``cancel``), ``held_for`` and ``free_audited`` let a home's audit free what it no longer counts on.
+back (a reservation whose data is still landing only once it has landed: ``cancel``),
+``held_for`` and ``free_audited`` let a home's audit free what it no longer counts on.
 Time is passed in (seconds on any monotonic clock), so tests drive it by hand.
 """
 
@@ -234,12 +235,14 @@ class CreditorLedger:
     def landed(self, reservation_id: int) -> Reservation:
         """The data of ``hold_while_receiving`` is all written: the blocks are this pool's to
         give again if the reservation ends. Raises LedgerError, and releases it, if its home gave
-        it up meanwhile."""
+        it up meanwhile; LedgerError too if no data was placed in it."""
         reservation = self.reservation(reservation_id)
         if reservation.cancelled:
             self._release(reservation_id)
             raise LedgerError(f"reservation {reservation_id} was given up by instance {reservation.home_inst_id} "
                               "while its data landed")
+        if not reservation.receiving:
+            raise LedgerError(f"blocks for reservation {reservation_id} came without being placed in it")
         reservation = dataclasses.replace(reservation, receiving=False)
         self.reservations[reservation_id] = reservation
         return reservation

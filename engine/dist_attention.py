@@ -264,13 +264,8 @@ def build_step_attention(
         q_lens = np.array([e[1] for e in rows], dtype=np.int64)
         starts = np.zeros(len(rows) + 1, dtype=np.int32)
         np.cumsum(q_lens, out=starts[1:])
-        if len(rows) == 1:
-            e = rows[0]
-            q_pos = np.arange(e[2], e[2] + e[1], dtype=np.int32)
-            token_rows = np.arange(e[0], e[0] + e[1], dtype=np.int64)
-        else:
-            q_pos = np.concatenate([np.arange(e[2], e[2] + e[1], dtype=np.int32) for e in rows])
-            token_rows = np.concatenate([np.arange(e[0], e[0] + e[1], dtype=np.int64) for e in rows])
+        q_pos = np.concatenate([np.arange(e[2], e[2] + e[1], dtype=np.int32) for e in rows])
+        token_rows = np.concatenate([np.arange(e[0], e[0] + e[1], dtype=np.int64) for e in rows])
         entry_parts = [e[6] for e in rows]
         parts = np.repeat(np.array(entry_parts, dtype=np.int64), q_lens)
         # Segments whose keys all precede their queries (lent, older blocks) need no mask.

@@ -225,13 +225,10 @@ class IncrementalDetokenizer:
     def add(self, token_ids: Sequence[int]) -> str:
         """Append tokens; return the newly completed text (may be empty)."""
         self._token_ids.extend(token_ids)
-        decode = self._tokenizer.decode
-        prefix_text = decode(self._token_ids[self._prefix_offset:self._read_offset])
-        new_text = decode(self._token_ids[self._prefix_offset:])
+        delta = self._unread_text()
         # A trailing U+FFFD means an incomplete UTF-8 sequence: wait for the next token.
-        if new_text.endswith("\ufffd") or len(new_text) <= len(prefix_text):
+        if not delta or delta.endswith("\ufffd"):
             return ""
-        delta = new_text[len(prefix_text):]
         self._prefix_offset, self._read_offset = self._read_offset, len(self._token_ids)
         self.text += delta
         return delta
@@ -239,10 +236,14 @@ class IncrementalDetokenizer:
     def flush(self) -> str:
         """At the output's end: the text held back waiting for the rest of a character, as the
         full decode renders it (U+FFFD for an incomplete one)."""
-        decode = self._tokenizer.decode
-        prefix_text = decode(self._token_ids[self._prefix_offset:self._read_offset])
-        new_text = decode(self._token_ids[self._prefix_offset:])
-        delta = new_text[len(prefix_text):] if len(new_text) > len(prefix_text) else ""
+        delta = self._unread_text()
         self._prefix_offset = self._read_offset = len(self._token_ids)
         self.text += delta
         return delta
+
+    def _unread_text(self) -> str:
+        """The text of the tokens from ``read_offset`` on, decoded after their context."""
+        decode = self._tokenizer.decode
+        prefix_text = decode(self._token_ids[self._prefix_offset:self._read_offset])
+        new_text = decode(self._token_ids[self._prefix_offset:])
+        return new_text[len(prefix_text):]

@@ -40,6 +40,7 @@ from infinite_llm.transport.messages import (
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
     ErrorCode,
+    ErrorReply,
     Message,
     WireArray,
 )
@@ -286,6 +287,13 @@ def _inline_host_bytes(array: WireArray, nbytes: int) -> bytes:
             raise ValueError("tensor must be contiguous")
         return ctypes.string_at(array.data_ptr(), nbytes) if nbytes else b""
     return bytes(wire_view(array))
+
+
+def unencodable_reply(reply: Message, error: Exception) -> ErrorReply:
+    """What a requester hears in place of a reply that could not be encoded (a handler's bad
+    tensor): the connection serves on."""
+    return ErrorReply(ErrorCode.HANDLER_FAILED,
+                      f"the {reply.TYPE} reply could not be encoded: {type(error).__name__}: {error}")
 
 
 def encode(

@@ -279,8 +279,7 @@ class InMemoryTransport:
                 reply_frame = codec.encode(reply, next(self._next_msg_id), reply_to=header.msg_id,
                                            wants_reply=False)
             except Exception as e:  # noqa: BLE001  a handler's bad tensor: the requester hears why, as on UCX
-                reply = ErrorReply(ErrorCode.HANDLER_FAILED, f"the {reply.TYPE} reply could not be encoded: "
-                                                             f"{type(e).__name__}: {e}")
+                reply = codec.unencodable_reply(reply, e)
                 reply_frame = codec.encode(reply, next(self._next_msg_id), reply_to=header.msg_id,
                                            wants_reply=False)
             self._network._post(self._address, src, reply_frame, reply,

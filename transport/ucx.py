@@ -879,8 +879,7 @@ class UcxTransport:
             return self._encode(reply, msg_id)
         except Exception as e:  # noqa: BLE001
             log.error("a %s reply could not be encoded", reply.TYPE, exc_info=e)
-            return self._encode(ErrorReply(ErrorCode.HANDLER_FAILED, f"the {reply.TYPE} reply could not be encoded: "
-                                                                      f"{type(e).__name__}: {e}"), msg_id)
+            return self._encode(codec.unencodable_reply(reply, e), msg_id)
 
     def _encode(self, reply: Message, msg_id: int) -> codec.EncodedFrame:
         return codec.encode(reply, next(self._next_msg_id), reply_to=msg_id, wants_reply=False,

@@ -150,20 +150,22 @@ def test_a_truncated_gguf_file_is_named_as_such(tmp_path):
         load_checkpoint(path)
 
 
+def _renaming(old: bytes, new: bytes):
+    """An edit renaming the tensor ``old`` to ``new``, of the same length: the file stays well formed."""
+    def rename(data):
+        at = data.index(old)
+        data[at:at + len(old)] = new
+    return rename
+
+
 def test_a_gguf_file_without_its_token_embedding_names_the_tensor(tmp_path):
-    def rename(data):  # same length, so the file stays well formed
-        at = data.index(b"token_embd.weight")
-        data[at:at + 17] = b"token_embx.weight"
-    path = _embedded_copy(tmp_path, rename)
+    path = _embedded_copy(tmp_path, _renaming(b"token_embd.weight", b"token_embx.weight"))
     with pytest.raises(ValueError, match="tensor 'token_embd.weight' .* is missing"):
         load_checkpoint(path)
 
 
 def test_a_gguf_layer_tensor_without_a_layer_number_is_named(tmp_path):
-    def rename(data):
-        at = data.index(b"blk.0.ffn_up.weight")
-        data[at:at + 19] = b"blk.X.ffn_up.weight"
-    path = _embedded_copy(tmp_path, rename)
+    path = _embedded_copy(tmp_path, _renaming(b"blk.0.ffn_up.weight", b"blk.X.ffn_up.weight"))
     with pytest.raises(ValueError, match="'blk.X.ffn_up.weight' does not name its layer by number"):
         load_checkpoint(path)
 
