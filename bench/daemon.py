@@ -100,12 +100,10 @@ ATTEND_PATH = (
 )
 
 
-def attend_breakdown(trace_dir: Path, since: float) -> dict:
-    """Where a decode layer's remote attention goes, from the wire traces of one home and one
-    creditor: the median of each interval of ``ATTEND_PATH`` (us) over the attend requests sent
-    after ``since`` (perf_counter s, the same clock as the daemons'), and of the home's time
-    from a part landing to its next attend request (the merge, the rest of the layer and the
-    next layer's projections)."""
+def attend_paths(trace_dir: Path) -> tuple[list[dict[str, float]], dict[str, list]]:
+    """Each decode attend request of the wire traces of one home and one creditor, as the times
+    (perf_counter s) of its ``ATTEND_PATH`` events, in the order sent; and each process's events
+    by role ("home", "creditor"). Requests missing an event are left out."""
     processes = []
     for path in sorted(trace_dir.glob("wire-*.jsonl")):
         events = [json.loads(line) for line in path.read_text().splitlines()]
@@ -114,7 +112,7 @@ def attend_breakdown(trace_dir: Path, since: float) -> dict:
     home = next((e for role, e in processes if role == "home"), None)
     creditor = next((e for role, e in processes if role == "creditor"), None)
     if home is None or creditor is None:
-        return {}
+        return [], {}
     # Each attend request, as the times of its path's events: the home's and the creditor's
     # events follow each other in order within one process; the two join on the message id.
     by_id: dict[int, dict[str, float]] = {}
@@ -144,20 +142,45 @@ def attend_breakdown(trace_dir: Path, since: float) -> dict:
         elif event.startswith(("in.", "reply.")) and by_id.get(msg_id) is serving:
             serving[event] = t
     names = [name for name, _ in ATTEND_PATH]
-    complete = sorted((r for r in by_id.values() if all(n in r for n in names) and r["attend.start"] > since),
-                      key=lambda r: r["attend.start"])
-    if not complete:
+    complete = sorted((r for r in by_id.values() if all(n in r for n in names)), key=lambda r: r["attend.start"])
+    return complete, {"home": home, "creditor": creditor}
+
+
+def summarise_attends(paths: list[dict[str, float]], within) -> dict:
+    """The median and mean (us) of each interval of ``ATTEND_PATH`` over the attend requests
+    whose start ``within(t)`` accepts, and of the home's time from a part landing to its next
+    attend request (the merge, the rest of the layer and the next layer's projections) where
+    both lie within. Means are given beside medians: a rare long stall shows in the mean only."""
+    chosen = [r for r in paths if within(r["attend.start"])]
+    if not chosen:
+        return {}
+    names = [name for name, _ in ATTEND_PATH]
+    intervals = {f"{a}->{b}": [(r[b] - r[a]) * 1e6 for r in chosen] for a, b in zip(names, names[1:])}
+    intervals["total"] = [(r["attend.landed"] - r["attend.start"]) * 1e6 for r in chosen]
+    gaps = [(b["attend.start"] - a["attend.landed"]) * 1e6 for a, b in zip(paths, paths[1:])
+            if within(a["attend.start"]) and within(b["attend.start"])]
+    return {"attend_requests": len(chosen),
+            "median_us": {k: statistics.median(v) for k, v in intervals.items()},
+            "mean_us": {k: statistics.fmean(v) for k, v in intervals.items()},
+            "landed_to_next_request_median_us": statistics.median(gaps) if gaps else None,
+            "landed_to_next_request_mean_us": statistics.fmean(gaps) if gaps else None}
+
+
+def attend_breakdown(trace_dir: Path, since: float) -> dict:
+    """Where a decode layer's remote attention goes, from the wire traces of one home and one
+    creditor (``summarise_attends``), over the attend requests sent after ``since`` (perf_counter
+    s, the same clock as the daemons')."""
+    paths, events = attend_paths(trace_dir)
+    summary = summarise_attends(paths, lambda t: t > since)
+    if not summary:
         return {}
     # Frames of the timed decode that sent a buffer outside their header (UCX then moves it
     # separately: a rendezvous, not a copy inside the header).
-    separate = {role: sum(1 for t, event, msg_type, _ in events
-                          if event.endswith("separate_buffers") and msg_type.startswith("attend") and t > since)
-                for role, events in (("home", home), ("creditor", creditor))}
-    medians = {f"{a}->{b}": statistics.median(r[b] - r[a] for r in complete) * 1e6 for a, b in zip(names, names[1:])}
-    medians["total"] = statistics.median(r["attend.landed"] - r["attend.start"] for r in complete) * 1e6
-    gaps = [b["attend.start"] - a["attend.landed"] for a, b in zip(complete, complete[1:])]
-    return {"attend_requests": len(complete), "frames_with_separate_buffers": separate, "median_us": medians,
-            "landed_to_next_request_median_us": statistics.median(gaps) * 1e6 if gaps else None}
+    summary["frames_with_separate_buffers"] = {
+        role: sum(1 for t, event, msg_type, _ in role_events
+                  if event.endswith("separate_buffers") and msg_type.startswith("attend") and t > since)
+        for role, role_events in events.items()}
+    return summary
 
 
 def start_py_spy(cluster: LocalCluster, out_dir: Path, seconds: int) -> list[subprocess.Popen]:
@@ -437,7 +460,7 @@ def toggled_run(cluster: LocalCluster, prompt: str, new_tokens: int, split_block
         t0, t1 = after[start], after[end]
         overlapping = [ok for began, ended, ok in intervals if began < t1 and ended > t0]
         with_moves = bool(w % 2)
-        windows.append({"moves": with_moves, "tokens_per_s": (end - start) / (t1 - t0),
+        windows.append({"moves": with_moves, "tokens_per_s": (end - start) / (t1 - t0), "t0": t0, "t1": t1,
                         "moves_committed": sum(1 for began, _, ok in intervals
                                                if ok and after[w * window_steps] <= began < t1),
                         "clean": all(overlapping) if with_moves else not overlapping})
@@ -480,14 +503,14 @@ def creditor_counts(inst) -> dict[str, float]:
 
 @contextlib.contextmanager
 def move_cluster(context_blocks: int, prompt: str, new_tokens: int, device: str, extra_args: list[str],
-                 spread: bool, chunk_blocks: int, instance_cpus: str | None):
+                 spread: bool, chunk_blocks: int, instance_cpus: str | None, extra_env: dict[str, str] | None = None):
     """Two instances for the cases of moves (the home with room for the whole request, the
     peer for its moved KV), warmed up; yields the cluster and the request's decode rate all at
     home, and stops the cluster after."""
     pools = [context_blocks + 64 + chunk_blocks, context_blocks + 64]
     with tempfile.TemporaryDirectory(prefix="infllm-bench-") as root:
         cluster = LocalCluster(Path(root), 2, pools[0], device=device, pool_blocks_per_instance=pools,
-                               extra_args=extra_args, devices=instance_devices(device, 2, spread),
+                               extra_args=extra_args, extra_env=extra_env, devices=instance_devices(device, 2, spread),
                                instance_args=cpu_args(instance_cpus, 2))
         try:
             cluster.wait_ready()
@@ -500,16 +523,19 @@ def move_cluster(context_blocks: int, prompt: str, new_tokens: int, device: str,
 
 def toggled_move_case(context_blocks: int, prompt: str, new_tokens: int, blocks_per_move: int, device: str,
                       extra_args: list[str], spread: bool, chunk_blocks: int, instance_cpus: str | None,
-                      repeats: int, window_steps: int, skip_steps: int) -> dict:
+                      repeats: int, window_steps: int, skip_steps: int, wire_trace_dir: Path | None = None) -> dict:
     """The moves' cost from ``repeats`` requests each alternating windows without and with
     moves (``toggled_run``), after a warm-up request that does the same. The cost is the mean
     over the compared windows of all requests; its standard error is taken over the requests'
     own means (windows of one request share neighbours and the request's state, so they are
-    not independent), and over the windows beside it."""
+    not independent), and over the windows beside it. With ``wire_trace_dir``, the daemons
+    trace their messages there, and where the decode layers' remote attention goes is reported
+    for the measured steps of the compared windows with moves and of their neighbours without."""
     split_blocks = context_blocks // 2
     runs = []
+    extra_env = {"INFLLM_WIRE_TRACE": str(wire_trace_dir)} if wire_trace_dir is not None else None
     with move_cluster(context_blocks, prompt, new_tokens, device, extra_args, spread, chunk_blocks,
-                      instance_cpus) as (cluster, local):
+                      instance_cpus, extra_env) as (cluster, local):
         for i in range(repeats + 1):  # the first compiles and captures what a split uses
             time.sleep(2.5)  # the creditor frees the last request's segments
             run = toggled_run(cluster, prompt, new_tokens, split_blocks, blocks_per_move, window_steps, skip_steps)
@@ -520,6 +546,13 @@ def toggled_move_case(context_blocks: int, prompt: str, new_tokens: int, blocks_
     cost, error_windows = mean_and_error(pooled)
     _, error_requests = mean_and_error([statistics.fmean(costs) for costs in per_run if costs])
     compared = [w for run in runs for _, w, _ in compared_windows(run["windows"])]
+    breakdown = {}
+    if wire_trace_dir is not None:
+        paths, _ = attend_paths(wire_trace_dir)
+        neighbours = [w for run in runs for before, _, after in compared_windows(run["windows"]) for w in (before, after)]
+        for name, windows in (("with_moves", compared), ("without_moves", neighbours)):
+            spans = sorted({(w["t0"], w["t1"]) for w in windows})
+            breakdown[name] = summarise_attends(paths, lambda t, spans=spans: any(t0 <= t < t1 for t0, t1 in spans))
     return {"tokens_per_move": blocks_per_move * BLOCK_SIZE, "split_blocks": split_blocks, "repeats": repeats,
             "design": "toggled windows", "window_steps": window_steps, "skip_steps": skip_steps,
             "decode_tokens_per_s_local": local,
@@ -531,7 +564,8 @@ def toggled_move_case(context_blocks: int, prompt: str, new_tokens: int, blocks_
             "moves_committed": sum(r["moves_committed"] for r in runs),
             "moves_failed": sum(r["moves_failed"] for r in runs),
             "moves_per_step_in_compared_windows": (sum(w["moves_committed"] for w in compared)
-                                                   / max(1, len(compared) * window_steps))}
+                                                   / max(1, len(compared) * window_steps)),
+            **({"attend_breakdown": breakdown} if breakdown else {})}
 
 
 def move_case(context_blocks: int, prompt: str, new_tokens: int, blocks_per_move: int, device: str,
@@ -584,8 +618,8 @@ def main() -> None:
     parser.add_argument("--profile-dir", type=Path, default=None,
                         help="profile the daemons of the two-instance case (cProfile) and print where time goes")
     parser.add_argument("--wire-trace", action="store_true",
-                        help="trace the two-instance case's messages (INFLLM_WIRE_TRACE) and report where a "
-                             "decode layer's remote attention goes")
+                        help="trace the messages of the two-instance case and of the windowed cases of moves "
+                             "(INFLLM_WIRE_TRACE) and report where a decode layer's remote attention goes")
     parser.add_argument("--py-spy", type=int, default=None, metavar="SECONDS",
                         help="sample the two-instance case's daemons with py-spy for SECONDS once the request "
                              "decodes (ask for enough new tokens) and report where their time goes")
@@ -661,7 +695,8 @@ def main() -> None:
     elif args.move_window:
         moves = [toggled_move_case(context_blocks, prompt, args.new_tokens, k, args.device, extra_args,
                                    args.spread_gpus, chunk_blocks, args.instance_cpus, args.move_repeats,
-                                   args.move_window, args.move_window_skip)
+                                   args.move_window, args.move_window_skip,
+                                   Path(tempfile.mkdtemp(prefix="infllm-wire-")) if args.wire_trace else None)
                  for k in move_blocks]
     else:
         moves = [move_case(context_blocks, prompt, args.new_tokens, k, args.device, extra_args, args.spread_gpus,
@@ -717,6 +752,15 @@ def main() -> None:
                   f"{100 * r['standard_error_over_windows']:.1f}% over windows; {r['windows_compared']} windows "
                   f"with moves, each against its neighbours without; {r['windows_left_out']} windows left out)")
             print(f"       per request {[None if c is None else round(100 * c, 1) for c in r['per_run_cost']]} %")
+            breakdown = r.get("attend_breakdown", {})
+            if breakdown.get("with_moves") and breakdown.get("without_moves"):
+                with_, without = breakdown["with_moves"], breakdown["without_moves"]
+                print(f"       a decode attend request, mean us without / with moves "
+                      f"({without['attend_requests']} / {with_['attend_requests']} requests):")
+                for interval, us in without["mean_us"].items():
+                    print(f"       {interval:>32} {us:8.1f} {with_['mean_us'][interval]:8.1f}")
+                print(f"       {'landed -> next request':>32} {without['landed_to_next_request_mean_us'] or 0:8.1f} "
+                      f"{with_['landed_to_next_request_mean_us'] or 0:8.1f}")
             continue
         print(f"{r['tokens_per_move']:>6} {r['decode_tokens_per_s_local']:>12.2f} {r['decode_tokens_per_s_without']:>14.2f} "
               f"{r['decode_tokens_per_s_with']:>11.2f} {100 * r['throughput_cost']:>6.1f}% {r['moves_per_step']:>10.2f}")

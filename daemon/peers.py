@@ -17,6 +17,7 @@ Three id spaces meet here, each translated in one place:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import random
@@ -40,6 +41,7 @@ from infinite_llm.transport.messages import (
     AttendSlice,
     AuditHeld,
     AuditHeldReply,
+    BlockRun,
     ForwardSegment,
     FreeSegment,
     HoldKV,
@@ -273,6 +275,9 @@ class TransportLender:
         # Gathers of scattered home blocks (a host pool's), used again move after move, in the
         # transport's shared memory where it has some (sent to a local peer with no copy).
         self._staging = HostStaging(allocate=transport.shared_host_buffer)
+        # A device pool's moves are packed on a stream of their own (made with the first), so
+        # that a move waits for the engine's queued kernels without blocking the event loop.
+        self._move_stream: torch.cuda.Stream | None = None
         # Blocks peers keep for a waiting request of this home (request -> peer inst id ->
         # blocks), asked for before it starts on their memory; its spills use them up.
         self._holds: dict[str, dict[int, int]] = {}
@@ -527,20 +532,52 @@ class TransportLender:
             # One buffer per run of consecutive destination blocks (the reservation is contiguous
             # where the peer's pool allows): a view of the home pool, or a gather of its blocks.
             # Committed there with its data: nothing is checked here between the two.
-            runs, data = pack_kv_runs(pool, move.src_block_ids, move.dst_block_ids, self._staging)
-            stored = await self.transport.request(
-                peer.address, KVBlocks(move_id, reply.reservation_id, runs, data, commit_segment_id=segment_id,
-                                       home_inst_id=self.peers.own_inst_id, req_id=int(request_id)),
-                timeout_s=kv_data_timeout_s(self.timeout_s, num_blocks * block_nbytes))
+            runs, data, ready = self._pack(pool, move.src_block_ids, move.dst_block_ids)
+            timeout_s = kv_data_timeout_s(self.timeout_s, num_blocks * block_nbytes)
+            if ready is not None:
+                await wait_for_event(ready, time.monotonic() + timeout_s)
+            with self._on_move_stream(pool):
+                # Encoded and posted here, on the stream the buffers were made on and are ready
+                # on: the codec's wait for their producers then has nothing left to wait for.
+                # (Where no connection is open, the encode runs later and waits for the
+                # engine's stream too: correct, only slower.)
+                stored_soon = self.transport.request_soon(
+                    peer.address, KVBlocks(move_id, reply.reservation_id, runs, data, commit_segment_id=segment_id,
+                                           home_inst_id=self.peers.own_inst_id, req_id=int(request_id)),
+                    timeout_s=timeout_s)
+            stored = await stored_soon
             self._staging.give_back(data)  # answered: the peer holds the data
             if not isinstance(stored, KVBlocksStored) or stored.num_blocks != num_blocks:
                 raise RuntimeError(f"instance {peer.inst_id} stored {stored!r}")
-        except (TransportError, RuntimeError) as exc:
+        except (TransportError, RuntimeError, TimeoutError) as exc:
             self._abandon(engine, move, peer)
             log.warning("move of request %s to instance %d failed: %s", request_id, peer.inst_id, exc)
             self.metrics.moves.labels(result="failed").inc()
             return None
         return move
+
+    def _pack(self, pool: torch.Tensor, src_block_ids, dst_block_ids
+              ) -> tuple[tuple[BlockRun, ...], tuple[torch.Tensor, ...], torch.cuda.Event | None]:
+        """A move's runs and buffers (``pack_kv_runs``), and for a device pool the event after
+        which they are ready: packed on the move stream, behind what the engine's stream had
+        queued (the kernels that wrote the blocks), without the host waiting for either."""
+        if not pool.is_cuda:
+            return *pack_kv_runs(pool, src_block_ids, dst_block_ids, self._staging), None
+        if self._move_stream is None:
+            self._move_stream = torch.cuda.Stream(pool.device)
+        self._move_stream.wait_stream(torch.cuda.current_stream(pool.device))
+        with torch.cuda.stream(self._move_stream):
+            runs, data = pack_kv_runs(pool, src_block_ids, dst_block_ids)
+            ready = torch.cuda.Event()
+            ready.record(self._move_stream)
+        return runs, data, ready
+
+    def _on_move_stream(self, pool: torch.Tensor):
+        """The move stream as the current one, for synchronous code only (a coroutine that
+        awaits inside would hand it to every other task)."""
+        if self._move_stream is None or not pool.is_cuda:
+            return contextlib.nullcontext()
+        return torch.cuda.stream(self._move_stream)
 
     def switch_move(self, engine: LLMEngine, move: SegmentMove, peer: Peer) -> bool:
         """The last phase, at a step boundary: the home's table points at the peer's copy and
@@ -745,6 +782,15 @@ async def audit_held(transport: Transport, ledger: CreditorLedger, own_inst_id: 
     if not isinstance(reply, AuditHeldReply):
         raise RuntimeError(f"instance {home_inst_id} answered an audit with {type(reply).__name__}")
     return ledger.free_audited(by_ref[ref] for ref in reply.stale if ref in by_ref), next_after
+
+
+async def wait_for_event(event: torch.cuda.Event, deadline: float) -> None:
+    """Until the device has passed ``event``, polled between the event loop's other work rather
+    than waited on with the loop blocked; TimeoutError past ``deadline`` (time.monotonic())."""
+    while not event.query():
+        if time.monotonic() >= deadline:
+            raise TimeoutError("device work before a move did not finish in time")
+        await asyncio.sleep(0)
 
 
 def kv_data_timeout_s(request_timeout_s: float, nbytes: int) -> float:

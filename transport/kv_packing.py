@@ -89,7 +89,9 @@ def pack_kv_runs(pool: torch.Tensor, src_block_ids: list[int] | tuple[int, ...],
             first = run.src_block_ids[0]
             buffers.append(pool[first:first + run.num_blocks])
             continue
-        index = torch.tensor(run.src_block_ids, dtype=torch.long, device=pool.device)
+        # Up to the device without waiting for its stream (a blocking copy would wait for every
+        # kernel queued on it; from pageable memory the bytes are staged before this returns).
+        index = torch.tensor(run.src_block_ids, dtype=torch.long).to(pool.device, non_blocking=True)
         if staging is not None and pool.device.type == "cpu":
             out = staging.take((run.num_blocks, *pool.shape[1:]), pool.dtype)
             buffers.append(torch.index_select(pool, 0, index, out=out))

@@ -6,6 +6,7 @@ whose answer is lost leaves nothing held there."""
 from __future__ import annotations
 
 import asyncio
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -40,12 +41,13 @@ def engine_with(bm: BlockManager, pool: torch.Tensor, written: dict[str, int]) -
         home_blocks_promised=lambda: 0)
 
 
-def creditor_daemon(tmp_path, network: InMemoryNetwork, inst_id: int, num_blocks: int) -> InstanceDaemon:
+def creditor_daemon(tmp_path, network: InMemoryNetwork, inst_id: int, num_blocks: int,
+                    device: str = "cpu") -> InstanceDaemon:
     """A creditor daemon, not started, whose handler and placer serve on ``network``."""
     bm = BlockManager(block_size=BLOCK_SIZE, pool_blocks=[num_blocks])
     daemon = InstanceDaemon(InstanceConfig(state_dir=str(tmp_path / str(inst_id)), instance_id=inst_id,
                                            http_port=None))
-    daemon.engine = engine_with(bm, torch.zeros(num_blocks, *BLOCK_SHAPE), {})
+    daemon.engine = engine_with(bm, torch.zeros(num_blocks, *BLOCK_SHAPE, device=device), {})
     daemon.ledger = CreditorLedger(bm.reserve_home_blocks, bm.release_home_blocks, reservation_ttl_s=5.0,
                                    first_reservation_id=40 * inst_id)
     daemon.creditor = SimpleNamespace(forget=lambda home: None)
@@ -57,14 +59,14 @@ def creditor_daemon(tmp_path, network: InMemoryNetwork, inst_id: int, num_blocks
 class Setup:
     """A home with one request of 3 written blocks and a creditor daemon with 8 free blocks."""
 
-    def __init__(self, tmp_path) -> None:
+    def __init__(self, tmp_path, device: str = "cpu") -> None:
         self.network = InMemoryNetwork()
-        self.creditor = creditor_daemon(tmp_path, self.network, CREDITOR, 8)
+        self.creditor = creditor_daemon(tmp_path, self.network, CREDITOR, 8, device)
         self.creditor_free_at_start = self.creditor.engine.block_manager.num_free_blocks(0)
 
         self.bm = BlockManager(block_size=BLOCK_SIZE, pool_blocks=[8])
         self.bm.allocate("7", 3 * BLOCK_SIZE)
-        self.home_pool = pool_of(8)
+        self.home_pool = pool_of(8).to(device)
         self.engine = engine_with(self.bm, self.home_pool, {"7": 3 * BLOCK_SIZE})
         peers = PeerDirectory(HOME)
         self.peer = peers.update(CREDITOR, PeerAddress("memory", CREDITOR), 8, False, 8)
@@ -72,12 +74,15 @@ class Setup:
                                       InstanceMetrics(), timeout_s=5.0)
         self.lender.engine = self.engine
 
-    def move(self, num_blocks: int):
+    def move(self, num_blocks: int, before=None):
+        """Move the request's first ``num_blocks`` blocks; ``before()`` runs on the event loop
+        first, and what it returns is returned beside the move."""
         async def scenario():
             await self.creditor.transport.start(self.creditor._handle, self.creditor._place)
+            ran_before = before() if before is not None else None
             move = await self.lender.send_move(self.engine, "7", num_blocks, self.peer)
             await self.network.settle()
-            return move
+            return move if before is None else (move, ran_before)
         return asyncio.run(scenario())
 
     def types_to_creditor(self) -> list[str]:
@@ -98,6 +103,42 @@ def test_the_data_carries_its_commit_and_the_home_names_the_copy_held(tmp_path):
     first = s.bm.block_table("7")[0]
     assert (first.instance_id, first.block_ids, first.copy_id) == (s.peer.engine_id, held.block_ids,
                                                                    held.reservation_id)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_a_move_waits_for_the_engines_queued_writes_with_the_event_loop_free(tmp_path):
+    """The blocks' last writes are still queued on the engine's stream, behind a long kernel
+    chain, when the move starts: the creditor gets what they write, and while the move waits
+    for them the event loop goes on (a ticker keeps ticking), instead of blocking on the stream."""
+    s = Setup(tmp_path, device="cuda")
+    home_blocks = list(s.bm.block_table("7")[0].block_ids[:2])
+    written = torch.randn(2, *BLOCK_SHAPE, device="cuda")
+    index = torch.tensor(home_blocks, device="cuda")  # made now: a copy up from the host would wait
+    busy = torch.randn(4096, 4096, device="cuda")
+    torch.cuda.synchronize()
+
+    def queue_work_and_start_ticker():
+        nonlocal busy
+        started = time.perf_counter()
+        for _ in range(60):  # a few ms each on any GPU: the move waits for all of it
+            busy = torch.tanh(busy @ busy)
+        s.home_pool.index_copy_(0, index, written)  # the blocks' last writes, queued behind
+        ticks = []
+
+        async def tick():
+            while True:
+                ticks.append(time.perf_counter())
+                await asyncio.sleep(0.001)
+        return asyncio.get_running_loop().create_task(tick()), ticks, started
+
+    move, (ticker, ticks, started) = s.move(2, before=queue_work_and_start_ticker)
+    ticker.cancel()
+    assert move is not None
+    (key, held), = s.creditor.ledger.held.items()
+    assert torch.equal(s.creditor.pool[list(held.block_ids)], written)
+    waited_s = time.perf_counter() - started
+    assert waited_s > 0.02, "the queued work was too short to show the loop turning"
+    assert len(ticks) >= 5, f"the event loop turned {len(ticks)} times during a {waited_s:.3f} s wait"
 
 
 def test_a_move_whose_answer_is_lost_leaves_nothing_held_on_the_creditor(tmp_path):
