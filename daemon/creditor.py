@@ -30,6 +30,7 @@ tables and key counts written in place (the kernels read both when they run, gra
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from dataclasses import dataclass, field
@@ -75,6 +76,12 @@ class _ServePlan:
     min_tokens: int
     max_tokens: int
     held_changes: int  # the ledger's count of changes to the home's segments, when last checked
+    held_removals: int  # the ledger's count of the home's segments freed, when last walked
+    # Per slice: where its segments end in ``segments``, and how many blocks they hold (at least
+    # its row's); the block tables as written to the device, [num_slices, width] int32.
+    slice_ends: tuple[int, ...]
+    slice_blocks: tuple[int, ...]
+    tables_host: np.ndarray
     eager_layers: set[int] = field(default_factory=set)  # layers served once without a graph
     graphs: dict[int, _LayerGraph] = field(default_factory=dict)
     graph_pool: tuple | None = None  # the memory pool the plan's graphs share
@@ -121,14 +128,21 @@ class CreditorAttention:
         held_changes = self.ledger.held_changes.get(home, 0)
         if self._unchanged(kept, request):
             return kept
-        segments = tuple(seg for s in request.slices for seg in self._segments(home, s))
+        held_removals = self.ledger.held_removals.get(home, 0)
+        if kept is not None and self._extend(home, kept, request.slices):
+            kept.held_changes = held_changes
+            return kept
+        per_slice = [self._segments(home, s) for s in request.slices]
+        segments = tuple(seg for slice_segments in per_slice for seg in slice_segments)
+        slice_ends = tuple(itertools.accumulate(len(slice_segments) for slice_segments in per_slice))
+        slice_blocks = tuple(sum(len(seg.block_ids) for seg in slice_segments) for slice_segments in per_slice)
         if kept is not None:
             if (kept.slices == request.slices and len(kept.segments) == len(segments)
                     and all(a is b for a, b in zip(kept.segments, segments))):
-                kept.held_changes = held_changes
+                kept.held_changes, kept.held_removals = held_changes, held_removals
                 return kept
-            if self._retarget(home, kept, request.slices, segments):
-                kept.held_changes = held_changes
+            if self._retarget(home, kept, request.slices, segments, slice_ends, slice_blocks):
+                kept.held_changes, kept.held_removals = held_changes, held_removals
                 return kept
         block_size = self.kv_pool.shape[3]
         longest = max(s.num_tokens for s in request.slices)
@@ -150,7 +164,9 @@ class CreditorAttention:
         )
         serve_plan = _ServePlan(request.slices, segments, plan,
                                 min_tokens=(needed_blocks - margin_blocks) * block_size,
-                                max_tokens=room_blocks * block_size, held_changes=held_changes)
+                                max_tokens=room_blocks * block_size, held_changes=held_changes,
+                                held_removals=held_removals, slice_ends=slice_ends, slice_blocks=slice_blocks,
+                                tables_host=tables)
         self._plans[home] = serve_plan
         self.plans_made += 1
         return serve_plan
@@ -163,7 +179,8 @@ class CreditorAttention:
                 and kept.held_changes == self.ledger.held_changes.get(request.home_inst_id, 0))
 
     def _retarget(self, home: int, kept: _ServePlan, slices: tuple[AttendSlice, ...],
-                  segments: tuple[HeldSegment, ...]) -> bool:
+                  segments: tuple[HeldSegment, ...], slice_ends: tuple[int, ...],
+                  slice_blocks: tuple[int, ...]) -> bool:
         """Point ``kept`` at new slices and segments when they have its rows and their longest
         fits its room. No request is in flight on the plan's tensors: each ends with them read."""
         if len(slices) != len(kept.slices) or any(a.num_rows != b.num_rows for a, b in zip(slices, kept.slices)):
@@ -172,6 +189,64 @@ class CreditorAttention:
         if not kept.min_tokens <= longest <= kept.max_tokens:
             return False
         tables, lens, _ = self._block_tables(home, slices, segments, width=kept.plan.block_tables.shape[1])
+        self._write_tables(home, kept, tables, lens)
+        kept.slices, kept.segments, kept.slice_ends, kept.slice_blocks = slices, segments, slice_ends, slice_blocks
+        self.plan_retargets += 1
+        return True
+
+    def _extend(self, home: int, kept: _ServePlan, slices: tuple[AttendSlice, ...]) -> bool:
+        """Serve ``slices`` with ``kept`` by reading only the segments that came since, when
+        none of the home's segments was freed since it was walked, the slices start where its
+        own did with the same rows, and their longest fits its room. A move adds a segment
+        after those a decode row reads, and each one would otherwise mean a walk over every
+        segment held for the row (hundreds, after a few hundred moves). False: the full way."""
+        if (kept.held_removals != self.ledger.held_removals.get(home, 0) or len(slices) != len(kept.slices)
+                or not kept.min_tokens <= max(s.num_tokens for s in slices) <= kept.max_tokens):
+            return False
+        block_size = self.kv_pool.shape[3]
+        width = kept.tables_host.shape[1]
+        segments: list[HeldSegment] = []
+        ends: list[int] = []
+        blocks: list[int] = []
+        writes: list[tuple[int, int, np.ndarray]] = []  # (row, first column, block ids)
+        begin = 0
+        for row, (s, old, end, covered) in enumerate(zip(slices, kept.slices, kept.slice_ends, kept.slice_blocks)):
+            if (s.req_id, s.segment_id, s.row_start, s.num_rows) != (old.req_id, old.segment_id, old.row_start,
+                                                                      old.num_rows) or s.num_tokens <= 0:
+                return False
+            row_segments = kept.segments[begin:end]
+            begin = end
+            needed, had = -(-s.num_tokens // block_size), -(-old.num_tokens // block_size)
+            if needed > width:
+                return False
+            last = row_segments[-1]
+            next_id = last.segment_id + len(last.block_ids)
+            came: list[HeldSegment] = []
+            while covered < needed:
+                segment = self.ledger.held.get((home, s.req_id, next_id))
+                if segment is None:
+                    return False  # the full walk says what is missing
+                came.append(segment)
+                covered += len(segment.block_ids)
+                next_id += len(segment.block_ids)
+            row_segments += tuple(came)
+            if needed > had:
+                writes.append((row, had, _blocks_at(row_segments, covered, had, needed)))
+            segments.extend(row_segments)
+            ends.append(len(segments))
+            blocks.append(covered)
+        tables = kept.tables_host
+        for row, first, ids in writes:
+            tables[row, first:first + len(ids)] = ids
+        self._write_tables(home, kept, tables, [s.num_tokens for s in slices])
+        kept.slices, kept.segments, kept.slice_ends, kept.slice_blocks = slices, tuple(segments), tuple(ends), tuple(blocks)
+        kept.held_removals = self.ledger.held_removals.get(home, 0)
+        self.plan_retargets += 1
+        return True
+
+    def _write_tables(self, home: int, kept: _ServePlan, tables: np.ndarray, lens: list[int]) -> None:
+        """The plan's block tables and key counts rewritten in place on the device (graphs read
+        them there when they replay)."""
         try:
             kept.plan.block_tables.copy_(torch.from_numpy(tables))
             kept.plan.kv_lens.copy_(torch.from_numpy(np.array(lens, dtype=np.int32)))
@@ -179,9 +254,7 @@ class CreditorAttention:
             # Half rewritten, the plan matches neither the old slices nor the new: drop it.
             self._plans.pop(home, None)
             raise
-        kept.slices, kept.segments = slices, segments
-        self.plan_retargets += 1
-        return True
+        kept.tables_host = tables
 
     def _block_tables(self, home: int, slices: tuple[AttendSlice, ...], segments: tuple[HeldSegment, ...],
                       width: int | None = None) -> tuple[np.ndarray, list[int], list[int]]:
@@ -397,3 +470,20 @@ class CreditorAttention:
     def forget(self, home_inst_id: int) -> None:
         self._plans.pop(home_inst_id, None)
         self._block_arrays.pop(home_inst_id, None)
+
+
+def _blocks_at(segments: tuple[HeldSegment, ...], total: int, first: int, end: int) -> np.ndarray:
+    """The block ids at positions [first, end) of the segments' blocks laid end to end (``total``
+    of them), read from the last segment back: only the few at the end are looked at."""
+    pieces = []
+    stop = total
+    for segment in reversed(segments):
+        start = stop - len(segment.block_ids)
+        if start < end:
+            lo, hi = max(start, first), min(stop, end)
+            if lo < hi:
+                pieces.append(segment.block_ids[lo - start:hi - start])
+        if start <= first:
+            break
+        stop = start
+    return np.fromiter(itertools.chain.from_iterable(reversed(pieces)), dtype=np.int32, count=end - first)

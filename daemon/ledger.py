@@ -70,6 +70,9 @@ class CreditorLedger:
     # home -> how many times its held segments changed (a commit, a free): what was read from
     # them stays true while this stays the same.
     held_changes: dict[int, int] = field(default_factory=dict)
+    # home -> how many of its held segments were freed: while this stays the same, every
+    # segment read before is still held (only new ones came), whatever ``held_changes`` says.
+    held_removals: dict[int, int] = field(default_factory=dict)
     # (home, req) -> blocks kept for the request's spills: a home asks before such a request
     # starts, so that two homes never both count on the same free blocks.
     holds: dict[tuple[int, int], Hold] = field(default_factory=dict)
@@ -204,6 +207,7 @@ class CreditorLedger:
             return 0
         del self.held[key]
         self.held_changes[home_inst_id] = self.held_changes.get(home_inst_id, 0) + 1
+        self.held_removals[home_inst_id] = self.held_removals.get(home_inst_id, 0) + 1
         self.free(segment.block_ids)
         return len(segment.block_ids)
 

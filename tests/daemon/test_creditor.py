@@ -1,4 +1,5 @@
 import math
+import random
 
 import pytest
 import torch
@@ -140,9 +141,10 @@ def test_the_plan_is_kept_across_steps_and_follows_a_changed_segment() -> None:
     torch.testing.assert_close(result.lse.double(), lse, rtol=1e-4, atol=1e-5)
 
 
-def test_segments_are_looked_up_again_only_after_the_homes_segments_change() -> None:
+def test_segments_are_looked_up_again_only_after_one_of_the_homes_segments_is_freed() -> None:
     """Every layer of every step names the same slices: while the ledger has changed nothing of
-    the home's, the kept plan is used without walking its segments again."""
+    the home's, the kept plan is used without walking its segments again; a segment added (of
+    another request) changes none of the row's, and only one freed means a walk again."""
     ledger, pool, creditor = make_creditor(num_blocks=16)
     held = [hold(ledger, home=1, req=7, segment_id=2 * i, num_blocks=2) for i in range(3)]
     slices = (AttendSlice(7, 0, 1, 0, 24),)
@@ -157,7 +159,10 @@ def test_segments_are_looked_up_again_only_after_the_homes_segments_change() -> 
     creditor.attend(AttendRequest(1, 5, 4, 1, slices, q))
     assert lookups == []
     hold(ledger, home=1, req=9, segment_id=0, num_blocks=2)
-    result = creditor.attend(AttendRequest(1, 5, 5, 1, slices, q))
+    creditor.attend(AttendRequest(1, 5, 5, 1, slices, q))
+    assert lookups == []
+    ledger.free_segment(1, 9, 0)
+    result = creditor.attend(AttendRequest(1, 5, 6, 1, slices, q))
     assert lookups == [(1, 7, 0), (1, 7, 2), (1, 7, 4)]
     out, lse = attention_over(pool, [b for h in held for b in h.block_ids], 24, 1, q)
     torch.testing.assert_close(result.out.double(), out, rtol=1e-4, atol=1e-5)
@@ -195,6 +200,42 @@ def test_kv_moved_in_while_decoding_keeps_the_plan_until_it_outgrows_its_room() 
     kept = creditor._plans[1]
     attend_over_held(10, rows=2)
     assert creditor._plans[1] is not kept and creditor.plan_retargets == 8
+
+
+def test_a_kept_plan_follows_segments_added_and_freed_in_any_order() -> None:
+    """Two requests of one home decode over segments held here while segments are added after
+    theirs (moves), freed (the home took KV back, or a request restarted) and committed again
+    on other blocks, at random: every answer equals attention over the blocks the ledger names,
+    whether the plan was extended by the segments that came, retargeted, or made again."""
+    rng = random.Random(7)
+    ledger, pool, creditor = make_creditor(num_blocks=96)
+    held = {7: [hold(ledger, 1, 7, 0, 3)], 8: [hold(ledger, 1, 8, 0, 2)]}
+    q = torch.randn(2, NUM_HEADS, HEAD_DIM)
+    for step in range(60):
+        action = rng.random()
+        req = rng.choice((7, 8))
+        segments = held[req]
+        end = segments[-1].segment_id + len(segments[-1].block_ids)
+        if action < 0.5:
+            segments.append(hold(ledger, 1, req, end, rng.randint(1, 2)))
+        elif action < 0.65 and len(segments) > 1:
+            last = segments.pop()  # KV taken back from the end
+            ledger.free_segment(1, req, last.segment_id)
+        elif action < 0.75:
+            index = rng.randrange(len(segments))  # one segment freed and committed again elsewhere
+            old = segments[index]
+            ledger.free_segment(1, req, old.segment_id)
+            segments[index] = hold(ledger, 1, req, old.segment_id, len(old.block_ids))
+        num_tokens = {r: sum(len(s.block_ids) for s in held[r]) * BLOCK_SIZE - rng.randrange(BLOCK_SIZE)
+                      for r in (7, 8)}
+        slices = (AttendSlice(7, 0, 1, 0, num_tokens[7]), AttendSlice(8, 1, 1, 0, num_tokens[8]))
+        result = creditor.attend(AttendRequest(1, 5, step, step % NUM_LAYERS, slices, q))
+        for row, r in enumerate((7, 8)):
+            blocks = [b for s in held[r] for b in s.block_ids]
+            out, lse = attention_over(pool, blocks, num_tokens[r], step % NUM_LAYERS, q[row:row + 1])
+            torch.testing.assert_close(result.out[row:row + 1].double(), out, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(result.lse[row:row + 1].double(), lse, rtol=1e-4, atol=1e-5)
+    assert creditor.plan_retargets > 10  # most steps were served by the kept plan
 
 
 @pytest.mark.gpu
