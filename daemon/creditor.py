@@ -26,6 +26,8 @@ would then serve eagerly and capture again each time. So a plan is made with roo
 tables are wider, and its key splits sized for more keys, than the request needs. A request
 whose slices have the same rows and fit that room is served by the kept plan, its block
 tables and key counts written in place (the kernels read both when they run, graphs included).
+While none of the home's segments was freed, the plan's own walk still holds: only the segments
+that came after it (a move's) are read, not the hundreds a row may span after many moves.
 """
 
 from __future__ import annotations
