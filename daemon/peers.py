@@ -224,9 +224,12 @@ class TransportRemoteAttention(RemoteAttention):
             raise PeerPartFailed(peer.inst_id, peer.engine_id, ValueError(problem))
         wire_trace.record("attend.resumed", AttendResult.TYPE)
         device = request.q.device
-        # The creditor's dtype is kept: the merge reads it as it is.
-        out = torch.as_tensor(result.out).to(device=device)
-        lse = torch.as_tensor(result.lse).to(device=device, dtype=torch.float32)
+        # The creditor's dtype is kept: the merge reads it as it is. Up to the device without
+        # waiting for its stream: the result's host tensors are this reply's own, and a copy
+        # from pageable memory has its bytes staged before it returns; the merge that reads
+        # them is queued behind it on the same stream.
+        out = torch.as_tensor(result.out).to(device=device, non_blocking=True)
+        lse = torch.as_tensor(result.lse).to(device=device, dtype=torch.float32, non_blocking=True)
         wire_trace.record("attend.landed", AttendResult.TYPE)
         return AttentionState(out, lse)
 

@@ -358,7 +358,10 @@ class DistAttention:
         if simple:
             return local.out
         try:
-            parts = await asyncio.gather(*pending)
+            # One part (a split decode's one creditor) is awaited as it is: gather would put a
+            # future of its own between the part and this step, one more turn of the event
+            # loop on the home's critical path at every layer.
+            parts = [await pending[0]] if len(pending) == 1 else await asyncio.gather(*pending)
         except BaseException:
             # One part failed: the others are not awaited by anyone else, so they are ended
             # here and their outcomes retrieved.
