@@ -377,6 +377,8 @@ class InstanceDaemon:
             self._engine_turned_at = time.monotonic()
             self._engine_idle = False
             for request_id in self._pending_aborts:
+                if request_id in engine.scheduler.requests:  # not finished meanwhile
+                    self.metrics.requests_finished.labels(reason="abort").inc()
                 engine.abort(request_id)
             self._pending_aborts.clear()
             await self._carry_out_ordered_moves()
@@ -477,6 +479,8 @@ class InstanceDaemon:
         for request_id in request_ids:
             request = self.engine.scheduler.requests.get(request_id)
             num_output = len(request.output_token_ids) if request is not None else 0
+            if request is not None:
+                self.metrics.requests_finished.labels(reason="error").inc()
             self.engine.abort(request_id)
             queue = self._queues.get(request_id)
             if queue is not None:

@@ -99,9 +99,14 @@ def _sampling_params(body: Mapping[str, Any], max_tokens: int | None) -> Samplin
     for name in ("presence_penalty", "frequency_penalty"):
         if _number(body, name, 0.0, -2.0, 2.0) != 0.0:
             raise OpenAIError(f"{name} is not supported (it must be 0)", param=name)
-    for name in ("logprobs", "top_logprobs"):
-        if body.get(name) not in (None, False, 0):
-            raise OpenAIError(f"{name} is not supported", param=name)
+    # logprobs: a count on /v1/completions, where 0 asks for the sampled token's logprob (as
+    # vLLM reads it), and a flag on chat; top_logprobs 0 asks for nothing. (0 == False in
+    # Python: the flag is told apart by identity.)
+    logprobs = body.get("logprobs")
+    if not (logprobs is None or logprobs is False):
+        raise OpenAIError("logprobs is not supported", param="logprobs")
+    if body.get("top_logprobs") not in (None, 0):
+        raise OpenAIError("top_logprobs is not supported", param="top_logprobs")
     stop = body.get("stop")
     if stop is None:
         stop = ()

@@ -295,3 +295,32 @@ def test_a_prompt_is_tokenized_off_the_event_loop(tmp_path):
         await ticker
 
     asyncio.run(scenario())
+
+
+def test_requests_the_instance_ends_and_those_the_client_left_are_counted_as_finished(tmp_path):
+    """``infllm_requests_finished_total`` counts a request failed by the instance as "error" and
+    one whose client went away as "abort", beside those the engine finished; a request that had
+    already ended is not counted again."""
+    from types import SimpleNamespace
+
+    d = daemon(tmp_path)
+    requests = {"1": SimpleNamespace(output_token_ids=[5, 6]), "2": SimpleNamespace(output_token_ids=[]),
+                "3": SimpleNamespace(output_token_ids=[])}
+    d.engine = SimpleNamespace(scheduler=SimpleNamespace(requests=requests),
+                               abort=lambda request_id: requests.pop(request_id, None), has_unfinished=False)
+    d._queues["1"] = queue = asyncio.Queue()
+    d._fail_requests(["1", "gone"], "the device failed")
+    event = queue.get_nowait()
+    assert (event.finished, event.finish_reason) == (True, "error")
+    d._pending_aborts.update({"2", "3", "gone"})
+
+    async def one_turn() -> None:
+        loop = asyncio.create_task(d._engine_loop())
+        await asyncio.sleep(0.05)
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
+    asyncio.run(one_turn())
+    finished = {sample.labels["reason"]: sample.value for sample in
+                next(m for m in d.metrics.registry.collect() if m.name == "infllm_requests_finished").samples
+                if sample.name.endswith("_total")}
+    assert finished == {"error": 1.0, "abort": 2.0}

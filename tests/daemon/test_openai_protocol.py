@@ -54,6 +54,8 @@ def test_token_id_prompt_and_chat_content_parts() -> None:
         ({"model": MODEL, "prompt": "x", "top_k": -2}, 400, "top_k", "top_k must be an integer >= -1"),
         ({"model": MODEL, "prompt": "x", "stop": ["s"] * 65}, 400, "stop", "at most 64"),
         ({"model": MODEL, "prompt": "x", "logprobs": 2}, 400, "logprobs", "not supported"),
+        # 0 asks for the sampled token's logprob (vLLM), not for none
+        ({"model": MODEL, "prompt": "x", "logprobs": 0}, 400, "logprobs", "not supported"),
     ],
 )
 def test_bad_completion_requests(body, status, param, message) -> None:
@@ -72,11 +74,18 @@ def test_bad_completion_requests(body, status, param, message) -> None:
         ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "only text parts"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": []}, "Unrecognized request argument supplied: tools"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "top_logprobs is not supported"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs is not supported"),
     ],
 )
 def test_bad_chat_requests(body, message) -> None:
     with pytest.raises(OpenAIError, match=message):
         parse_chat_request(body, MODEL)
+
+
+def test_logprobs_turned_off_are_accepted() -> None:
+    parse_completion_request({"model": MODEL, "prompt": "x", "logprobs": None}, MODEL)
+    parse_chat_request({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": False,
+                        "top_logprobs": 0}, MODEL)
 
 
 @pytest.mark.parametrize("prompt", [5, "", [], [1, "2"], [True], [-1], {"text": "x"}, None])

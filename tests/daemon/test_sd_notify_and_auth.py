@@ -1,5 +1,7 @@
 import os
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -61,7 +63,33 @@ def test_peer_credentials_of_a_real_connection() -> None:
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     with a, b:
         creds = peer_credentials(a)
-    assert creds == PeerCredentials(os.getpid(), os.getuid(), os.getgid())
+    assert (creds.pid, creds.uid, creds.gid) == (os.getpid(), os.getuid(), os.getgid())
+    assert creds.groups is not None and set(creds.groups) == set(os.getgroups())
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a process groups of its own")
+def test_a_callers_supplementary_groups_are_read_from_the_kernel() -> None:
+    """A process given the admin group as a supplementary group (systemd's SupplementaryGroups=,
+    docker --group-add), which the group database does not list for its user, may mutate."""
+    path = f"\0infllm-auth-test-{os.getpid()}"  # abstract: no file the child's user must reach
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    with server:
+        server.bind(path)
+        server.listen(1)
+        child = subprocess.Popen([sys.executable, "-c", (
+            "import os, socket, time; os.setgroups([54330]); os.setgid(54321); os.setuid(54321); "
+            f"s = socket.socket(socket.AF_UNIX); s.connect({path!r}); time.sleep(5)")])
+        try:
+            server.settimeout(10)
+            connection, _ = server.accept()
+            with connection:
+                creds = peer_credentials(connection)
+        finally:
+            child.kill()
+            child.wait(timeout=10)
+    assert (creds.uid, creds.gid, creds.groups) == (54321, 54321, (54330,))
+    assert may_mutate(creds, 54330)
+    assert not may_mutate(creds, 54331)
 
 
 def test_who_may_mutate() -> None:
@@ -71,6 +99,8 @@ def test_who_may_mutate() -> None:
     assert not may_mutate(stranger, None)
     assert may_mutate(stranger, 54321)  # primary group is the admin group
     assert not may_mutate(stranger, 54322)
+    assert may_mutate(PeerCredentials(1, 54321, 54321, groups=(7, 54322)), 54322)  # a supplementary group
+    assert not may_mutate(PeerCredentials(1, 54321, 54321, groups=()), 54322)
 
 
 def test_unknown_admin_group_is_a_clear_error() -> None:
