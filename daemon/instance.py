@@ -422,7 +422,7 @@ class InstanceDaemon:
                 if queue is not None:
                     queue.put_nowait(GenerationEvent(
                         out.request_id, out.new_text, out.new_token_ids, out.finished, out.finish_reason,
-                        self._prompt_tokens.get(out.request_id, 0), len(out.token_ids)))
+                        self._prompt_tokens.get(out.request_id, 0), out.num_output_tokens))
                 if out.finished:
                     self.metrics.requests_finished.labels(reason=out.finish_reason or "stop").inc()
             self.metrics.generated_tokens.inc(num_new)

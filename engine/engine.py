@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
 import torch
@@ -38,21 +39,39 @@ class RequestRejected(ValueError):
 
 @dataclass(frozen=True)
 class RequestOutput:
-    """What one step produced for one request."""
+    """What one step produced for one request.
+
+    ``token_ids`` and ``text`` (the whole output so far) are made when read, from the request's
+    own lists, which only grow: an output made every step for every request would otherwise copy
+    the whole output each time, quadratic in a long output's length.
+    """
 
     request_id: str
     new_token_ids: tuple[int, ...]  # sampled in this step
     new_text: str  # text completed in this step (held back while it may start a stop string)
-    token_ids: tuple[int, ...]  # every output token so far
-    text: str  # the output text so far (final once finished)
+    num_output_tokens: int  # output tokens so far, this step's included
     finished: bool
-    finish_reason: str | None  # "stop", "length", "abort" once finished
+    finish_reason: str | None  # "stop", "length" or "abort" once finished
+    _output_token_ids: list[int] = field(repr=False, compare=False)  # the request's, appended to
+    _text_pieces: list[str] = field(repr=False, compare=False)  # each step's new_text, appended to
+    _num_text_pieces: int = field(repr=False, compare=False)
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        """Every output token so far."""
+        return tuple(self._output_token_ids[:self.num_output_tokens])
+
+    @property
+    def text(self) -> str:
+        """The output text so far (final once finished)."""
+        return "".join(self._text_pieces[:self._num_text_pieces])
 
 
 @dataclass
 class _RequestState:
     detokenizer: IncrementalDetokenizer
-    emitted_chars: int = 0  # characters of text already handed out
+    pending_text: str = ""  # decoded, not handed out yet: it may start a stop string
+    text_pieces: list[str] = field(default_factory=list)  # the text handed out, a piece a step
 
 
 class LLMEngine:
@@ -111,6 +130,9 @@ class LLMEngine:
                 self.model, self.pools[self.home_instance_id], padding_block * config.block_size, sizes,
                 -(-self.max_model_len // config.block_size))
         self._states: dict[str, _RequestState] = {}
+        # Requests whose outputs ``stream`` or ``generate`` waits for: each step's, and an
+        # abort's, are queued here for their caller whoever stepped the engine.
+        self._collected: dict[str, deque[RequestOutput]] = {}
         self._ids = itertools.count()
         self._step_ids = itertools.count()
         self._block_arrays = BlockIdArrays()  # the segments' block ids as arrays, kept across steps
@@ -191,13 +213,25 @@ class LLMEngine:
             return list(items)
         raise RequestRejected("a prompt is a string, a list of token ids or a list of chat messages")
 
-    def abort(self, request_id: str) -> None:
-        if request_id in self.scheduler.requests:
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """End a request wherever it is (waiting, mid-prefill, decoding) and free its KV.
+        Returns its last output (finish reason "abort"), or None for a request not here; a
+        ``stream`` or ``generate`` waiting on it receives that output and ends."""
+        request = self.scheduler.requests.get(request_id)
+        state = self._states.pop(request_id, None)
+        if request is not None:
             self.scheduler.finish(request_id)
             if self.lender is not None:
                 self.lender.forget(request_id)
-        self._states.pop(request_id, None)
         self.sampler.forget(request_id)
+        if request is None or state is None:
+            return None
+        output = RequestOutput(request_id, (), "", len(request.output_token_ids), True, "abort",
+                               request.output_token_ids, state.text_pieces, len(state.text_pieces))
+        collected = self._collected.get(request_id)
+        if collected is not None:
+            collected.append(output)
+        return output
 
     @property
     def has_unfinished(self) -> bool:
@@ -390,7 +424,11 @@ class LLMEngine:
                 continue
             token = next(tokens)
             request.output_token_ids.append(token)
-            outputs.append(self._advance(request, token))
+            output = self._advance(request, token)
+            outputs.append(output)
+            collected = self._collected.get(output.request_id)
+            if collected is not None:
+                collected.append(output)
         return outputs
 
     def _advance(self, request: Request, token: int) -> RequestOutput:
@@ -402,30 +440,31 @@ class LLMEngine:
         if stopping_token:
             reason = "stop"
         else:
-            state.detokenizer.add([token])
-        text = state.detokenizer.text
+            state.pending_text += state.detokenizer.add([token])
+        pending = state.pending_text
         if params.stop and reason is None:
-            longest = max(len(s) for s in params.stop)
-            search_from = max(0, state.emitted_chars - longest)
-            hits = [i for i in (text.find(s, search_from) for s in params.stop) if i >= 0]
+            # Only the text not handed out yet is searched: the last (longest stop - 1)
+            # characters are held back, so a stop string that this token completes starts there.
+            hits = [i for i in (pending.find(s) for s in params.stop) if i >= 0]
             if hits:
-                text = text[: min(hits)]
+                pending = pending[: min(hits)]
                 reason = "stop"
         if reason is None and (len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len):
             reason = "length"
-            state.detokenizer.flush()  # a character the output ends inside of, as the full decode renders it
-            text = state.detokenizer.text
+            # A character the output ends inside of, as the full decode renders it.
+            pending += state.detokenizer.flush()
         finished = reason is not None
         if finished:
-            visible = len(text)
+            new_text, state.pending_text = pending, ""
         else:
             # Hold back text that might be the start of a stop string.
             holdback = max((len(s) for s in params.stop), default=1) - 1
-            visible = max(state.emitted_chars, len(text) - holdback)
-        new_text = text[state.emitted_chars:visible]
-        state.emitted_chars = visible
-        output = RequestOutput(request.request_id, (token,), new_text, tuple(request.output_token_ids),
-                               text[:visible], finished, reason)
+            visible = max(0, len(pending) - holdback)
+            new_text, state.pending_text = pending[:visible], pending[visible:]
+        if new_text:
+            state.text_pieces.append(new_text)
+        output = RequestOutput(request.request_id, (token,), new_text, len(request.output_token_ids), finished,
+                               reason, request.output_token_ids, state.text_pieces, len(state.text_pieces))
         if finished:
             self.scheduler.finish(request.request_id)
             if self.lender is not None:
@@ -442,20 +481,57 @@ class LLMEngine:
         if len(params_list) != len(prompts):
             raise RequestRejected(f"{len(prompts)} prompts but {len(params_list)} sampling params: give one "
                                   "for all or one per prompt")
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
-        final: dict[str, RequestOutput] = {}
-        while len(final) < len(ids):
-            for output in self.step():
-                if output.finished:
-                    final[output.request_id] = output
-        return [final[i] for i in ids]
+        ids: list[str] = []
+        try:
+            for prompt, sp in zip(prompts, params_list):
+                ids.append(self.add_request(prompt, sp))  # a refused prompt ends the call: see finally
+                self._collected[ids[-1]] = deque()
+            final: dict[str, RequestOutput] = {}
+            while len(final) < len(ids):
+                self._step_for(ids)
+                for request_id in ids:
+                    for output in _drain(self._collected[request_id]):
+                        if output.finished:
+                            final[request_id] = output
+            return [final[i] for i in ids]
+        finally:
+            self._forget_collected(ids)
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams = SamplingParams()) -> Iterator[RequestOutput]:
-        """Yield the request's outputs as they are made (other queued requests run too)."""
+        """Yield the request's outputs as they are made (other queued requests run too). Another
+        ``stream`` or ``generate`` may step the engine between two of them: each gets its own
+        request's outputs. Closing the iterator before the end aborts the request."""
         request_id = self.add_request(prompt, params)
-        while True:
-            for output in self.step():
-                if output.request_id == request_id:
+        collected = self._collected[request_id] = deque()
+        try:
+            while True:
+                if not collected:
+                    self._step_for([request_id])
+                while collected:
+                    output = collected.popleft()
                     yield output
                     if output.finished:
                         return
+        finally:
+            self._forget_collected([request_id])
+
+    def _step_for(self, request_ids: list[str]) -> None:
+        """One step on behalf of callers waiting on ``request_ids`` (whose outputs go to their
+        queues). A request that has ended gets its last output already (``abort``), so an engine
+        with nothing left to run while one is still awaited is a bug, not a wait."""
+        if not self.has_unfinished and not any(self._collected.get(i) for i in request_ids):
+            raise RuntimeError(f"requests {request_ids} are awaited but the engine has nothing to run")
+        self.step()
+
+    def _forget_collected(self, request_ids: list[str]) -> None:
+        """Stop collecting outputs for these requests; those not finished are aborted (their
+        caller is gone: nobody would read them)."""
+        for request_id in request_ids:
+            self._collected.pop(request_id, None)
+            if request_id in self._states:
+                self.abort(request_id)
+
+
+def _drain(queue: deque) -> Iterator:
+    while queue:
+        yield queue.popleft()

@@ -48,19 +48,30 @@ class SamplingParams:
             # Checked here: torch.Generator.manual_seed refuses a seed outside this range only
             # when the step samples, failing every request of the batch.
             raise ValueError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}] or None, got {self.seed!r}")
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        else:
-            object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop", _as_tuple(self.stop, "stop", "non-empty strings"))
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must hold non-empty strings, got {self.stop!r}")
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids, "stop_token_ids",
+                                                             "non-negative integers"))
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < MIN_TEMPERATURE
+
+
+def _as_tuple(value: object, name: str, what: str) -> tuple:
+    """A field given as None (none), one string, or any iterable, as a tuple; ValueError for
+    anything else."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    try:
+        return tuple(value)
+    except TypeError:
+        raise ValueError(f"{name} must be a list of {what}, got {value!r}") from None
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

@@ -20,6 +20,8 @@ from infinite_llm.engine.sampling import Sampler, SamplingParams, filter_logits
         ({"seed": 1 << 64}, "seed must be an integer in"),
         ({"stop": ("",)}, "stop must hold non-empty strings"),
         ({"stop_token_ids": (-3,)}, "stop_token_ids must be non-negative integers"),
+        ({"stop": 5}, "stop must be a list of non-empty strings"),
+        ({"stop_token_ids": 7}, "stop_token_ids must be a list of non-negative integers"),
     ],
 )
 def test_bad_params_are_refused(kwargs, message):
@@ -38,8 +40,9 @@ def test_a_temperature_too_small_to_divide_by_samples_greedily():
     assert not SamplingParams(temperature=1e-4).greedy
 
 
-def test_a_single_stop_string_becomes_a_tuple():
+def test_a_single_stop_string_becomes_a_tuple_and_none_is_none():
     assert SamplingParams(stop="\n").stop == ("\n",)
+    assert SamplingParams(stop=None, stop_token_ids=None) == SamplingParams()
 
 
 def test_filter_logits_keeps_top_k_and_the_nucleus():
