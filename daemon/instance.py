@@ -93,6 +93,10 @@ class DeviceFailed(RuntimeError):
     """The accelerator reported an error that leaves this process unable to run kernels."""
 
 
+class StartupError(RuntimeError):
+    """A stage of start-up failed (e.g. the instance could not register); the message says which."""
+
+
 # CUDA errors that corrupt the context: every later call of the process fails with them too.
 _STICKY_CUDA_ERRORS = ("illegal memory access", "illegal address", "illegal instruction", "misaligned address",
                        "unspecified launch failure", "device-side assert", "uncorrectable ECC",
@@ -139,6 +143,7 @@ class InstanceDaemon:
         self.fence = EpochFence()
         self.draining = False
         self._stopping = asyncio.Event()
+        self._withdrawn = False  # the membership record is gone for good (the daemon stops)
         # When the engine loop last turned, and whether it waits for work now: the watchdog
         # pings only while it turns (a step stuck on a hung device keeps the event loop alive).
         self._engine_turned_at = time.monotonic()
@@ -163,6 +168,9 @@ class InstanceDaemon:
         self._ordered_moves: list[tuple[MoveKV, asyncio.Future[bool]]] = []
         # Home-block moves whose data a peer committed, to switch at the next step boundary.
         self._committed_moves: list[tuple[SegmentMove, Peer, asyncio.Future[bool]]] = []
+        # Functions a background move runs at the next step boundary (a creditor-to-creditor
+        # move's table switch), with the futures of their results.
+        self._at_step_boundary: list[tuple[Callable[[], object], asyncio.Future]] = []
         self._moves_in_flight: set[asyncio.Task] = set()
         self._device_failure: BaseException | None = None  # a sticky device error: stop and exit 1
         self._pending_aborts: set[str] = set()  # requests whose clients left, ended at the next step boundary
@@ -188,13 +196,27 @@ class InstanceDaemon:
         stop = asyncio.create_task(self._stopping.wait())
         try:
             self.notifier.status("loading the model")
+            # A stop asked for during start-up ends it after the stage under way (a model load
+            # cannot be interrupted): no further stage, no registration, no READY.
             await self._start_engine_and_transport()
+            if self._stopping.is_set():
+                return
             runners = await self._start_http()
+            if self._stopping.is_set():
+                return
             self._publish()
             # READY only once peers and the gManager can see this instance.
             registration_s = 3 * self.config.timeouts.etcd_request_s
-            if not await self.membership.wait_published(self.config.instance_id, registration_s):
-                raise RuntimeError(f"instance {self.config.instance_id} could not register within {registration_s:.0f} s")
+            registered = asyncio.create_task(self.membership.wait_published(self.config.instance_id, registration_s))
+            await asyncio.wait([registered, stop], return_when=asyncio.FIRST_COMPLETED)
+            if self._stopping.is_set():
+                registered.cancel()
+                await asyncio.gather(registered, return_exceptions=True)
+                return
+            if not registered.result():
+                raise StartupError(f"instance {self.config.instance_id} could not register within "
+                                   f"{registration_s:g} s (three etcd request timeouts): is the discovery "
+                                   "(etcd or the state directory) reachable?")
             self.notifier.ready(f"instance {self.config.instance_id} serving on {self.transport.address}")
             log.info("instance %d ready: peers at %s, HTTP on %s:%d, socket %s", self.config.instance_id,
                      self.transport.address, self.config.http_host, self.http_port, self.config.socket_path)
@@ -211,6 +233,7 @@ class InstanceDaemon:
             # What follows is bounded (cleanup_budget_s); should the drain have used up the
             # unit's TimeoutStopSec margin, systemd waits for it rather than SIGKILL it midway.
             self.notifier.stopping("stopping", extend_timeout_s=cleanup_budget_s(self.config, self._frame_timeout_s))
+            self._withdrawn = True  # a drain asked for from here on must not publish the record again
             self.membership.withdraw(self.config.instance_id)
             if self._heartbeat_task is not None:
                 tasks.append(self._heartbeat_task)
@@ -639,10 +662,19 @@ class InstanceDaemon:
             ok = self.lender.switch_move(self.engine, move, dst)
             if not done.done():
                 done.set_result(ok)
+        waiting, self._at_step_boundary = self._at_step_boundary, []
+        for function, ran in waiting:
+            if ran.done():  # its waiter was cancelled (the daemon stops)
+                continue
+            try:
+                ran.set_result(function())
+            except Exception as exc:  # the waiter's to handle
+                ran.set_exception(exc)
         moves, self._ordered_moves = self._ordered_moves, []
         for message, done in moves:
             if message.epoch < self.fence.newest_epoch:
                 # A newer leader spoke while this waited for the step boundary.
+                self.fence.refuse_late()
                 self.metrics.stale_epoch_commands.inc()
                 self.metrics.moves.labels(result="stale_epoch").inc()
                 if not done.done():
@@ -653,16 +685,32 @@ class InstanceDaemon:
                 self._moves_in_flight.add(task)
                 task.add_done_callback(self._moves_in_flight.discard)
                 continue
-            try:
-                dst = self.peers.by_inst(message.dst_inst_id)
-                ok = await self.lender.move_held(self.engine, str(message.req_id), message.num_blocks,
-                                                 self.peers.by_inst(message.src_inst_id), dst, message.epoch,
-                                                 still_ordered=self._still_ordered(message))
-            except Exception as exc:  # the gManager hears of it; the engine goes on
-                log.warning("ordered move %d failed: %s", message.move_id, exc)
-                ok = False
-            if not done.done():
-                done.set_result(ok)
+            task = asyncio.ensure_future(self._relocate_ordered(message, done))
+            self._moves_in_flight.add(task)
+            task.add_done_callback(self._moves_in_flight.discard)
+
+    async def _relocate_ordered(self, message: MoveKV, done: asyncio.Future[bool]) -> None:
+        """A creditor-to-creditor move in the background, each segment's switch at a step
+        boundary: the engine steps while the data travels (awaited in the engine loop, a few
+        moves to a peer that does not answer took whole watchdog periods)."""
+        try:
+            dst = self.peers.by_inst(message.dst_inst_id)
+            ok = await self.lender.move_held(self.engine, str(message.req_id), message.num_blocks,
+                                             self.peers.by_inst(message.src_inst_id), dst, message.epoch,
+                                             still_ordered=self._still_ordered(message),
+                                             at_step_boundary=self._run_at_step_boundary)
+        except Exception as exc:  # the gManager hears of it; the engine goes on
+            log.warning("ordered move %d failed: %s", message.move_id, exc)
+            ok = False
+        if not done.done():
+            done.set_result(ok)
+
+    async def _run_at_step_boundary(self, function: Callable[[], object]) -> object:
+        """``function()`` run by the engine loop at its next step boundary; its result or error."""
+        ran: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._at_step_boundary.append((function, ran))
+        self._work.set()  # an idle engine loop wakes to run it
+        return await ran
 
     async def _send_ordered_move(self, message: MoveKV, done: asyncio.Future[bool]) -> None:
         """Reserve, send and commit in the background, piece by piece; each piece's switch waits
@@ -690,6 +738,7 @@ class InstanceDaemon:
         def still_ordered() -> bool:
             if message.epoch >= self.fence.newest_epoch:
                 return True
+            self.fence.refuse_late()
             self.metrics.stale_epoch_commands.inc()
             return False
         return still_ordered
@@ -966,6 +1015,8 @@ class InstanceDaemon:
                    - self.ledger.num_blocks_on_hold)
 
     def _publish(self) -> None:
+        if self._withdrawn:
+            return
         bm = self.engine.block_manager
         self.membership.publish(Member(
             inst_id=self.config.instance_id, pid=os.getpid(), peer_host=self.transport.address.host,

@@ -310,3 +310,8 @@ class EpochFence:
             return False
         self.newest_epoch = epoch
         return True
+
+    def refuse_late(self) -> None:
+        """Count a command admitted earlier and dropped now: a newer leader spoke while it
+        waited (for a step boundary, or between the pieces of a move)."""
+        self.num_refused += 1

@@ -275,6 +275,7 @@ class TransportLender:
         # Creditor-to-creditor moves under way, (request, token_start, destination engine id):
         # the destination may hold the committed copy before the table points there.
         self._relocating: set[tuple[str, int, int]] = set()
+        self._relocating_requests: set[str] = set()  # requests with a move_held under way
         # Gathers of scattered home blocks (a host pool's), used again move after move, in the
         # transport's shared memory where it has some (sent to a local peer with no copy).
         self._staging = HostStaging(allocate=transport.shared_host_buffer)
@@ -608,17 +609,22 @@ class TransportLender:
                                               move.dst_copy_id))
 
     async def move_held(self, engine: LLMEngine, request_id: str, num_blocks: int, src: Peer, dst: Peer,
-                        epoch: int, still_ordered: Callable[[], bool] | None = None) -> bool:
+                        epoch: int, still_ordered: Callable[[], bool] | None = None,
+                        at_step_boundary: Callable[[Callable[[], object]], Awaitable[object]] | None = None) -> bool:
         """Move the request's segments held by ``src`` to ``dst``, whole, oldest first, as many
         as fit in ``num_blocks``; True once all of them moved. A failure stops there: the
         segments moved before it stay moved, the rest stay on ``src``. ``still_ordered``: asked
         before each segment; False (a newer leader spoke since the order) stops there too.
 
-        Called between steps (the ordered moves of the engine loop): the table switches only
-        once ``dst`` committed each copy, and ``src`` frees its copy only after the switch.
+        The table switches only once ``dst`` committed each copy, at a step boundary
+        (``at_step_boundary`` runs a function there and returns its result; None: the caller
+        is between steps itself), and ``src`` frees its copy only after the switch: a step
+        under way reads the copy it started with. One such move of a request at a time.
         """
         if src.inst_id == dst.inst_id:
             raise ValueError(f"a move from instance {src.inst_id} to itself")
+        if request_id in self._relocating_requests:
+            raise ValueError(f"request {request_id} has a move of its held segments under way")
         bm = engine.block_manager
         picked, total = [], 0
         for segment in bm.block_table(request_id):
@@ -631,28 +637,32 @@ class TransportLender:
         if not picked:
             raise ValueError(f"request {request_id} has no whole segment of at most {num_blocks} blocks "
                              f"on instance {src.inst_id}")
-        for segment in picked:
-            if still_ordered is not None and not still_ordered():
-                log.info("move of request %s's segments to instance %d stopped: its order is no longer the "
-                         "leader's", request_id, dst.inst_id)
-                return False
-            if not await self._relocate(engine, request_id, segment, src, dst, epoch):
-                return False
-        return True
+        self._relocating_requests.add(request_id)
+        try:
+            for segment in picked:
+                if still_ordered is not None and not still_ordered():
+                    log.info("move of request %s's segments to instance %d stopped: its order is no longer the "
+                             "leader's", request_id, dst.inst_id)
+                    return False
+                if not await self._relocate(engine, request_id, segment, src, dst, epoch, at_step_boundary):
+                    return False
+            return True
+        finally:
+            self._relocating_requests.discard(request_id)
 
     async def _relocate(self, engine: LLMEngine, request_id: str, segment: Segment, src: Peer, dst: Peer,
-                        epoch: int) -> bool:
+                        epoch: int, at_step_boundary) -> bool:
         """One segment from creditor ``src`` to creditor ``dst``: reserve, forward, commit, switch, free.
         While it runs, an audit from ``dst`` counts the segment as this home's there."""
         relocating = (request_id, segment.token_start, dst.engine_id)
         self._relocating.add(relocating)
         try:
-            return await self._relocate_audited(engine, request_id, segment, src, dst, epoch)
+            return await self._relocate_audited(engine, request_id, segment, src, dst, epoch, at_step_boundary)
         finally:
             self._relocating.discard(relocating)
 
     async def _relocate_audited(self, engine: LLMEngine, request_id: str, segment: Segment, src: Peer, dst: Peer,
-                                epoch: int) -> bool:
+                                epoch: int, at_step_boundary) -> bool:
         bm = engine.block_manager
         pool = engine.pools[engine.home_instance_id]
         block_nbytes = pool[0].numel() * pool.element_size()  # the cluster shares one layout
@@ -701,9 +711,13 @@ class TransportLender:
             except RemoteError:
                 committed = False  # refused: nothing was committed there (the reservation expires)
                 raise
-            # No await between the commit's answer and the switch: the next step attends at dst.
-            bm.relocate_remote(request_id, segment.token_start, src.engine_id, dst.engine_id, reply.dst_block_ids,
-                               copy_id=reply.reservation_id)
+            def switch() -> None:  # the steps after it attend at dst
+                bm.relocate_remote(request_id, segment.token_start, src.engine_id, dst.engine_id,
+                                   reply.dst_block_ids, copy_id=reply.reservation_id)
+            if at_step_boundary is None:
+                switch()
+            else:
+                await at_step_boundary(switch)
         except (TransportError, RuntimeError, ValueError, KeyError) as exc:
             log.warning("move of request %s's segment %d from instance %d to %d failed: %s", request_id, segment_id,
                         src.inst_id, dst.inst_id, exc)

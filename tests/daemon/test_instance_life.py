@@ -324,3 +324,105 @@ def test_requests_the_instance_ends_and_those_the_client_left_are_counted_as_fin
                 next(m for m in d.metrics.registry.collect() if m.name == "infllm_requests_finished").samples
                 if sample.name.endswith("_total")}
     assert finished == {"error": 1.0, "abort": 2.0}
+
+
+def test_a_move_dropped_as_stale_at_the_step_boundary_is_counted_once_everywhere(tmp_path):
+    """/metrics and /v1/status give one figure of stale commands, whichever way one was dropped."""
+    from infinite_llm.transport.messages import MoveKV
+
+    d = daemon(tmp_path)
+
+    async def run() -> bool:
+        d.fence.admit(3)  # the leader of epoch 3 orders a move ...
+        done = asyncio.get_running_loop().create_future()
+        d._ordered_moves.append((MoveKV(epoch=3, move_id=1, home_inst_id=1, req_id=1, src_inst_id=2,
+                                        dst_inst_id=3, num_blocks=4), done))
+        d.fence.admit(5)  # ... and one of epoch 5 speaks before the step boundary
+        await d._carry_out_ordered_moves()
+        d.fence.admit(4)  # refused on arrival
+        return done.result()
+
+    assert asyncio.run(run()) is False
+    counted = next(m for m in d.metrics.registry.collect() if m.name == "infllm_stale_epoch_commands")
+    assert d.fence.num_refused == 2 == sum(s.value for s in counted.samples if s.name.endswith("_total")) + 1
+
+
+class StartupRecorder:
+    """The stages of a start-up, recorded; a stop can be asked for during the model's load."""
+
+    def __init__(self, d: InstanceDaemon, stop_while_loading: bool) -> None:
+        self.calls: list[str] = []
+        self.d = d
+        d.notifier = self
+        self.watchdog_interval_s = None
+        self.stop_while_loading = stop_while_loading
+
+    def status(self, text: str) -> None: self.calls.append("STATUS")
+    def ready(self, text: str) -> None: self.calls.append("READY")
+    def watchdog(self) -> bool: return True
+    def stopping(self, text: str, extend_timeout_s=None) -> None: self.calls.append("STOPPING")
+
+
+def test_a_stop_asked_for_while_the_model_loads_ends_start_up_unregistered(tmp_path, monkeypatch):
+    """SIGTERM during the load: no listener, no registration and no READY after it."""
+    from types import SimpleNamespace
+
+    d = daemon(tmp_path)
+    recorder = StartupRecorder(d, stop_while_loading=True)
+
+    async def load(self):
+        self._on_signal()  # systemctl stop, while the load runs on
+        await asyncio.sleep(0.05)
+        recorder.calls.append("loaded")
+        self.engine = SimpleNamespace(has_unfinished=False)
+
+    async def start_http(self):
+        recorder.calls.append("http")
+        return []
+    monkeypatch.setattr(InstanceDaemon, "_start_engine_and_transport", load)
+    monkeypatch.setattr(InstanceDaemon, "_start_http", start_http)
+    d._publish = lambda: recorder.calls.append("publish")
+    asyncio.run(asyncio.wait_for(d.run(), 10))
+    assert recorder.calls == ["STATUS", "loaded", "STOPPING"]
+
+
+def test_a_drain_asked_for_while_the_daemon_stops_does_not_publish_its_record_again(tmp_path, monkeypatch):
+    """Between the withdrawal of the record and the local API's close, a drain (POST /v1/drain, or
+    a gManager's Drain) leaves the record withdrawn: it is removed on a clean stop."""
+    from types import SimpleNamespace
+
+    from infinite_llm.transport.messages import Drain
+
+    d = InstanceDaemon(InstanceConfig(state_dir=str(tmp_path), http_port=None))
+    StartupRecorder(d, stop_while_loading=False)
+    d._free_for_others = lambda: 0
+    record = tmp_path / "members" / "1.json"
+    seen = {}
+
+    async def load(self):
+        self.engine = SimpleNamespace(has_unfinished=False, home_instance_id=0, scheduler=SimpleNamespace(requests={}),
+                                      block_manager=SimpleNamespace(num_total_blocks=lambda home: 8))
+        self.ledger = SimpleNamespace(num_blocks_held=0, num_blocks_reserved=0)
+        self.transport = SimpleNamespace(address=SimpleNamespace(host="127.0.0.1", port=5000),
+                                         close=lambda: asyncio.sleep(0))
+
+    class Runner:
+        async def cleanup(self):  # the local API closes after the record was withdrawn
+            d._handle(Drain(epoch=1, drain_id=1, inst_id=1))
+            await d.drain()
+            seen["record after the drains"] = record.exists()
+
+    async def start_http(self):
+        return [Runner()]
+
+    async def stop_soon(self):
+        seen["record while serving"] = record.exists()
+        self._on_signal()
+        await asyncio.sleep(3600)
+    monkeypatch.setattr(InstanceDaemon, "_start_engine_and_transport", load)
+    monkeypatch.setattr(InstanceDaemon, "_start_http", start_http)
+    monkeypatch.setattr(InstanceDaemon, "_engine_loop", stop_soon)
+    monkeypatch.setattr(InstanceDaemon, "_maintenance_loop", lambda self: asyncio.sleep(3600))
+    monkeypatch.setattr(InstanceDaemon, "_drain_for_stop", lambda self: asyncio.sleep(0))
+    asyncio.run(asyncio.wait_for(d.run(), 10))
+    assert seen == {"record while serving": True, "record after the drains": False}

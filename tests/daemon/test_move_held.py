@@ -335,3 +335,38 @@ def test_a_free_that_cannot_be_sent_is_sent_again(monkeypatch) -> None:
 
     asyncio.run(scenario())
     assert s.d.ledger.held == {}
+
+
+def test_the_switch_waits_for_a_step_boundary_and_the_source_frees_only_after_it() -> None:
+    """Run in the background (``at_step_boundary``), the move sends and commits while steps go
+    on: the table keeps naming D, and D keeps its copy, until the engine loop reaches a step
+    boundary and switches; a second move of the request meanwhile is refused."""
+    s = Setup()
+    boundary: list[tuple] = []
+
+    async def at_step_boundary(function):
+        ran = asyncio.get_running_loop().create_future()
+        boundary.append((function, ran))
+        return await ran
+
+    async def scenario():
+        await s.start()
+        task = asyncio.ensure_future(s.lender.move_held(s.engine, "7", 2, s.src, s.dst, epoch=4,
+                                                       at_step_boundary=at_step_boundary))
+        for _ in range(200):  # the data travels and X commits; no boundary yet
+            await s.network.settle()
+            if boundary:
+                break
+        assert len(boundary) == 1 and not task.done()
+        assert s.bm.block_table("7")[0].instance_id == s.src.engine_id
+        assert (H, 7, 0) in s.d.ledger.held and (H, 7, 0) in s.x.ledger.held
+        with pytest.raises(ValueError, match="under way"):
+            await s.lender.move_held(s.engine, "7", 2, s.src, s.dst, epoch=4)
+        function, ran = boundary.pop()
+        ran.set_result(function())  # the engine loop, between two steps
+        assert await task
+        await s.network.settle()
+    asyncio.run(scenario())
+    first = s.bm.block_table("7")[0]
+    assert first.instance_id == s.dst.engine_id
+    assert (H, 7, 0) not in s.d.ledger.held  # freed after the switch
