@@ -229,6 +229,8 @@ class InstanceDaemon:
             if self._device_failure is not None:
                 raise DeviceFailed(str(self._device_failure)) from self._device_failure
             await self._drain_for_stop()
+            if self._device_failure is not None:  # during the drain: still a failure (systemd restarts it)
+                raise DeviceFailed(str(self._device_failure)) from self._device_failure
         finally:
             # What follows is bounded (cleanup_budget_s); should the drain have used up the
             # unit's TimeoutStopSec margin, systemd waits for it rather than SIGKILL it midway.

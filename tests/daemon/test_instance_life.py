@@ -426,3 +426,37 @@ def test_a_drain_asked_for_while_the_daemon_stops_does_not_publish_its_record_ag
     monkeypatch.setattr(InstanceDaemon, "_drain_for_stop", lambda self: asyncio.sleep(0))
     asyncio.run(asyncio.wait_for(d.run(), 10))
     assert seen == {"record while serving": True, "record after the drains": False}
+
+
+def test_a_device_failure_during_the_stop_still_ends_the_daemon_as_failed(tmp_path, monkeypatch):
+    """A sticky device error while running requests finish (the drain of a stop) is a failure:
+    the daemon exits non-zero, and systemd's Restart=on-failure starts it again."""
+    from types import SimpleNamespace
+
+    from infinite_llm.daemon.instance import DeviceFailed
+
+    d = InstanceDaemon(InstanceConfig(state_dir=str(tmp_path), http_port=None))
+    StartupRecorder(d, stop_while_loading=False)
+    d._publish = lambda: None
+
+    async def load(self):
+        self.engine = SimpleNamespace(has_unfinished=False)
+        self.transport = SimpleNamespace(address="127.0.0.1:1", close=lambda: asyncio.sleep(0))
+
+    async def stop_soon(self):
+        self._on_signal()
+        await asyncio.sleep(3600)
+
+    async def drain_hits_a_device_error(self):
+        self._device_failure = RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    async def registered(inst_id, timeout_s):
+        return True
+    monkeypatch.setattr(InstanceDaemon, "_start_engine_and_transport", load)
+    monkeypatch.setattr(InstanceDaemon, "_start_http", lambda self: asyncio.sleep(0, []))
+    monkeypatch.setattr(InstanceDaemon, "_engine_loop", stop_soon)
+    monkeypatch.setattr(InstanceDaemon, "_maintenance_loop", lambda self: asyncio.sleep(3600))
+    monkeypatch.setattr(InstanceDaemon, "_drain_for_stop", drain_hits_a_device_error)
+    d.membership.wait_published = registered
+    with pytest.raises(DeviceFailed, match="illegal memory access"):
+        asyncio.run(asyncio.wait_for(d.run(), 10))
