@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional
 
 import typer
 
-from .client import ClusterClient, ClusterError
+from .client import GENERATE_TIMEOUT_S, ClusterClient, ClusterError, Unreachable
 
 DEFAULT_STATE_DIR = os.environ.get("INFLLM_STATE_DIR", "/var/lib/infinite-llm")
 
@@ -74,17 +74,35 @@ def status(state_dir: Path = StateDir, instance: Optional[int] = typer.Option(No
                        f"of instance {held['home_instance_id']}")
         return None
     data = _run(lambda: _client(state_dir, etcd, etcd_prefix).status())
+    unreachable, failed = data["instances_unreachable"], data["instances_failed"]
     if as_json:
-        return _print_json(data)
-    if data.get("leader") is None:
-        typer.echo(f"leader: none ({data.get('error', 'not found')})")
+        _print_json(data)
     else:
-        typer.echo(f"leader: epoch {data.get('epoch')}")
-    typer.echo(f"{'instance':>8} {'free/total':>12} {'held':>6} {'requests':>9} {'draining':>9}")
-    for inst_id, detail in sorted(data["instances_detail"].items()):
-        pool = detail["pool"]
-        typer.echo(f"{inst_id:>8} {pool['num_blocks_free']:>5}/{pool['num_blocks_total']:<6} "
-                   f"{pool['num_blocks_held_for_others']:>6} {len(detail['requests']):>9} {str(detail['draining']):>9}")
+        if data.get("leader") is None:
+            typer.echo(f"leader: none ({data.get('error', 'not found')})")
+        elif data.get("leader") is False:
+            typer.echo(f"leader: none (the gManager recorded as the leader, pid {data.get('pid')}, is a standby)")
+        else:
+            typer.echo(f"leader: epoch {data.get('epoch')}")
+        typer.echo(f"{'instance':>8} {'free/total':>12} {'held':>6} {'requests':>9} {'draining':>9}")
+        for inst_id in sorted({*data["instances_detail"], *unreachable, *failed}):
+            if inst_id in unreachable:
+                typer.echo(f"{inst_id:>8} does not answer")
+                continue
+            if inst_id in failed:
+                typer.echo(f"{inst_id:>8} answered with an error")
+                continue
+            detail = data["instances_detail"][inst_id]
+            pool = detail["pool"]
+            typer.echo(f"{inst_id:>8} {pool['num_blocks_free']:>5}/{pool['num_blocks_total']:<6} "
+                       f"{pool['num_blocks_held_for_others']:>6} {len(detail['requests']):>9} {str(detail['draining']):>9}")
+    # After the table: the instances that answered are shown, the others make the exit code.
+    for inst_id in sorted({**failed, **unreachable}):
+        typer.echo(f"infctl: {unreachable.get(inst_id) or failed[inst_id]}", err=True)
+    if unreachable:
+        raise typer.Exit(Unreachable.exit_code)
+    if failed:
+        raise typer.Exit(ClusterError.exit_code)
     return None
 
 
@@ -156,7 +174,7 @@ def up(state_dir: Path = StateDir, instances: int = typer.Option(3, "--instances
 @app.command()
 def down(state_dir: Path = StateDir) -> None:
     """Stop every daemon of the local cluster."""
-    count = _run(lambda: ClusterClient(state_dir).down())
+    count = _run(lambda: ClusterClient(state_dir).down(log=lambda line: typer.echo(f"infctl: {line}", err=True)))
     typer.echo(f"stopped {count} daemon(s)")
 
 
@@ -165,16 +183,25 @@ def generate(prompt: str, state_dir: Path = StateDir, instance: Optional[int] = 
              max_tokens: int = typer.Option(64, "--max-tokens", min=1),
              temperature: float = typer.Option(0.0, "--temperature", min=0.0),
              ignore_eos: bool = typer.Option(False, "--ignore-eos", help="go on past end-of-sequence (benchmarks)"),
+             timeout: float = typer.Option(GENERATE_TIMEOUT_S, "--timeout",
+                                           help="seconds to wait for the first token (a queued request waits "
+                                                "for room) and for each next one"),
              etcd: str = Etcd, etcd_prefix: str = EtcdPrefix) -> None:
     """Stream a completion of PROMPT from the cluster."""
 
     def stream() -> None:
         client = _client(state_dir, etcd, etcd_prefix)
-        for step in client.generate(prompt, instance, max_tokens=max_tokens, temperature=temperature,
-                                    ignore_eos=ignore_eos):
-            sys.stdout.write(step["text"])
-            sys.stdout.flush()
-        sys.stdout.write("\n")
+        wrote = False
+        try:
+            for step in client.generate(prompt, instance, timeout_s=timeout, max_tokens=max_tokens,
+                                        temperature=temperature, ignore_eos=ignore_eos):
+                sys.stdout.write(step["text"])
+                sys.stdout.flush()
+                wrote = True
+        finally:
+            if wrote:  # the text so far stays on its own line, apart from an error
+                sys.stdout.write("\n")
+                sys.stdout.flush()
 
     _run(stream)
 
