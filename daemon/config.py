@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,7 +50,8 @@ class InstanceConfig:
     """Settings of one instance.
 
     KV pool size: give ``kv_pool_blocks`` or ``kv_pool_bytes`` (not both); with neither, the
-    engine's default applies.
+    engine's default applies. A flag for one replaces the file's value of the other
+    (:func:`load_config`).
     """
 
     instance_id: int = 1  # >= 1: the gManager numbers instances from 1
@@ -172,6 +174,29 @@ class InstanceConfig:
         return "etcd" if self.etcd_endpoints else "local"
 
 
+def check_device_present(device: str) -> None:
+    """Raise ConfigError when ``device`` (a valid ``"cuda"`` or ``"cuda:N"``) names a GPU this
+    host does not have or this torch cannot use.
+
+    Apart from the dataclass's checks, which look at values only: this one asks the host. Made
+    at start-up, it turns what would fail only after the model loaded (torch built without
+    CUDA, an index past the GPUs) into a message at once.
+    """
+    if device == "cpu":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        built = "built without CUDA" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+        raise ConfigError(f"device {device!r}: no CUDA device is usable on this host (torch {torch.__version__}, "
+                          f"{built}); use device = \"cpu\"")
+    num_gpus = torch.cuda.device_count()
+    index = int(device[5:]) if device.startswith("cuda:") else 0  # "cuda": the current device, 0 at start
+    if index >= num_gpus:
+        raise ConfigError(f"device {device!r}: this host has {num_gpus} CUDA device{'s' if num_gpus > 1 else ''} "
+                          f"visible (cuda:0 to cuda:{num_gpus - 1}; CUDA_VISIBLE_DEVICES limits them)")
+
+
 def _check_int(name: str, value: object, *, minimum: int, maximum: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(f"{name} must be an integer, got {value!r}")
@@ -235,8 +260,15 @@ def _build(cls: type, values: Mapping[str, Any], where: str) -> Any:
     return cls(**kwargs)
 
 
+# The KV pool's size has two spellings; a flag for either replaces the file's value of both.
+_POOL_SIZE_KEYS = ("kv_pool_blocks", "kv_pool_bytes")
+
+
 def load_config(path: Path | str | None = None, overrides: Mapping[str, Any] | None = None) -> InstanceConfig:
     """Read the TOML file (if any), apply ``overrides`` (from flags; None values are ignored).
+
+    A flag replaces the file's value of its key; a flag for one of ``kv_pool_blocks`` and
+    ``kv_pool_bytes`` also drops the file's value of the other (both as flags stay an error).
 
     Raises:
         ConfigError: an unreadable file, invalid TOML, an unknown key or an invalid value.
@@ -245,20 +277,40 @@ def load_config(path: Path | str | None = None, overrides: Mapping[str, Any] | N
     where = "flags"
     if path is not None:
         where = str(path)
-        try:
-            values = tomllib.loads(Path(path).read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"config file not found: {path}") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{path}: invalid TOML: {exc}") from None
-    for key, value in (overrides or {}).items():
-        if value is None:
-            continue
-        if key.startswith("timeouts."):
-            values.setdefault("timeouts", {})[key.split(".", 1)[1]] = value
-        else:
-            values[key] = value
+        values = _read_toml(Path(path))
+    flags = {key: value for key, value in (overrides or {}).items() if value is not None}
+    if any(key in flags for key in _POOL_SIZE_KEYS):
+        for key in _POOL_SIZE_KEYS:
+            values.pop(key, None)
+    timeout_flags = {key.split(".", 1)[1]: value for key, value in flags.items() if key.startswith("timeouts.")}
+    if timeout_flags:
+        file_timeouts = values.get("timeouts", {})
+        if not isinstance(file_timeouts, Mapping):
+            raise ConfigError(f"[timeouts] must be a table, got {file_timeouts!r}")
+        values["timeouts"] = {**file_timeouts, **timeout_flags}
+    values.update({key: value for key, value in flags.items() if not key.startswith("timeouts.")})
     return _build(InstanceConfig, values, where)
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    """The file's settings; ConfigError with the reason for a file that cannot be read as TOML."""
+    try:
+        text = path.read_text(encoding="utf-8")  # TOML is UTF-8 whatever the locale
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: is a directory, not a config file") from None
+    except PermissionError:
+        # Under systemd the daemon runs as its own user, not as whoever wrote the file.
+        raise ConfigError(f"{path}: permission denied (reading as uid {os.geteuid()})") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start})") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror or type(exc).__name__}") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: invalid TOML: {exc}") from None
 
 
 def peer_spin_for(config_spin_s: float | None, device_type: str) -> float:

@@ -354,10 +354,20 @@ class EtcdMembership:
     async def start(self) -> None:
         """Connect and read the current state (bounded); then keep it current in the background.
 
-        Raises EtcdUnreachable when no endpoint answers.
+        Raises EtcdUnreachable when no endpoint answers, or when the one that answered the
+        connection's status request does not answer the read (a member cut off from its
+        cluster's quorum answers the first, not the second).
         """
         await self._connection.open()
-        snapshot = await with_timeout(self._connection.client.get_prefix(self.keys.root), self.request_timeout_s)
+        try:
+            snapshot = await with_timeout(self._connection.client.get_prefix(self.keys.root), self.request_timeout_s)
+        except Exception as exc:
+            if not is_connection_failure(exc):
+                raise
+            host, port = self._connection.endpoint
+            reason = "" if isinstance(exc, TimeoutError) else f": {error_text(exc)}"
+            raise EtcdUnreachable(f"no answer from etcd {host}:{port} within {self.request_timeout_s:g} s "
+                                  f"reading {self.keys.prefix}{reason}") from exc
         self._leader, self._members = _split(self.keys, snapshot)
         self._tasks = [asyncio.create_task(self._watch(snapshot.header.revision + 1), name="etcd-watch"),
                        asyncio.create_task(self._write(), name="etcd-write")]

@@ -10,8 +10,11 @@ import os
 import sys
 from pathlib import Path
 
-from .config import ConfigError, load_config
-from .instance import DeviceFailed, InstanceDaemon
+from .config import ConfigError, InstanceConfig, check_device_present, load_config
+from .instance import DeviceFailed, InstanceDaemon, StartupError
+
+
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict]:
@@ -57,7 +60,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict]
     parser.add_argument("--held-audit-s", type=float, dest="timeouts.held_audit_s",
                         help="how often a creditor asks each home which held segments it still counts on, s")
     parser.add_argument("--drain-s", type=float, dest="timeouts.drain_s")
-    parser.add_argument("--log-level", default=os.environ.get("INFLLM_LOG_LEVEL", "INFO"))
+    parser.add_argument("--log-level", default=os.environ.get("INFLLM_LOG_LEVEL", "INFO"),
+                        help=f"{', '.join(_LOG_LEVELS)} (default INFO, or $INFLLM_LOG_LEVEL)")
     args = parser.parse_args(argv)
     overrides = {k: v for k, v in vars(args).items() if k not in ("config", "log_level")}
     return args, overrides
@@ -65,9 +69,15 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict]
 
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log_level = args.log_level.upper()
+    if log_level not in _LOG_LEVELS:
+        print(f"infinited: --log-level (or INFLLM_LOG_LEVEL) must be one of {', '.join(_LOG_LEVELS)}, "
+              f"got {args.log_level!r}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = load_config(args.config, overrides)
+        check_device_present(config.device)
     except ConfigError as exc:
         print(f"infinited: {exc}", file=sys.stderr)
         return 2
@@ -99,10 +109,22 @@ def main(argv: list[str] | None = None) -> int:
         else:
             asyncio.run(daemon.run())
     except (OSError, ValueError) as exc:  # a missing file, etcd unreachable, a port or socket in use
-        print(f"infinited: {exc}", file=sys.stderr)
+        print(f"infinited: {one_line(exc)}", file=sys.stderr)
         return 1
     except DeviceFailed as exc:  # logged where it happened; systemd's Restart=on-failure starts afresh
-        print(f"infinited: the device failed: {exc}", file=sys.stderr)
+        print(f"infinited: the device failed: {one_line(exc)}", file=sys.stderr)
+        return 1
+    except StartupError as exc:  # a stage of start-up (registration) did not complete
+        print(f"infinited: {one_line(exc)}", file=sys.stderr)
+        return 1
+    except (RuntimeError, MemoryError) as exc:
+        # The engine is built with the pool the configuration asked for; torch raises a
+        # RuntimeError when the host or the GPU lacks the memory. Anything else is a fault.
+        if daemon.engine is not None or not is_out_of_memory(exc):
+            raise
+        print(f"infinited: out of memory building the engine on {config.device} with a KV pool of "
+              f"{pool_size_asked(config)}: {one_line(exc)}; give a smaller kv_pool_blocks or kv_pool_bytes",
+              file=sys.stderr)
         return 1
     finally:
         if profiler is not None:
@@ -110,6 +132,31 @@ def main(argv: list[str] | None = None) -> int:
             Path(profile_dir).mkdir(parents=True, exist_ok=True)
             profiler.dump_stats(str(Path(profile_dir) / f"infinited-{config.instance_id}.prof"))
     return 0
+
+
+def one_line(exc: BaseException) -> str:
+    """An error's message for a one-line report: its first line, or its type when it has no
+    text (a bare TimeoutError), so that no report ends at ``infinited: ``."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[0] if lines else type(exc).__name__
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether an error is an allocation that did not fit: torch's CUDA one has its own type,
+    its CPU allocator raises a plain RuntimeError."""
+    import torch
+
+    return (isinstance(exc, (MemoryError, torch.OutOfMemoryError))
+            or "can't allocate memory" in str(exc))
+
+
+def pool_size_asked(config: InstanceConfig) -> str:
+    """The KV pool size as the configuration gave it, for a message."""
+    if config.kv_pool_blocks is not None:
+        return f"{config.kv_pool_blocks} blocks (kv_pool_blocks)"
+    if config.kv_pool_bytes is not None:
+        return f"{config.kv_pool_bytes} bytes (kv_pool_bytes)"
+    return "the default size (no kv_pool_blocks or kv_pool_bytes given)"
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ from typing import Mapping
 
 
 class SystemdNotifier:
-    """Sends sd_notify messages; one datagram per call, never blocking the caller."""
+    """Sends sd_notify messages; one datagram per call, never blocking the caller: a message
+    that finds the socket's queue full is dropped (the call returns False)."""
 
     def __init__(self, environ: Mapping[str, str] | None = None) -> None:
         env = os.environ if environ is None else environ
@@ -40,9 +41,12 @@ class SystemdNotifier:
         payload = "\n".join(f"{key.upper()}={value}" for key, value in fields.items()).encode()
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
             try:
-                sock.sendto(payload, self._address)
+                # The caller is the event loop's thread. A datagram to a reader that is not
+                # reading (PID 1 busy) waits for room in its queue: better lost than that wait.
+                sock.sendto(payload, socket.MSG_DONTWAIT, self._address)
             except OSError:
-                # systemd gone or the socket not writable: notifications are advisory.
+                # systemd gone, the socket not writable or its queue full (EAGAIN):
+                # notifications are advisory, and the next ping or status says it again.
                 return False
         return True
 

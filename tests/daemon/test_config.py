@@ -199,3 +199,142 @@ def test_the_daemon_runs_on_its_cpus_and_refuses_cpus_it_may_not_use(monkeypatch
         torch.set_num_threads(threads)
     assert daemon_main.main(["--cpu-affinity", str(max(allowed) + 1)]) == 2
     assert "names CPUs outside those this process may use" in capsys.readouterr().err
+
+
+def _daemon(args: list[str], env: dict | None = None, **kwargs):
+    """Run ``infinited`` with ``args``, bounded; its CompletedProcess."""
+    import os
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "infinite_llm.daemon", *args], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, **(env or {})}, **kwargs)
+
+
+def _one_line_refusal(result, message: str) -> None:
+    """The daemon exited 2 with one ``infinited: ...`` line naming ``message``, no traceback."""
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("infinited: ") and message in lines[0], result.stderr
+
+
+def test_config_files_that_cannot_be_read_as_text_are_refused_with_the_reason(tmp_path: Path) -> None:
+    (tmp_path / "a-directory.toml").mkdir()
+    with pytest.raises(ConfigError, match="a-directory.toml: is a directory, not a config file"):
+        load_config(tmp_path / "a-directory.toml")
+    binary = tmp_path / "latin1.toml"
+    binary.write_bytes(b'served_model_name = "caf\xe9"\n')  # Latin-1: TOML files are UTF-8
+    with pytest.raises(ConfigError, match=r"latin1.toml: not UTF-8 text \(byte 0xe9 at offset 24\)"):
+        load_config(binary)
+    _one_line_refusal(_daemon(["--config", str(tmp_path / "a-directory.toml")]), "is a directory")
+    _one_line_refusal(_daemon(["--config", str(binary)]), "not UTF-8 text")
+
+
+def test_a_config_file_the_daemons_user_may_not_read_is_refused_with_the_reason(tmp_path: Path) -> None:
+    """As under systemd: the daemon runs as its own user, the file is root's, mode 0600."""
+    import os
+    import shutil
+    import sys
+    import tempfile
+
+    if os.geteuid() != 0:
+        path = tmp_path / "private.toml"
+        path.write_text("block_size = 16\n")
+        path.chmod(0)
+        with pytest.raises(ConfigError, match=f"private.toml: permission denied \\(reading as uid {os.geteuid()}\\)"):
+            load_config(path)
+        return
+    folder = Path(tempfile.mkdtemp(prefix="infllm-config-"))  # pytest's tmp_path is root's alone
+    try:
+        folder.chmod(0o755)
+        path = folder / "private.toml"
+        path.write_text("block_size = 16\n")
+        path.chmod(0o600)
+        nobody = 65534
+        result = _run_as(nobody, [sys.executable, "-c", "import sys; from infinite_llm.daemon.main import main; "
+                                  f"sys.exit(main(['--config', {str(path)!r}]))"])
+        _one_line_refusal(result, f"private.toml: permission denied (reading as uid {nobody})")
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _run_as(uid: int, command: list[str]):
+    """``command`` as ``uid`` with no supplementary group, through setpriv: ``subprocess``'s own
+    ``user=`` fails to exec the venv's python here, a link into root's home (mode 0700)."""
+    import shutil
+    import subprocess
+
+    if shutil.which("setpriv") is None:
+        pytest.skip("needs setpriv (util-linux) to run a process as another user")
+    return subprocess.run(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", *command],
+                          capture_output=True, text=True, timeout=120, cwd="/")
+
+
+def test_timeouts_given_as_a_scalar_are_refused_with_a_timeout_flag_too(tmp_path: Path) -> None:
+    path = tmp_path / "infinited.toml"
+    path.write_text("timeouts = 5\n")
+    for flags in ({}, {"timeouts.drain_s": 10.0}):
+        with pytest.raises(ConfigError, match=r"\[timeouts\] must be a table, got 5"):
+            load_config(path, flags)
+    _one_line_refusal(_daemon(["--config", str(path), "--drain-s", "10"]), "[timeouts] must be a table")
+
+
+def test_a_pool_size_flag_replaces_the_files_pool_size(tmp_path: Path) -> None:
+    """Flags override the file, for the pool's size too, whichever of its two keys each uses;
+    two sizes from the same place stay an error."""
+    from infinite_llm.daemon.main import parse_args
+
+    example = Path(__file__).parents[2] / "systemd" / "etc" / "infinited.toml.example"
+    config = load_config(example, parse_args(["--kv-pool-blocks", "4096"])[1])
+    assert (config.kv_pool_blocks, config.kv_pool_bytes) == (4096, None)
+    path = tmp_path / "infinited.toml"
+    path.write_text("kv_pool_blocks = 64\n")
+    config = load_config(path, parse_args(["--kv-pool-bytes", "1000000"])[1])
+    assert (config.kv_pool_blocks, config.kv_pool_bytes) == (None, 1_000_000)
+    assert load_config(path, parse_args([])[1]).kv_pool_blocks == 64  # no flag: the file holds
+    with pytest.raises(ConfigError, match="give kv_pool_blocks or kv_pool_bytes, not both"):
+        load_config(path, parse_args(["--kv-pool-blocks", "8", "--kv-pool-bytes", "1000000"])[1])
+    path.write_text("kv_pool_blocks = 64\nkv_pool_bytes = 1000000\n")
+    with pytest.raises(ConfigError, match="not both"):
+        load_config(path, parse_args([])[1])
+
+
+def test_a_gpu_the_host_lacks_is_refused(monkeypatch) -> None:
+    import torch
+
+    from infinite_llm.daemon.config import check_device_present
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    check_device_present("cpu")
+    for device in ("cuda", "cuda:0"):
+        with pytest.raises(ConfigError, match=f"device '{device}': no CUDA device is usable on this host"):
+            check_device_present(device)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    for device in ("cpu", "cuda", "cuda:0", "cuda:1"):
+        check_device_present(device)
+    with pytest.raises(ConfigError, match=r"device 'cuda:2': this host has 2 CUDA devices visible \(cuda:0 to cuda:1"):
+        check_device_present("cuda:2")
+
+
+def test_the_daemon_refuses_a_gpu_the_host_lacks_before_loading_the_model(tmp_path: Path) -> None:
+    import time
+
+    started = time.monotonic()
+    result = _daemon(["--device", "cuda:99", "--state-dir", str(tmp_path / "state"), "--http-port", "0",
+                      "--socket-path", str(tmp_path / "s.sock")])
+    _one_line_refusal(result, "device 'cuda:99': ")
+    assert time.monotonic() - started < 60  # the imports, no model load
+
+
+def test_an_unknown_log_level_is_refused_in_one_line(monkeypatch, capsys) -> None:
+    from infinite_llm.daemon import main as daemon_main
+
+    monkeypatch.setenv("INFLLM_LOG_LEVEL", "verbose")  # what the unit passes on
+    assert daemon_main.main([]) == 2
+    assert capsys.readouterr().err == ("infinited: --log-level (or INFLLM_LOG_LEVEL) must be one of DEBUG, INFO, "
+                                       "WARNING, ERROR, CRITICAL, got 'verbose'\n")
+    assert daemon_main.main(["--log-level", "loud"]) == 2
+    assert "got 'loud'" in capsys.readouterr().err
+    _one_line_refusal(_daemon([], env={"INFLLM_LOG_LEVEL": "verbose"}), "must be one of DEBUG")

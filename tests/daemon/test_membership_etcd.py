@@ -156,3 +156,71 @@ def test_unreachable_etcd_is_a_clear_bounded_error() -> None:
     result = CliRunner().invoke(app, ["status", "--etcd", "no-port-here"])
     assert result.exit_code == 2 and "etcd endpoint must be host:port" in result.output  # a usage error
     assert time.monotonic() - started < 10
+
+
+class _EtcdWithoutQuorum:
+    """A stand-in etcd on a loopback gRPC port that answers what a member cut off from its
+    cluster's quorum answers: its status (and member list), but no read: a Range waits."""
+
+    def __init__(self) -> None:
+        import threading
+        from concurrent import futures
+
+        import grpc
+        from aetcd.rpc import rpc_pb2, rpc_pb2_grpc
+
+        released = self.released = threading.Event()
+
+        class Maintenance(rpc_pb2_grpc.MaintenanceServicer):
+            def Status(self, request, context):
+                return rpc_pb2.StatusResponse(version="3.4.23", leader=0)
+
+        class Cluster(rpc_pb2_grpc.ClusterServicer):
+            def MemberList(self, request, context):
+                return rpc_pb2.MemberListResponse()
+
+        class KV(rpc_pb2_grpc.KVServicer):
+            def Range(self, request, context):
+                released.wait(30)  # etcd's own request timeout comes much later than the client's
+                context.abort(grpc.StatusCode.UNAVAILABLE, "etcdserver: request timed out")
+
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        rpc_pb2_grpc.add_MaintenanceServicer_to_server(Maintenance(), self.server)
+        rpc_pb2_grpc.add_ClusterServicer_to_server(Cluster(), self.server)
+        rpc_pb2_grpc.add_KVServicer_to_server(KV(), self.server)
+        self.endpoint = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+        self.server.start()
+
+    def stop(self) -> None:
+        self.released.set()
+        self.server.stop(grace=None).wait(10)
+
+
+def test_an_etcd_that_answers_its_status_but_no_read_is_named_with_the_wait() -> None:
+    """start() says which endpoint did not answer which read within what wait (a bare timeout
+    has no text of its own); the daemon prints that in one line and exits 1."""
+    import subprocess
+    import sys
+    import tempfile
+
+    no_quorum = _EtcdWithoutQuorum()
+    try:
+        started = time.monotonic()
+        try:
+            run(EtcdMembership(no_quorum.endpoint, request_timeout_s=0.5).start(), 10)
+        except EtcdUnreachable as exc:
+            assert str(exc) == f"no answer from etcd {no_quorum.endpoint} within 0.5 s reading /infinite-llm"
+        else:
+            raise AssertionError("start() succeeded without an answer to its read")
+        assert time.monotonic() - started < 5
+        with tempfile.TemporaryDirectory() as state_dir:
+            result = subprocess.run(
+                [sys.executable, "-m", "infinite_llm.daemon", "--etcd-endpoints", no_quorum.endpoint, "--etcd-prefix",
+                 "/cluster-b", "--etcd-request-s", "0.5", "--http-port", "0", "--socket-path", f"{state_dir}/s.sock",
+                 "--state-dir", state_dir], capture_output=True, text=True, timeout=120)
+        assert result.returncode == 1, result.stderr
+        assert "Traceback" not in result.stderr, result.stderr
+        assert result.stderr.strip().splitlines()[-1] == (
+            f"infinited: no answer from etcd {no_quorum.endpoint} within 0.5 s reading /cluster-b"), result.stderr
+    finally:
+        no_quorum.stop()

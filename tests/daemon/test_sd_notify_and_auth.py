@@ -59,6 +59,35 @@ def test_a_vanished_socket_is_not_an_error(tmp_path: Path) -> None:
     assert SystemdNotifier({"NOTIFY_SOCKET": str(tmp_path / "gone")}).ready("x") is False
 
 
+def test_a_notify_socket_that_is_not_read_never_blocks_the_caller(tmp_path: Path) -> None:
+    """PID 1 busy: its socket's queue fills, and each later message is dropped at once (False)
+    rather than waiting in sendto on the event loop's thread."""
+    import threading
+    import time
+
+    path = tmp_path / "notify"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as never_read:
+        never_read.bind(str(path))
+        notifier = SystemdNotifier({"NOTIFY_SOCKET": str(path)})
+        results: list[bool] = []
+
+        def ping() -> None:
+            deadline = time.monotonic() + 5  # bounded between calls; a call blocked in sendto never returns
+            while time.monotonic() < deadline and len(results) < 100_000:
+                results.append(notifier.watchdog())
+                if results[-1] is False and results.count(False) >= 100:
+                    return
+
+        pinger = threading.Thread(target=ping, daemon=True)
+        pinger.start()
+        pinger.join(10)
+        assert not pinger.is_alive(), f"watchdog() blocked after {len(results)} calls"
+        assert results[0] is True and results.count(False) >= 100
+        assert results[results.index(False):] == [False] * results.count(False)  # dropped from the full queue on
+        assert never_read.recv(100) == b"WATCHDOG=1"  # those that found room arrived
+    assert notifier.watchdog() is False  # nobody listens any more: dropped, not raised
+
+
 def test_peer_credentials_of_a_real_connection() -> None:
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     with a, b:
