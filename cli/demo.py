@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.resources
 import random
 import sys
 import tempfile
@@ -27,7 +28,8 @@ import torch
 from .client import ClusterClient
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
-PERF_MODEL = Path(__file__).resolve().parent.parent / "bench" / "results" / "perf_model-cpu.json"
+# Shipped with the package (bench/results, package data): the demo's gManager plans with it.
+PERF_MODEL = Path(str(importlib.resources.files("infinite_llm.bench") / "results" / "perf_model-cpu.json"))
 
 
 def passkey_messages(num_fillers: int, passkey: str, depth: float = 0.9) -> list[dict[str, str]]:
@@ -66,8 +68,10 @@ def main(argv: list[str] | None = None) -> int:
         client = ClusterClient(args.state_dir or Path(tmp))
         section(f"starting a gManager and 3 instances on the {device}, {pool_blocks} KV blocks "
                 f"({pool_blocks * 16} tokens) each")
-        client.up(3, pool_blocks, None, device, PERF_MODEL if PERF_MODEL.exists() else None,
-                  max_num_batched_tokens=128)
+        if not PERF_MODEL.is_file():
+            raise SystemExit(f"demo: the CPU perf model the gManager plans with is missing ({PERF_MODEL}): "
+                             "reinstall the package")
+        client.up(3, pool_blocks, None, device, PERF_MODEL, max_num_batched_tokens=128)
         try:
             messages = passkey_messages(num_fillers, passkey)
             section("asking instance 1 for the passkey hidden in a long prompt")

@@ -30,6 +30,7 @@ def test_wheel_holds_only_the_namespace(tmp_path: Path) -> None:
     assert top_level == {"infinite_llm"}
     for name in SUBPACKAGES:
         assert f"infinite_llm/{name}/__init__.py" in names
+    assert "infinite_llm/bench/results/perf_model-cpu.json" in names  # the local cluster's gManager plans with it
 
 
 def test_wheel_install_imports(tmp_path: Path) -> None:
