@@ -130,6 +130,11 @@ def drain(inst_id: int = typer.Argument(..., metavar="INSTANCE"), state_dir: Pat
                        f"held for others and {report['num_blocks_own_movable']} of its own requests' blocks, "
                        f"{report['num_blocks_free_elsewhere']} free elsewhere")
     else:
+        # The report lists its last round's moves; every round's are counted by kind and result.
+        counts = [f"{kind} {result} {n}" for kind, results in sorted(report.get("move_results", {}).items())
+                  for result, n in sorted(results.items())]
+        if counts:
+            typer.echo(f"moves over the drain: {', '.join(counts)}")
         typer.echo(f"instance {inst_id} is drained: safe to stop")
     return None
 

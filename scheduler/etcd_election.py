@@ -6,7 +6,9 @@ The scheme of etcd's own ``concurrency/election.go``:
   successful refresh; a failed refresh is tried again within half a second, so one slow or
   lost answer does not use up the half-TTL margin below;
 * a campaign is one transaction: *if the leader key was never created (create revision 0),
-  put it with my lease*; else read who holds it;
+  put it with my lease*; else read who holds it. A key found held by this replica's own lease
+  is its own put from an attempt whose answer came too late: it committed, so the replica
+  leads with that key;
 * the winner's epoch is the key's create revision. etcd revisions only grow, so a later
   leader's epoch is larger, and instances can fence off commands of any earlier one;
 * a standby watches the key (a watch from before its first transaction, so a deletion in
@@ -178,17 +180,29 @@ class EtcdElection:
         if succeeded:
             # A put that creates a key does so at the transaction's revision: the create revision.
             epoch = responses[0].response_put.header.revision
-            self._info = LeaderInfo(**{**asdict(record), "epoch": epoch})
-            self._lost_reason = None
-            self._seen = self._info
-            log.info("won the election: epoch %d, lease %x of %d s", epoch, self._lease.id, self.lease_ttl_s)
+            self._won(record, epoch)
             return epoch
         found = responses[0]
         if not found:  # deleted between the compare and the read: cannot happen in one txn
             return 0
         _, current = found[0]
+        if current.lease == self._lease.id:
+            # Our own put, from an attempt whose answer came after request_timeout_s: it was
+            # committed all the same. Only this replica puts with its lease, so it leads, with
+            # the key's create revision; waiting as a standby would keep the key alive with
+            # the lease's refreshes and leave the cluster leaderless for good.
+            log.warning("found the leader key held by our own lease %x: an earlier attempt committed",
+                        self._lease.id)
+            self._won(record, current.create_revision)
+            return current.header.revision
         self._seen = decode_leader(current.value, current.create_revision)
         return current.header.revision
+
+    def _won(self, record: LeaderInfo, epoch: int) -> None:
+        self._info = LeaderInfo(**{**asdict(record), "epoch": epoch})
+        self._lost_reason = None
+        self._seen = self._info
+        log.info("won the election: epoch %d, lease %x of %d s", epoch, self._lease.id, self.lease_ttl_s)
 
     async def _wait_for_change(self, after_revision: int) -> None:
         """Until the watch reports a change of the leader key after ``after_revision``, or a TTL."""

@@ -34,6 +34,7 @@ import logging
 import math
 import os
 import signal
+import stat
 import sys
 import time
 from collections import Counter
@@ -319,6 +320,10 @@ class CommandFailed(Exception):
     """An instance did not take a command (unreachable, no answer, or a refusal)."""
 
 
+class AdminSocketInUse(Exception):
+    """The admin socket's path is taken: another process answers on it, or it is no socket."""
+
+
 @dataclass
 class DrainState:
     """One drain the leader runs: the moves sent and how far it has come."""
@@ -331,7 +336,11 @@ class DrainState:
     state: str = "draining"
     own_blocks: bool = True  # its own requests' blocks move too (False: only what it holds for others)
     num_rounds: int = 0  # plans made from heartbeats newer than the previous moves
-    moves: list[dict[str, Any]] = field(default_factory=list)  # every move sent, with its result
+    # The moves of the latest round that sent any, with their results; earlier rounds only in
+    # the counters: a drain that retries a refused move every heartbeat for hours must not grow
+    # its report with each try.
+    moves: list[dict[str, Any]] = field(default_factory=list)
+    move_results: Counter = field(default_factory=Counter)  # (kind, result) -> moves sent, all rounds
     figures: DrainFigures | None = None  # at the last round
     last_error: str = ""  # why the last round could not plan, if it could not
     task: asyncio.Task | None = None
@@ -384,6 +393,11 @@ class GManager:
         self._moves_in_flight: Counter = Counter()  # instance id -> moves under way touching it
         self._drains: dict[int, DrainState] = {}  # instance id -> its drain, while cordoned
         self._drain_ids = itertools.count(1)
+        # Instance id -> the lock held across "is it drained?", the Drain or Uncordon command
+        # and the registration that follows: two requests at once would otherwise both send
+        # Drain and both start a drain loop. One small lock per instance ever drained.
+        self._drain_locks: dict[int, asyncio.Lock] = {}
+        self._socket_file: tuple[int, int] | None = None  # (st_dev, st_ino) of the socket bound
 
     @property
     def epoch(self) -> int:
@@ -440,6 +454,7 @@ class GManager:
             await self.membership.close()
             for runner in runners:
                 await runner.cleanup()
+            self._remove_own_socket()
             if self.transport is not None:
                 await self.transport.close()
             log.info("gManager stopped")
@@ -469,15 +484,55 @@ class GManager:
         await self.transport.start(self.handle)
 
     async def _start_http(self) -> list[web.AppRunner]:
+        await self._claim_socket_path()
         runner = web.AppRunner(AdminApp(self).build())
         await runner.setup()
-        self.socket_path.parent.mkdir(parents=True, exist_ok=True)
-        self.socket_path.unlink(missing_ok=True)  # left by a killed replica of this path
         await web.UnixSite(runner, str(self.socket_path)).start()
+        bound = os.lstat(self.socket_path)
+        self._socket_file = (bound.st_dev, bound.st_ino)
         site = web.TCPSite(runner, self.config.http_host, self.config.http_port)
         await site.start()
         self.http_port = site._server.sockets[0].getsockname()[1]
         return [runner]
+
+    async def _claim_socket_path(self) -> None:
+        """Make way for the admin socket: a socket nobody answers on was left by a killed
+        process and is removed; a socket another process answers on (a live replica given the
+        same ``--socket-path``) or a file that is no socket is left alone, and the replica
+        does not start (AdminSocketInUse)."""
+        path = self.socket_path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            mode = os.lstat(path).st_mode
+        except FileNotFoundError:
+            return
+        if not stat.S_ISSOCK(mode):
+            raise AdminSocketInUse(f"socket path {path} exists and is not a socket; not removed")
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_unix_connection(str(path)), timeout=2.0)
+        except ConnectionRefusedError:
+            path.unlink(missing_ok=True)
+            return
+        except FileNotFoundError:  # removed meanwhile
+            return
+        except (OSError, TimeoutError) as err:
+            raise AdminSocketInUse(f"socket path {path} cannot be checked ({err}); not removed") from None
+        writer.close()
+        raise AdminSocketInUse(f"socket path {path} is in use: another process (a running gManager?) answers "
+                               f"on it; give each replica its own --socket-path")
+
+    def _remove_own_socket(self) -> None:
+        """Unlink the admin socket if the file at its path is still the one this replica bound;
+        another process's socket there (made after this one was taken for dead) stays."""
+        if self._socket_file is None:
+            return
+        try:
+            found = os.lstat(self.socket_path)
+        except FileNotFoundError:
+            return
+        if (found.st_dev, found.st_ino) == self._socket_file:
+            self.socket_path.unlink(missing_ok=True)
+        self._socket_file = None
 
     # ---- heartbeats --------------------------------------------------------------------------
     async def handle(self, message: Message) -> Message | None:
@@ -517,6 +572,7 @@ class GManager:
             if self.moves_settled():
                 await self._timed_step("round", lambda: self.rebalance(dry_run=False))
             await self._timed_step("forget", self._forget_silent)
+            await self._timed_step("drains", self._resume_returned_drains)
 
     async def _timed_step(self, name: str, step: Callable[[], Any]) -> None:
         """One step of the loop: its errors are logged and counted, never stop the loop."""
@@ -696,54 +752,103 @@ class GManager:
         Raises UnknownInstance (no recent heartbeat), DrainRefused (the other instances lack
         room: nothing is sent and the instance stays as it was) and CommandFailed (the instance
         did not take the ``Drain``). A dry run returns the planned moves. A drain under way is
-        reported, not started again. The moves go on in the background, planned again from
-        heartbeats newer than the last ones until nothing is left (:meth:`drain_status`).
+        reported, not started again (requests at once wait for one another: one drain runs); one
+        whose loop ended is resumed where :meth:`_drain_to_resume` says so. The moves go on in
+        the background, planned again from heartbeats newer than the last ones until nothing is
+        left (:meth:`drain_status`).
         """
         if self.leadership is None or not self.election.is_leader():
             raise NotLeader(f"pid {os.getpid()} is a standby; only the leader drains")
-        if inst_id in self._drains and not dry_run:
-            state = self._drains[inst_id]
-            if state.state == "safe_to_stop" and not self.drain_status(inst_id)["safe_to_stop"]:
-                await self._resume_drain(state)
-            return self.drain_status(inst_id)
-        drain_plan = plan_drain(self._drain_snapshot(self.clock()), inst_id, own_blocks)
-        planned = [_drain_move_json(m, "not_sent") for m in drain_plan.moves]
         if dry_run:
-            return {"instance_id": inst_id, "epoch": self.epoch, "dry_run": True, "moves": planned,
+            drain_plan = plan_drain(self._drain_snapshot(self.clock()), inst_id, own_blocks)
+            return {"instance_id": inst_id, "epoch": self.epoch, "dry_run": True,
+                    "moves": [_drain_move_json(m, "not_sent") for m in drain_plan.moves],
                     "num_blocks_held": drain_plan.num_blocks_held,
                     "num_blocks_own_movable": drain_plan.num_blocks_own_movable,
                     "num_blocks_free_elsewhere": drain_plan.num_blocks_free_elsewhere}
-        drain_id = next(self._drain_ids)
-        await self._command(inst_id, Drain(epoch=self.epoch, drain_id=drain_id, inst_id=inst_id))
-        state = DrainState(inst_id, drain_id, self.clock(), own_blocks=own_blocks)
-        self._drains[inst_id] = state
-        log.info("draining instance %d: %d moves planned", inst_id, len(drain_plan.moves))
-        state.task = asyncio.create_task(self._drain_loop(state, drain_plan), name=f"drain-{inst_id}")
-        return {**self.drain_status(inst_id), "planned_moves": planned}
+        async with self._drain_lock(inst_id):
+            state = self._drains.get(inst_id)
+            if state is not None:
+                if self._drain_to_resume(state):
+                    await self._resume_drain(state)
+                return self.drain_status(inst_id)
+            drain_plan = plan_drain(self._drain_snapshot(self.clock()), inst_id, own_blocks)
+            drain_id = next(self._drain_ids)
+            await self._command(inst_id, Drain(epoch=self.epoch, drain_id=drain_id, inst_id=inst_id))
+            state = DrainState(inst_id, drain_id, self.clock(), own_blocks=own_blocks)
+            self._drains[inst_id] = state
+            log.info("draining instance %d: %d moves planned", inst_id, len(drain_plan.moves))
+            self._start_drain_loop(state, drain_plan)
+        return {**self.drain_status(inst_id), "planned_moves": [_drain_move_json(m, "not_sent")
+                                                                for m in drain_plan.moves]}
 
     async def uncordon(self, inst_id: int) -> dict[str, Any]:
         """Call off a drain (if any) and let the instance admit requests and take blocks again."""
         if self.leadership is None or not self.election.is_leader():
             raise NotLeader(f"pid {os.getpid()} is a standby; only the leader uncordons")
-        state = self._drains.get(inst_id)
-        if state is None and inst_id not in {r.inst_id for r in self.view.live(self.clock())}:
-            raise UnknownInstance(f"unknown instance {inst_id} (no recent heartbeat)")
-        await self._command(inst_id, Uncordon(epoch=self.epoch, drain_id=state.drain_id if state else 0,
-                                              inst_id=inst_id))
-        if state is not None:
-            del self._drains[inst_id]
-            if state.task is not None:
-                state.task.cancel()
+        # A drain being started meanwhile is registered before this goes on: its loop is stopped.
+        async with self._drain_lock(inst_id):
+            state = self._drains.get(inst_id)
+            if state is None and inst_id not in {r.inst_id for r in self.view.live(self.clock())}:
+                raise UnknownInstance(f"unknown instance {inst_id} (no recent heartbeat)")
+            await self._command(inst_id, Uncordon(epoch=self.epoch, drain_id=state.drain_id if state else 0,
+                                                  inst_id=inst_id))
+            if state is not None:
+                del self._drains[inst_id]
+                if state.task is not None:
+                    state.task.cancel()
         return {"instance_id": inst_id, "draining": False}
 
+    def _drain_lock(self, inst_id: int) -> asyncio.Lock:
+        return self._drain_locks.setdefault(inst_id, asyncio.Lock())
+
+    def _drain_to_resume(self, state: DrainState) -> bool:
+        """Whether a drain whose loop has ended must run again. A drained instance that runs
+        requests again restarted within ``--silent-after-heartbeats`` (so it was never
+        forgotten), and a restart is not cordoned. One that went silent mid-drain ("lost", or
+        "stopped") and heartbeats again before it was forgotten only stalled: it is still
+        cordoned, and without a loop its drain would never end."""
+        if state.task is not None and not state.task.done():
+            return False
+        if state.state == "safe_to_stop":
+            return not self.drain_status(state.inst_id)["safe_to_stop"]
+        live = {r.inst_id for r in self.view.live(self.clock())}
+        return state.state in ("lost", "stopped") and state.inst_id in live
+
     async def _resume_drain(self, state: DrainState) -> None:
-        """Drain again an instance that was drained but runs requests now: it restarted within
-        ``--silent-after-heartbeats`` (so it was never forgotten), and a restart is not cordoned."""
+        """Cordon the instance again and restart its drain loop; the caller holds its drain lock."""
         await self._command(state.inst_id, Drain(epoch=self.epoch, drain_id=state.drain_id, inst_id=state.inst_id))
-        log.info("drain of instance %d resumed: it runs requests again", state.inst_id)
+        log.info("drain of instance %d resumed (it was %s)", state.inst_id, state.state)
         state.state = "draining"
+        state.last_error = ""
         # No plan yet: the next one is made from heartbeats newer than the Drain.
-        state.task = asyncio.create_task(self._drain_loop(state, None), name=f"drain-{state.inst_id}")
+        self._start_drain_loop(state, None)
+
+    def _start_drain_loop(self, state: DrainState, drain_plan: DrainPlan | None) -> None:
+        """One loop per drain: a loop started before is cancelled (unless it is the caller)."""
+        if state.task is not None and state.task is not asyncio.current_task():
+            state.task.cancel()
+        state.task = asyncio.create_task(self._drain_loop(state, drain_plan), name=f"drain-{state.inst_id}")
+
+    def _resume_returned_drains(self) -> None:
+        """A step of the periodic loop: resume, in the background, each drain that ended
+        "lost" or "stopped" whose instance heartbeats again (see :meth:`_drain_to_resume`)."""
+        for state in list(self._drains.values()):
+            if state.state in ("lost", "stopped") and self._drain_to_resume(state):
+                state.task = asyncio.create_task(self._resume_in_background(state), name=f"drain-{state.inst_id}")
+
+    async def _resume_in_background(self, state: DrainState) -> None:
+        async with self._drain_lock(state.inst_id):
+            # Uncordoned, forgotten or resumed by a request while this waited: nothing to do.
+            if self._drains.get(state.inst_id) is not state or state.state not in ("lost", "stopped"):
+                return
+            if not self.election.is_leader():
+                return
+            try:
+                await self._resume_drain(state)
+            except CommandFailed as err:  # the next round of the loop tries again
+                state.last_error = str(err)
+                log.warning("drain of instance %d not resumed: %s", state.inst_id, err)
 
     async def _command(self, inst_id: int, command: Message) -> None:
         member = self.membership.members().get(inst_id)
@@ -782,7 +887,7 @@ class GManager:
         return {**report, "drain_id": state.drain_id, "state": phase,
                 "safe_to_stop": safe_to_stop, "rounds": state.num_rounds,
                 "elapsed_s": self.clock() - state.started_s, "moves": list(state.moves),
-                "last_error": state.last_error}
+                "move_results": _by_kind(state.move_results), "last_error": state.last_error}
 
     async def _drain_loop(self, state: DrainState, drain_plan: DrainPlan | None) -> None:
         """Send the plan; wait for heartbeats newer than the moves; plan again; until nothing is left."""
@@ -841,11 +946,15 @@ class GManager:
         for move in moves:
             by_home.setdefault(move.home_inst_id, []).append(move)
 
+        state.moves = []
+
         async def send_all_of(home_moves: list[DrainMove]) -> None:
             planned = [PlannedMove(m.home_inst_id, m.req_id, m.src_inst_id, m.dst_inst_id, m.num_blocks, 0.0)
                        for m in home_moves]
             async for position, result in self._send_in_order(planned, members):
-                state.moves.append(_drain_move_json(home_moves[position], result))
+                move = home_moves[position]
+                state.moves.append(_drain_move_json(move, result))
+                state.move_results[move.kind, result] += 1
                 self.stats.moves[result] += 1
 
         await asyncio.gather(*(send_all_of(v) for v in by_home.values()))
@@ -897,6 +1006,14 @@ class GManager:
 def _drain_move_json(move: DrainMove, result: str) -> dict[str, Any]:
     return {"req_id": move.req_id, "home_inst_id": move.home_inst_id, "src_inst_id": move.src_inst_id,
             "dst_inst_id": move.dst_inst_id, "num_blocks": move.num_blocks, "kind": move.kind, "result": result}
+
+
+def _by_kind(move_results: Counter) -> dict[str, dict[str, int]]:
+    """``{(kind, result): n}`` as ``{kind: {result: n}}``."""
+    out: dict[str, dict[str, int]] = {}
+    for (kind, result), count in sorted(move_results.items()):
+        out.setdefault(kind, {})[result] = count
+    return out
 
 
 # ---- admin HTTP API ---------------------------------------------------------------------------
@@ -983,6 +1100,8 @@ async def _json_object(request: web.Request, required: set[str], optional: set[s
         body = json.loads(await request.read() or b"{}")
     except ValueError as err:
         return _error(400, f"body is not JSON: {err}")
+    except RecursionError:  # not a ValueError: arrays or objects nested thousands deep
+        return _error(400, "body nests arrays or objects too deeply to parse")
     if not isinstance(body, dict):
         return _error(400, "body must be a JSON object")
     unknown = sorted(set(body) - required - optional)
@@ -1068,7 +1187,7 @@ def main(argv: list[str] | None = None) -> int:
         election = LocalElection(config.state_dir, poll_interval_s=config.election_poll_s)
     try:
         return asyncio.run(GManager(config, model, election).run())
-    except EtcdUnreachable as err:
+    except (EtcdUnreachable, AdminSocketInUse) as err:
         print(f"gmanager: {err}", file=sys.stderr)
         return 1
 

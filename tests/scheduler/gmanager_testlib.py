@@ -45,19 +45,27 @@ START_TIMEOUT_S = 60.0
 
 
 class GManagerProcess:
-    """One ``python -m infinite_llm.scheduler.gmanager`` replica with its own socket and log."""
+    """One ``python -m infinite_llm.scheduler.gmanager`` replica with its own socket and log.
 
-    def __init__(self, state_dir: Path, name: str, extra_args: list[str] | None = None) -> None:
+    With ``default_socket_path`` no ``--socket-path`` is given: the replica takes its default,
+    ``<state_dir>/gmanager/<pid>.sock``.
+    """
+
+    def __init__(self, state_dir: Path, name: str, extra_args: list[str] | None = None,
+                 default_socket_path: bool = False) -> None:
         self.state_dir = state_dir
         self.socket_path = state_dir.parent / f"{name}.sock"
         self.log_path = state_dir.parent / f"{name}.log"
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        socket_args = [] if default_socket_path else ["--socket-path", str(self.socket_path)]
         args = [sys.executable, "-m", "infinite_llm.scheduler.gmanager", "--state-dir", str(state_dir),
-                "--perf-model", str(PERF_MODEL), "--http-port", "0", "--socket-path", str(self.socket_path),
+                "--perf-model", str(PERF_MODEL), "--http-port", "0", *socket_args,
                 "--election-poll-s", "0.1", *(extra_args or [])]
         with open(self.log_path, "w") as log:
             self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env,
                                             start_new_session=True)
+        if default_socket_path:
+            self.socket_path = state_dir / "gmanager" / f"{self.process.pid}.sock"
 
     def log(self) -> str:
         return self.log_path.read_text()[-4000:]

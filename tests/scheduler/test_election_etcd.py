@@ -159,6 +159,44 @@ def test_a_malformed_leader_record_is_skipped_but_still_holds_the_key(etcd) -> N
     run(scenario())
 
 
+def test_a_campaign_whose_answer_comes_too_late_leads_with_the_key_it_created(etcd, monkeypatch) -> None:
+    """The campaign's transaction commits in etcd, but its answer comes after the request
+    timeout: the retry finds the key held by the replica's own lease, and the replica leads
+    with that key's create revision (not a standby that keeps the key alive for good)."""
+    prefix = "/t-late-answer"
+    request_s = 0.5
+    transaction = aetcd.Client.transaction
+    num_late = [1]
+
+    async def late_transaction(client, *args, **kwargs):
+        result = await transaction(client, *args, **kwargs)  # committed
+        if num_late[0]:
+            num_late[0] -= 1
+            await asyncio.sleep(4 * request_s)  # a slow network, a long pause: the answer is late
+        return result
+
+    monkeypatch.setattr(aetcd.Client, "transaction", late_transaction)
+
+    async def scenario():
+        first = EtcdElection(etcd.endpoint, prefix=prefix, lease_ttl_s=TTL_S, request_timeout_s=request_s)
+        second = EtcdElection(etcd.endpoint, prefix=prefix, lease_ttl_s=TTL_S, request_timeout_s=request_s)
+        try:
+            info = await campaign_within(first, 1000, 5)
+            assert num_late == [0] and first.is_leader() and info.peer_port == 1000
+            kv = await raw_get(etcd.endpoint, EtcdKeys(prefix).leader)
+            assert kv.create_revision == info.epoch and kv.lease == first._lease.id
+            # Another candidate sees it as the leader and waits.
+            standby = asyncio.create_task(second.campaign(addresses(2000)))
+            await asyncio.sleep(0.5)
+            assert not standby.done() and second.leader() == info
+            standby.cancel()
+        finally:
+            await first.close()
+            await second.close()
+
+    run(scenario())
+
+
 def test_unreachable_etcd_is_a_clear_bounded_error() -> None:
     endpoint = f"127.0.0.1:{closed_port()}"
     started = time.monotonic()

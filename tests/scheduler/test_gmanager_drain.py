@@ -10,8 +10,9 @@ import pytest
 
 from infinite_llm.scheduler.drain import DrainRefused, UnknownInstance
 from infinite_llm.scheduler.gmanager import MovesUnsettled, NotLeader
-from infinite_llm.transport.messages import MoveKV
-from gmanager_testlib import Cluster, RecordingTransport, heartbeat, until
+from infinite_llm.transport.errors import RemoteError
+from infinite_llm.transport.messages import Ack, ErrorCode, MoveKV
+from gmanager_testlib import PORT_BASE, Cluster, RecordingTransport, heartbeat, until
 
 
 def test_drain_refusals_plan_moves_and_safe_to_stop(tmp_path) -> None:
@@ -201,6 +202,177 @@ def test_a_drained_instance_that_restarts_and_runs_requests_is_not_safe_to_stop(
         assert c.transport.commands() == [(2, "drain", 2), (2, "drain", 2)]
         await until(heartbeats_until(lambda: len(c.transport.sent) == 4, 40, 2, ((1, 2, 12), (2, 2, 12))))
         assert c.transport.commands()[2:] == [(2, "move", 2, 1, 2, 1, 11), (2, "move", 2, 2, 2, 3, 11)]
+        gm._drains[2].task.cancel()
+
+    asyncio.run(scenario())
+
+
+def total_sent(status: dict) -> int:
+    """Moves a drain has sent over all its rounds, from its report's counters."""
+    return sum(sum(results.values()) for results in status["move_results"].values())
+
+
+async def drain_until_lost(c: Cluster) -> None:
+    """Instance 2 is drained; after the first round it is silent a little longer than
+    --silent-after-heartbeats (20 s here) while the others go on: the drain is lost."""
+    gm = c.gm
+    c.beat(1, 40, 1, upserts=((7, 1, 24), (7, 2, 12)), borrowed=12)
+    c.beat(2, 30, 1, upserts=((5, 2, 10),), lent=12)
+    c.beat(3, 50, 0)
+    await gm.drain(2, dry_run=False)
+    await until(lambda: len(gm.drain_status(2)["moves"]) == 2)
+    c.now = 20.5
+    c.beat(1, 40, 1, upserts=((7, 1, 24), (7, 3, 12)), borrowed=12)
+    c.beat(3, 38, 0, lent=12)
+    await until(lambda: gm.drain_status(2)["state"] == "lost")
+    assert gm._drains[2].task.done()
+
+
+def beat_all_drained(c: Cluster) -> Callable[[], bool]:
+    """Heartbeats of all three, a little later each time, instance 2 empty; true once safe to stop."""
+    def beat_and_check() -> bool:
+        c.now += 0.1
+        c.beat(1, 40, 1, upserts=((7, 1, 24), (7, 3, 12)), borrowed=12)
+        c.beat(2, 64, 0)
+        c.beat(3, 38, 0, lent=12)
+        return c.gm.drain_status(2)["safe_to_stop"]
+    return beat_and_check
+
+
+FIRST_ROUND = [(2, "drain", 2), (1, "move", 1, 7, 2, 3, 12), (2, "move", 2, 5, 2, 1, 9)]
+
+
+def test_a_lost_drain_resumes_when_its_instance_heartbeats_again(tmp_path) -> None:
+    """A stall, not a stop: instance 2 heartbeats again before it is forgotten. The periodic
+    loop's drain step cordons it again and the drain goes on to safe to stop."""
+    c = Cluster(tmp_path)
+    gm = c.gm
+
+    async def scenario() -> None:
+        await drain_until_lost(c)
+        gm._resume_returned_drains()  # still silent: nothing to resume
+        assert gm._drains[2].task.done() and c.transport.commands() == FIRST_ROUND
+
+        c.now = 21.0
+        c.beat(2, 54, 1, upserts=((5, 2, 1), (5, 1, 9)), borrowed=9)
+        await gm._forget_silent()
+        assert gm.drain_status(2)["state"] == "lost"
+        gm._resume_returned_drains()
+        await until(lambda: gm.drain_status(2)["state"] == "draining")
+        assert c.transport.commands() == [*FIRST_ROUND, (2, "drain", 2)]
+        await until(beat_all_drained(c))
+        status = gm.drain_status(2)
+        assert (status["state"], status["running_requests"], status["blocks_held_for_others"]) == ("safe_to_stop", 0, 0)
+        assert gm._drains[2].task.done()
+
+    asyncio.run(scenario())
+
+
+def test_a_drain_request_restarts_a_lost_drain_once_its_instance_is_back(tmp_path) -> None:
+    c = Cluster(tmp_path)
+    gm = c.gm
+
+    async def scenario() -> None:
+        await drain_until_lost(c)
+        # Still silent: the request reports the drain and sends nothing.
+        assert (await gm.drain(2, dry_run=False))["state"] == "lost"
+        assert c.transport.commands() == FIRST_ROUND
+
+        c.now = 21.0
+        c.beat(2, 54, 1, upserts=((5, 2, 1), (5, 1, 9)), borrowed=9)
+        status = await gm.drain(2, dry_run=False)
+        assert (status["state"], status["drain_id"]) == ("draining", 1)
+        assert c.transport.commands() == [*FIRST_ROUND, (2, "drain", 2)]
+        await until(beat_all_drained(c))
+        assert gm.drain_status(2)["state"] == "safe_to_stop"
+
+    asyncio.run(scenario())
+
+
+class SlowTransport(RecordingTransport):
+    """Answers each command after a round trip, so that requests to the gManager overlap."""
+
+    async def request(self, peer, message, timeout_s=None):
+        self.sent.append((peer.port - PORT_BASE, message))
+        await asyncio.sleep(0.05)
+        return Ack()
+
+
+def test_two_drain_requests_at_once_run_one_drain_and_uncordon_stops_it(tmp_path) -> None:
+    c = Cluster(tmp_path)
+    gm = c.gm
+    gm.transport = c.transport = SlowTransport()
+
+    def beat_all() -> None:
+        c.beat(1, 40, 1, upserts=((7, 1, 24), (7, 2, 12)), borrowed=12)
+        c.beat(2, 30, 1, upserts=((5, 2, 10),), lent=12)
+        c.beat(3, 50, 0)
+
+    def drain_loops() -> list[asyncio.Task]:
+        return [t for t in asyncio.all_tasks() if t.get_name() == "drain-2" and not t.done()]
+
+    async def scenario() -> None:
+        beat_all()
+        # infctl drain and the instance's own stop-time request, say, at the same moment.
+        first, second = await asyncio.gather(gm.drain(2, dry_run=False), gm.drain(2, dry_run=False))
+        assert first["drain_id"] == second["drain_id"] == 1
+        assert "planned_moves" in first and "planned_moves" not in second  # the second is a report
+        await until(lambda: len(gm.drain_status(2)["moves"]) == 2)
+        assert c.transport.commands() == FIRST_ROUND
+        loops = drain_loops()
+        assert len(loops) == 1
+        await gm.uncordon(2)
+        await asyncio.wait(loops, timeout=2.0)
+        assert drain_loops() == []
+
+        # A drain and an uncordon at once: the uncordon waits until the drain is registered,
+        # then calls it off; no loop is left behind.
+        c.now = 1.0
+        beat_all()
+        await asyncio.gather(gm.drain(2, dry_run=False), gm.uncordon(2))
+        await asyncio.wait(drain_loops(), timeout=2.0)
+        assert drain_loops() == [] and gm.drain_status(2)["draining"] is False
+        cordons = [command for command in c.transport.commands() if command[1] != "move"]
+        assert cordons == [(2, "drain", 2), (2, "uncordon", 2), (2, "drain", 2), (2, "uncordon", 2)]
+
+    asyncio.run(scenario())
+
+
+class RefusingMoves(RecordingTransport):
+    """Takes Drain, refuses every MoveKV (the destination is short of room in fact)."""
+
+    async def request(self, peer, message, timeout_s=None):
+        await super().request(peer, message, timeout_s)
+        if isinstance(message, MoveKV):
+            raise RemoteError(peer, ErrorCode.HANDLER_FAILED, "no room at the destination")
+        return Ack()
+
+
+def test_a_drain_report_keeps_the_latest_round_s_moves_and_counts_the_rest(tmp_path) -> None:
+    c = Cluster(tmp_path)
+    gm = c.gm
+    gm.transport = c.transport = RefusingMoves()
+
+    def beat_all() -> None:
+        c.now += 0.1
+        c.beat(1, 40, 1, upserts=((7, 1, 24), (7, 2, 12)), borrowed=12)
+        c.beat(2, 30, 1, upserts=((5, 2, 10),), lent=12)
+        c.beat(3, 50, 0)
+
+    async def scenario() -> None:
+        beat_all()
+        await gm.drain(2, dry_run=False)
+        for num_rounds in range(1, 6):
+            # Newer heartbeats until this round's two moves were sent (and refused).
+            def sent_this_round(n=num_rounds) -> bool:
+                beat_all()
+                return total_sent(gm.drain_status(2)) >= 2 * n
+            await until(sent_this_round)
+        status = gm.drain_status(2)
+        assert sorted((m["kind"], m["req_id"], m["result"]) for m in status["moves"]) == [
+            ("held", 7, "refused"), ("own", 5, "refused")]
+        assert status["move_results"] == {"held": {"refused": 5}, "own": {"refused": 5}}
+        assert gm.status()["moves"] == {"refused": 10}
         gm._drains[2].task.cancel()
 
     asyncio.run(scenario())

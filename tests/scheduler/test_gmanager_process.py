@@ -1,12 +1,17 @@
-"""A real gManager process over loopback UCX: heartbeats, its admin API, a dry-run rebalance."""
+"""A real gManager process over loopback UCX: heartbeats, its admin API, a dry-run rebalance,
+its admin socket."""
 
 from __future__ import annotations
 
+import asyncio
+import socket
+
 import pytest
 
+from infinite_llm.scheduler.gmanager import AdminSocketInUse
 from infinite_llm.transport.errors import RemoteError
 from infinite_llm.transport.messages import CreditorHint, HeartbeatReply
-from gmanager_testlib import GManagerProcess, HeartbeatSender, heartbeat, leader_address
+from gmanager_testlib import Cluster, GManagerProcess, HeartbeatSender, heartbeat, leader_address
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +90,7 @@ def test_status_of_one_instance_and_roles(gmanager, sender) -> None:
     ({"dry_run": "yes"}, "dry_run must be true or false"),
     ([True], "must be a JSON object"),
     (b"{not json", "not JSON"),
+    (b"[" * 100_000 + b"]" * 100_000, "nests arrays or objects too deeply"),
 ])
 def test_rebalance_refuses_bad_input(gmanager, body, error) -> None:
     code, reply = gmanager.request("POST", "/v1/rebalance", body)
@@ -127,3 +133,41 @@ def test_rebalance_on_disagreeing_heartbeats_is_a_conflict(gmanager, sender) -> 
     assert isinstance(sender.send(peer, heartbeat(41, 2, 64, 34, 1, 0, 2, upserts=((1, 41, 30),))), HeartbeatReply)
     code, body = gmanager.request("POST", "/v1/rebalance", {"dry_run": True})
     assert code == 200
+
+
+def test_a_replica_removes_its_socket_at_exit_and_leaves_a_live_one_alone(tmp_path) -> None:
+    """The default socket <state_dir>/gmanager/<pid>.sock goes with its replica. A second
+    replica given a path where another process answers refuses to start, and leaves it."""
+    first = GManagerProcess(tmp_path / "state", "first", default_socket_path=True)
+    try:
+        first.wait_leading()
+        assert first.socket_path.is_socket()
+        second = GManagerProcess(tmp_path / "state2", "second", ["--socket-path", str(first.socket_path)])
+        try:
+            assert second.process.wait(timeout=60) == 1, second.log()
+        finally:
+            second.kill()
+        assert f"socket path {first.socket_path} is in use" in second.log()
+        assert first.status()["leader"]  # still answers on its socket
+    finally:
+        assert first.stop() == 0, first.log()
+    assert not first.socket_path.exists()
+    assert [p.name for p in (tmp_path / "state" / "gmanager").iterdir() if p.suffix == ".sock"] == []
+
+
+def test_a_socket_left_by_a_killed_process_is_replaced_and_a_plain_file_is_not(tmp_path) -> None:
+    c = Cluster(tmp_path)
+    path = c.gm.socket_path
+    path.parent.mkdir(parents=True)
+    with socket.socket(socket.AF_UNIX) as left:  # bound, never unlinked: nobody answers on it
+        left.bind(str(path))
+
+    async def scenario() -> None:
+        await c.gm._claim_socket_path()
+        assert not path.exists()
+        path.write_text("not a socket")
+        with pytest.raises(AdminSocketInUse, match="exists and is not a socket"):
+            await c.gm._claim_socket_path()
+        assert path.read_text() == "not a socket"
+
+    asyncio.run(scenario())
