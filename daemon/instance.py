@@ -356,6 +356,7 @@ class InstanceDaemon:
                                      spill_to_creditors=False)
         self.engine = await asyncio.to_thread(LLMEngine, checkpoint, engine_config, self.remote, self.lender)
         self.lender.engine = self.engine
+        self.lender.prepare(self.pool)  # before any step: making a CUDA stream waits for queued work
         self.served_model = c.served_model_name or Path(checkpoint.source).stem
         bm = self.engine.block_manager
         self.ledger = CreditorLedger(bm.reserve_home_blocks, bm.release_home_blocks,

@@ -560,6 +560,13 @@ class TransportLender:
             return None
         return move
 
+    def prepare(self, pool: torch.Tensor) -> None:
+        """Make the move stream for a device pool now, while nothing is queued: making a CUDA
+        stream waits for the device's queued work (162 ms behind a step's kernels on the H200),
+        which the first move would otherwise do with the event loop blocked."""
+        if pool.is_cuda and self._move_stream is None:
+            self._move_stream = torch.cuda.Stream(pool.device)
+
     def _pack(self, pool: torch.Tensor, src_block_ids, dst_block_ids
               ) -> tuple[tuple[BlockRun, ...], tuple[torch.Tensor, ...], torch.cuda.Event | None]:
         """A move's runs and buffers (``pack_kv_runs``), and for a device pool the event after

@@ -113,16 +113,23 @@ def test_on_a_gpu_a_move_waits_for_the_engines_queued_writes_with_the_event_loop
     s = Setup(tmp_path, device="cuda")
     home_blocks = list(s.bm.block_table("7")[0].block_ids[:2])
     written = torch.randn(2, *BLOCK_SHAPE, device="cuda")
-    index = torch.tensor(home_blocks, device="cuda")  # made now: a copy up from the host would wait
+    first = home_blocks[0]
+    assert home_blocks == [first, first + 1]  # a slice: an index op may wait for the device
+    s.lender.prepare(s.home_pool)  # as the daemon does at start (a new stream waits for the device)
     busy = torch.randn(4096, 4096, device="cuda")
+    for _ in range(60):  # once untimed: first calls set libraries and memory up, synchronously
+        busy = torch.tanh(busy @ busy)
     torch.cuda.synchronize()
 
     def queue_work_and_start_ticker():
         nonlocal busy
-        started = time.perf_counter()
         for _ in range(60):  # a few ms each on any GPU: the move waits for all of it
             busy = torch.tanh(busy @ busy)
-        s.home_pool.index_copy_(0, index, written)  # the blocks' last writes, queued behind
+        s.home_pool[first:first + 2].copy_(written)  # the blocks' last writes, queued behind
+        queued = torch.cuda.Event()
+        queued.record()
+        assert not queued.query(), "the queued work ran out before the move started"
+        started = time.perf_counter()
         ticks = []
 
         async def tick():
