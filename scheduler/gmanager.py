@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import grp
 import itertools
 import json
 import logging
@@ -246,6 +247,9 @@ class GManagerConfig:
     http_host: str = "127.0.0.1"  # admin API on TCP
     http_port: int = 0  # 0: any free port
     socket_path: Path | None = None  # admin API on a Unix socket; None: <state_dir>/gmanager/<pid>.sock
+    # The socket's group (mode 0660, for operators in it: the admin group); None: the process's,
+    # with its umask's mode.
+    socket_gid: int | None = None
     heartbeat_interval_s: float = 1.0  # how often instances send heartbeats, s
     silent_after_heartbeats: int = 5  # heartbeat periods of silence before an instance is left out
     plan_interval_s: float = 2.0  # between policy rounds, s
@@ -488,6 +492,10 @@ class GManager:
         runner = web.AppRunner(AdminApp(self).build())
         await runner.setup()
         await web.UnixSite(runner, str(self.socket_path)).start()
+        if self.config.socket_gid is not None:
+            # Connecting needs write access: the admin group's members get it, nobody else.
+            os.chown(self.socket_path, -1, self.config.socket_gid)
+            os.chmod(self.socket_path, 0o660)
         bound = os.lstat(self.socket_path)
         self._socket_file = (bound.st_dev, bound.st_ino)
         site = web.TCPSite(runner, self.config.http_host, self.config.http_port)
@@ -1140,6 +1148,8 @@ def parse_args(argv: list[str] | None = None) -> GManagerConfig:
     p.add_argument("--http-host", default="127.0.0.1")
     p.add_argument("--http-port", type=int, default=0)
     p.add_argument("--socket-path", type=Path, default=None)
+    p.add_argument("--socket-group", default=None,
+                   help="the admin socket's group, e.g. infinite-llm-admin (mode 0660); default: the process's")
     p.add_argument("--heartbeat-interval-s", type=float, default=1.0)
     p.add_argument("--silent-after-heartbeats", type=int, default=5)
     p.add_argument("--plan-interval-s", type=float, default=2.0)
@@ -1158,7 +1168,13 @@ def parse_args(argv: list[str] | None = None) -> GManagerConfig:
                    help="learn the policy's remote-attention overhead from the heartbeats of this window, s "
                         "(0: keep the calibrated one)")
     a = p.parse_args(argv)
-    return GManagerConfig(
+    socket_gid = None
+    if a.socket_group is not None:
+        try:
+            socket_gid = grp.getgrnam(a.socket_group).gr_gid
+        except KeyError:
+            p.error(f"--socket-group: no group {a.socket_group!r} on this host")
+    return GManagerConfig(socket_gid=socket_gid, 
         state_dir=a.state_dir, perf_model_path=a.perf_model, peer_host=a.peer_host, peer_port=a.peer_port,
         http_host=a.http_host, http_port=a.http_port, socket_path=a.socket_path,
         heartbeat_interval_s=a.heartbeat_interval_s, silent_after_heartbeats=a.silent_after_heartbeats,

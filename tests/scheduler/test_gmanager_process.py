@@ -171,3 +171,26 @@ def test_a_socket_left_by_a_killed_process_is_replaced_and_a_plain_file_is_not(t
         assert path.read_text() == "not a socket"
 
     asyncio.run(scenario())
+
+
+def test_the_admin_socket_can_be_given_to_the_admin_group(tmp_path) -> None:
+    """--socket-group: the socket's group and mode 0660, for operators in that group; an unknown
+    group is refused before anything starts."""
+    import grp
+    import os
+    import stat
+    import subprocess
+    import sys
+
+    group = grp.getgrgid(os.getgid()).gr_name
+    gm = GManagerProcess(tmp_path / "state", "grouped", ["--socket-group", group])
+    try:
+        gm.wait_leading()
+        mode = os.stat(gm.socket_path)
+        assert (stat.S_IMODE(mode.st_mode), mode.st_gid) == (0o660, os.getgid())
+    finally:
+        assert gm.stop() == 0, gm.log()
+    refused = subprocess.run([sys.executable, "-m", "infinite_llm.scheduler.gmanager", "--state-dir", str(tmp_path),
+                              "--perf-model", "x.json", "--socket-group", "no-such-group-x"],
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "no group 'no-such-group-x'" in refused.stderr
