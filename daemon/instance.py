@@ -167,9 +167,8 @@ class InstanceDaemon:
         # gManager moves wait here for the next step boundary, where block tables may change.
         self._ordered_moves: list[tuple[MoveKV, asyncio.Future[bool]]] = []
         # Home-block moves whose data a peer committed, to switch at the next step boundary.
-        self._committed_moves: list[tuple[SegmentMove, Peer, asyncio.Future[bool]]] = []
-        # Functions a background move runs at the next step boundary (a creditor-to-creditor
-        # move's table switch), with the futures of their results.
+        # Functions background moves run at the next step boundary (their table switches), with
+        # the futures of their results.
         self._at_step_boundary: list[tuple[Callable[[], object], asyncio.Future]] = []
         self._moves_in_flight: set[asyncio.Task] = set()
         self._device_failure: BaseException | None = None  # a sticky device error: stop and exit 1
@@ -657,22 +656,19 @@ class InstanceDaemon:
         return None
 
     async def _carry_out_ordered_moves(self) -> None:
-        """At a step boundary: switch the tables of moves whose data the peers committed, start
-        new moves of home blocks in the background (the engine steps while their messages
-        travel), and carry out creditor-to-creditor moves in place."""
-        committed, self._committed_moves = self._committed_moves, []
-        for move, dst, done in committed:
-            ok = self.lender.switch_move(self.engine, move, dst)
-            if not done.done():
-                done.set_result(ok)
+        """At a step boundary: switch the tables of moves whose data the peers committed, and
+        start new ordered moves in the background (the engine steps while their messages travel)."""
         waiting, self._at_step_boundary = self._at_step_boundary, []
         for function, ran in waiting:
-            if ran.done():  # its waiter was cancelled (the daemon stops)
-                continue
+            # Run even for a waiter that gave up (the daemon stops): the peer committed the copy.
             try:
-                ran.set_result(function())
+                result = function()
             except Exception as exc:  # the waiter's to handle
-                ran.set_exception(exc)
+                if not ran.done():
+                    ran.set_exception(exc)
+                continue
+            if not ran.done():
+                ran.set_result(result)
         moves, self._ordered_moves = self._ordered_moves, []
         for message, done in moves:
             if message.epoch < self.fence.newest_epoch:
@@ -748,10 +744,7 @@ class InstanceDaemon:
 
     async def _switch_at_step_boundary(self, move: SegmentMove, dst: Peer) -> bool:
         """Hand a committed piece to the engine loop, which switches it at the next step boundary."""
-        switched: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        self._committed_moves.append((move, dst, switched))
-        self._work.set()  # an idle engine loop wakes to switch
-        return await switched
+        return await self._run_at_step_boundary(lambda: self.lender.switch_move(self.engine, move, dst))
 
     def _try_move(self, message: TryMoveKV) -> MoveReserved | MoveRejected:
         # A refusal's figure is what the requester may count on here: the home keeps it as this

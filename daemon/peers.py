@@ -574,8 +574,7 @@ class TransportLender:
         queued (the kernels that wrote the blocks), without the host waiting for either."""
         if not pool.is_cuda:
             return *pack_kv_runs(pool, src_block_ids, dst_block_ids, self._staging), None
-        if self._move_stream is None:
-            self._move_stream = torch.cuda.Stream(pool.device)
+        self.prepare(pool)  # made at start already in a daemon
         self._move_stream.wait_stream(torch.cuda.current_stream(pool.device))
         with torch.cuda.stream(self._move_stream):
             runs, data = pack_kv_runs(pool, src_block_ids, dst_block_ids)

@@ -343,7 +343,7 @@ def test_an_ordered_move_stops_at_the_next_piece_once_a_newer_leader_spoke(tmp_p
             if task.done():
                 break
             await network.settle()
-            if home._committed_moves:
+            if home._at_step_boundary:
                 await home._carry_out_ordered_moves()
                 home.fence.admit(6)  # a heartbeat reply from a new leader
         assert task.done()
