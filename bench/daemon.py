@@ -15,6 +15,11 @@ the request as the runs with moves do on average: half, plus half of what the wa
 With ``--move-window STEPS`` the comparison is made within each request instead: windows of
 STEPS decode steps alternate without and with moves, and each window with moves is set against
 the windows without on either side (the host's drift and the growing split are then shared).
+With ``--move-every STEPS`` as well, moves are paced (one each STEPS steps) rather than back to
+back: a rate of ``--move-tokens`` per STEPS steps, the measure the goal is set in (tokens a step).
+
+    python bench/daemon.py --device cuda --model /tmp/llama1b --mps --moves-only --context-items 6500 \
+        --new-tokens 330 --move-window 18 --move-every 8 --move-tokens 128,256 --move-repeats 3
 
     python bench/daemon.py                  # the CPU (SmolLM2-135M)
     python bench/daemon.py --device cuda    # one GPU shared by the processes
@@ -330,14 +335,16 @@ def split_case(num_instances: int, context_blocks: int, prompt: str, new_tokens:
 
 async def leader_moves(address: PeerAddress, req_id_of: "queue.Queue[int]", split_blocks: int, num_blocks: int,
                        ready: threading.Event, stop: threading.Event, dst: int, result: dict,
-                       moving: threading.Event | None = None) -> None:
+                       moving: threading.Event | None = None, due: threading.Semaphore | None = None) -> None:
     """A leader's MoveKV commands for the request whose id arrives on ``req_id_of``: first one
     move of ``split_blocks`` (the request then decodes with its KV split, as both timed runs
-    do), then, with ``num_blocks``, moves of that many blocks back to back until ``stop``
-    (only while ``moving`` is set, where given). Its transport is up (``ready``) before the
-    request starts. Sets ``result["split_at"]`` (when the split move returned, perf_counter s),
-    ``result["moves"]`` ((committed, failed)) and ``result["intervals"]`` ((start, end,
-    committed) of each move after the split, perf_counter s)."""
+    do), then, with ``num_blocks``, moves of that many blocks until ``stop``: back to back
+    (only while ``moving`` is set, where given), or, with ``due``, one each time the reader of
+    the request's steps releases it (a paced rate; a move due while one is under way starts when
+    it ends). Its transport is up (``ready``) before the request starts. Sets
+    ``result["split_at"]`` (when the split move returned, perf_counter s), ``result["moves"]``
+    ((committed, failed)) and ``result["intervals"]`` ((start, end, committed) of each move
+    after the split, perf_counter s)."""
     from infinite_llm.transport.ucx import UcxTransport
 
     transport = UcxTransport(TransportConfig(request_timeout_s=120.0))
@@ -357,6 +364,8 @@ async def leader_moves(address: PeerAddress, req_id_of: "queue.Queue[int]", spli
         result["split_at"] = time.perf_counter()
         move_id = 1
         while num_blocks and not stop.is_set():
+            if due is not None and not await asyncio.to_thread(due.acquire, True, 0.05):
+                continue
             if moving is not None and not moving.is_set():
                 await asyncio.sleep(0.002)
                 continue
@@ -412,12 +421,15 @@ def split_run(cluster: LocalCluster, prompt: str, new_tokens: int, split_blocks:
 
 
 def toggled_run(cluster: LocalCluster, prompt: str, new_tokens: int, split_blocks: int, blocks_per_move: int,
-                window_steps: int, skip_steps: int) -> dict:
+                window_steps: int, skip_steps: int, move_every: int = 0) -> dict:
     """One request whose KV the leader splits at its first decode step; then windows of
-    ``window_steps`` decode steps alternate, without moves first, with moves back to back next.
-    Each window's rate leaves out its first ``skip_steps``. Windows with and without moves thus
-    share the request, its split as it grows and the host's state at the time: their difference
-    is the moves' cost with the drifts of separate runs taken out.
+    ``window_steps`` decode steps alternate, without moves first, with moves next: back to
+    back, or with ``move_every`` one move each ``move_every`` steps, the first at the window's
+    first measured step (a paced rate of ``blocks_per_move`` blocks per ``move_every`` steps,
+    each move's steps inside the measured ones). Each window's rate leaves out its first
+    ``skip_steps``. Windows with and without moves thus share the request, its split as it
+    grows and the host's state at the time: their difference is the moves' cost with the drifts
+    of separate runs taken out.
 
     A window is marked ``clean`` when its measured steps are what it claims: without moves, no
     move ran during them (one started in the window before may run on); with moves, none failed.
@@ -426,10 +438,12 @@ def toggled_run(cluster: LocalCluster, prompt: str, new_tokens: int, split_block
     address = PeerAddress(member["peer_host"], member["peer_port"])
     times: list[float] = []
     ready, stop, moving = threading.Event(), threading.Event(), threading.Event()
+    due = threading.Semaphore(0) if move_every else None
     req_id_of: queue.Queue[int] = queue.Queue()
     result: dict = {}
     leader_thread = threading.Thread(target=lambda: asyncio.run(leader_moves(
-        address, req_id_of, split_blocks, blocks_per_move, ready, stop, dst=2, result=result, moving=moving)))
+        address, req_id_of, split_blocks, blocks_per_move, ready, stop, dst=2, result=result, moving=moving,
+        due=due)))
     leader_thread.start()
     first_after_split = None
     try:
@@ -443,10 +457,17 @@ def toggled_run(cluster: LocalCluster, prompt: str, new_tokens: int, split_block
             if first_after_split is None and "split_at" in result and now > result["split_at"]:
                 first_after_split = len(times) - 1
             if first_after_split is not None:
-                if (len(times) - 1 - first_after_split) // window_steps % 2:
+                step = len(times) - 1 - first_after_split
+                in_moving_window = step // window_steps % 2 == 1
+                if in_moving_window:
                     moving.set()
                 else:
                     moving.clear()
+                # A step seen here has ended: the move ordered now runs in the steps after it,
+                # which for the first at step ``skip_steps`` are the window's measured ones.
+                if due is not None and in_moving_window and step % window_steps >= skip_steps \
+                        and (step % window_steps - skip_steps) % move_every == 0:
+                    due.release()
     finally:
         stop.set()
         leader_thread.join(timeout=120)
@@ -465,7 +486,8 @@ def toggled_run(cluster: LocalCluster, prompt: str, new_tokens: int, split_block
                                                if ok and after[w * window_steps] <= began < t1),
                         "clean": all(overlapping) if with_moves else not overlapping})
     done, failed = result["moves"]
-    return {"windows": windows, "moves_committed": done, "moves_failed": failed}
+    return {"windows": windows, "moves_committed": done, "moves_failed": failed,
+            "move_seconds": [ended - began for began, ended, ok in intervals if ok]}
 
 
 def compared_windows(windows: list[dict]) -> list[tuple[dict, dict, dict]]:
@@ -523,9 +545,11 @@ def move_cluster(context_blocks: int, prompt: str, new_tokens: int, device: str,
 
 def toggled_move_case(context_blocks: int, prompt: str, new_tokens: int, blocks_per_move: int, device: str,
                       extra_args: list[str], spread: bool, chunk_blocks: int, instance_cpus: str | None,
-                      repeats: int, window_steps: int, skip_steps: int, wire_trace_dir: Path | None = None) -> dict:
+                      repeats: int, window_steps: int, skip_steps: int, wire_trace_dir: Path | None = None,
+                      move_every: int = 0) -> dict:
     """The moves' cost from ``repeats`` requests each alternating windows without and with
-    moves (``toggled_run``), after a warm-up request that does the same. The cost is the mean
+    moves (``toggled_run``; ``move_every``: paced, one move each that many steps, 0: back to
+    back), after a warm-up request that does the same. The cost is the mean
     over the compared windows of all requests; its standard error is taken over the requests'
     own means (windows of one request share neighbours and the request's state, so they are
     not independent), and over the windows beside it. With ``wire_trace_dir``, the daemons
@@ -538,7 +562,8 @@ def toggled_move_case(context_blocks: int, prompt: str, new_tokens: int, blocks_
                       instance_cpus, extra_env) as (cluster, local):
         for i in range(repeats + 1):  # the first compiles and captures what a split uses
             time.sleep(2.5)  # the creditor frees the last request's segments
-            run = toggled_run(cluster, prompt, new_tokens, split_blocks, blocks_per_move, window_steps, skip_steps)
+            run = toggled_run(cluster, prompt, new_tokens, split_blocks, blocks_per_move, window_steps, skip_steps,
+                              move_every)
             if i:
                 runs.append(run)
     per_run = [window_costs(run["windows"]) for run in runs]
@@ -553,8 +578,15 @@ def toggled_move_case(context_blocks: int, prompt: str, new_tokens: int, blocks_
         for name, windows in (("with_moves", compared), ("without_moves", neighbours)):
             spans = sorted({(w["t0"], w["t1"]) for w in windows})
             breakdown[name] = summarise_attends(paths, lambda t, spans=spans: any(t0 <= t < t1 for t0, t1 in spans))
+    measured_steps = len(compared) * (window_steps - skip_steps)
+    move_seconds = [s for run in runs for s in run["move_seconds"]]
     return {"tokens_per_move": blocks_per_move * BLOCK_SIZE, "split_blocks": split_blocks, "repeats": repeats,
             "design": "toggled windows", "window_steps": window_steps, "skip_steps": skip_steps,
+            "pacing": f"one move each {move_every} steps" if move_every else "back to back",
+            "move_every_steps": move_every,
+            "tokens_moved_per_measured_step": (sum(w["moves_committed"] for w in compared) * blocks_per_move
+                                               * BLOCK_SIZE / max(1, measured_steps)),
+            "move_seconds_mean": statistics.fmean(move_seconds) if move_seconds else None,
             "decode_tokens_per_s_local": local,
             "throughput_cost": cost, "standard_error": error_requests, "standard_error_over_windows": error_windows,
             "windows_compared": len(pooled),
@@ -639,6 +671,10 @@ def main() -> None:
                              "steps without and with moves within each request (--move-repeats requests)")
     parser.add_argument("--move-window-skip", type=int, default=2, metavar="STEPS",
                         help="steps at the start of each window left out of its rate")
+    parser.add_argument("--move-every", type=int, default=0, metavar="STEPS",
+                        help="with --move-window: one move each STEPS decode steps (a rate of --move-tokens per "
+                             "STEPS steps), the first at a window's first measured step; it must divide the "
+                             "window's measured steps. 0: moves back to back")
     parser.add_argument("--max-num-batched-tokens", type=int, default=0,
                         help="the instances' prefill chunk (default: the local cluster's)")
     parser.add_argument("--model", default=None,
@@ -672,6 +708,10 @@ def main() -> None:
         raise SystemExit("--move-repeats must be at least 1")
     if args.move_window < 0 or (args.move_window and not 0 <= args.move_window_skip < args.move_window):
         raise SystemExit("--move-window must be at least 0, and --move-window-skip at least 0 and less than it")
+    if args.move_every < 0 or (args.move_every and (
+            not args.move_window or (args.move_window - args.move_window_skip) % args.move_every)):
+        raise SystemExit("--move-every needs --move-window, and must divide the window's measured steps "
+                         "(--move-window minus --move-window-skip)")
     if counts and counts[0] != 1:
         raise SystemExit("--instances must start with 1 (the anchor)")
     splits = [split_case(n, context_blocks, prompt, args.new_tokens, args.device, extra_args,
@@ -696,7 +736,8 @@ def main() -> None:
         moves = [toggled_move_case(context_blocks, prompt, args.new_tokens, k, args.device, extra_args,
                                    args.spread_gpus, chunk_blocks, args.instance_cpus, args.move_repeats,
                                    args.move_window, args.move_window_skip,
-                                   Path(tempfile.mkdtemp(prefix="infllm-wire-")) if args.wire_trace else None)
+                                   Path(tempfile.mkdtemp(prefix="infllm-wire-")) if args.wire_trace else None,
+                                   args.move_every)
                  for k in move_blocks]
     else:
         moves = [move_case(context_blocks, prompt, args.new_tokens, k, args.device, extra_args, args.spread_gpus,
@@ -712,6 +753,7 @@ def main() -> None:
     suffix += "-pinned" if args.instance_cpus else ""
     suffix += "-moves" if args.moves_only else ""
     suffix += "-toggled" if args.move_window and not args.no_moves else ""
+    suffix += f"-paced{args.move_every}" if args.move_every and not args.no_moves else ""
     out = Path(args.out_dir) / f"daemon-{gpu}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
@@ -738,8 +780,8 @@ def main() -> None:
             print(f"  {r['instances']} instances: remote attention wait {1e6 * home['remote_attention_mean_s']:.0f} us "
                   f"per layer, of which serving {1e6 * sum(served) / len(served):.0f} us")
     if moves and moves[0].get("design") == "toggled windows":
-        print("KV split; windows without moves and with moves back to back alternate within each request "
-              "(all at home: tok/s local)")
+        print(f"KV split; windows without moves and with moves ({moves[0]['pacing']}) alternate within each "
+              "request (all at home: tok/s local)")
     elif moves:
         print("KV split; tok/s without moves (at the moving runs' mean split) and with moves back to back "
               "(all at home: tok/s local)")
@@ -751,7 +793,9 @@ def main() -> None:
                   f"   (standard error {100 * r['standard_error']:.1f}% over requests, "
                   f"{100 * r['standard_error_over_windows']:.1f}% over windows; {r['windows_compared']} windows "
                   f"with moves, each against its neighbours without; {r['windows_left_out']} windows left out)")
-            print(f"       per request {[None if c is None else round(100 * c, 1) for c in r['per_run_cost']]} %")
+            print(f"       per request {[None if c is None else round(100 * c, 1) for c in r['per_run_cost']]} %; "
+                  f"{r['tokens_moved_per_measured_step']:.1f} tokens moved a measured step, a move took "
+                  f"{1e3 * (r['move_seconds_mean'] or float('nan')):.1f} ms on average")
             breakdown = r.get("attend_breakdown", {})
             if breakdown.get("with_moves") and breakdown.get("without_moves"):
                 with_, without = breakdown["with_moves"], breakdown["without_moves"]
