@@ -41,7 +41,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Collection
 
 from aiohttp import web
 
@@ -95,6 +95,12 @@ from infinite_llm.transport.placement import PlacementGap, VersionedPlacement, a
 log = logging.getLogger("infinite_llm.gmanager")
 
 EXIT_LOST_LEADERSHIP = 3  # the process stepped down: a supervisor restarts it as a standby
+
+# At a stop, how long the admin API waits for the requests in progress to end (aiohttp's default
+# is 60 s, past systemd's TimeoutStopSec=30): a slow client's upload, or a rebalance waiting for a
+# MoveKV's commit. aiohttp then cancels them, waiting as long again for one that does not end at
+# once, so the API is shut within twice this. Idle keep-alive connections are closed at once.
+HTTP_SHUTDOWN_S = 5.0
 
 
 # ---- soft state (pure) ----------------------------------------------------------------------
@@ -210,9 +216,12 @@ class ClusterView:
                     entries.append(PolicyEntry(index, e.inst_id, e.num_blocks, e.local, e.movable))
         return ClusterSnapshot(block_size, instances, PlacementTable.from_entries(entries)), list(requests)
 
-    def creditor_hints(self, now_s: float, exclude_inst_id: int, num_hints: int) -> tuple[CreditorHint, ...]:
-        """The live instances with the most free blocks (ties: lower id), the asker left out."""
-        candidates = [r for r in self.live(now_s) if r.inst_id != exclude_inst_id and r.pool.num_blocks_free > 0]
+    def creditor_hints(self, now_s: float, exclude_inst_id: int, num_hints: int,
+                       skip: Collection[int] = frozenset()) -> tuple[CreditorHint, ...]:
+        """The live instances with the most free blocks (ties: lower id), the asker and those in
+        ``skip`` (draining ones) left out."""
+        candidates = [r for r in self.live(now_s) if r.inst_id != exclude_inst_id and r.inst_id not in skip
+                      and r.pool.num_blocks_free > 0]
         candidates.sort(key=lambda r: (-r.pool.num_blocks_free, r.inst_id))
         return tuple(CreditorHint(r.inst_id, r.pool.num_blocks_free) for r in candidates[:num_hints])
 
@@ -489,7 +498,9 @@ class GManager:
 
     async def _start_http(self) -> list[web.AppRunner]:
         await self._claim_socket_path()
-        runner = web.AppRunner(AdminApp(self).build())
+        # No handler_cancellation: a drain or rebalance whose client gave up runs to its end,
+        # rather than stop between a Drain sent and its registration, say.
+        runner = web.AppRunner(AdminApp(self).build(), shutdown_timeout=HTTP_SHUTDOWN_S)
         await runner.setup()
         await web.UnixSite(runner, str(self.socket_path)).start()
         if self.config.socket_gid is not None:
@@ -559,8 +570,8 @@ class GManager:
             self.remote_overhead.add(now_s, message.remote_wait_us, message.remote_waits, message.attend_serve_us,
                                      message.attend_serves)
         # A draining instance takes no blocks: it is never named as a creditor.
-        hints = self.view.creditor_hints(now_s, message.inst_id, self.config.num_creditor_hints + len(self._drains))
-        hints = tuple(h for h in hints if h.inst_id not in self._drains)[:self.config.num_creditor_hints]
+        hints = self.view.creditor_hints(now_s, message.inst_id, self.config.num_creditor_hints,
+                                         skip=self.draining_instances())
         return HeartbeatReply(epoch=self.epoch, acked_placement_version=outcome.acked_placement_version,
                               needs_full_placement=outcome.needs_full_placement, creditors=hints)
 
@@ -644,9 +655,10 @@ class GManager:
                     f"{', '.join(map(str, unsettled))}: a round now would move the same blocks again; "
                     f"retry after their next heartbeat")
             snapshot, requests = self.view.snapshot(self.clock(), self.config.block_size)
-            if self._drains:  # a draining instance offers no room: the policy places nothing there
+            draining = self.draining_instances()
+            if draining:  # a draining instance offers no room: the policy places nothing there
                 snapshot = dataclasses.replace(snapshot, instances=tuple(
-                    dataclasses.replace(i, free_blocks=0) if i.inst_id in self._drains else i
+                    dataclasses.replace(i, free_blocks=0) if i.inst_id in draining else i
                     for i in snapshot.instances))
             try:
                 planned = plan(snapshot, self.model_now(self.clock()), self.config.thresholds)
@@ -744,10 +756,23 @@ class GManager:
             self._moved_at_s[inst_id] = ended_s  # the clock is monotonic: the latest move wins
 
     # ---- drain -------------------------------------------------------------------------------
+    def draining_instances(self) -> set[int]:
+        """Instances that take no blocks: those this leader drains, and those whose membership
+        record says they drain. A new leader knows of no drain of its predecessor's (``_drains``
+        ends with the leadership), but the instance stays cordoned and says so in its record, as
+        does an instance that is stopping."""
+        draining = set(self._drains)
+        try:
+            draining.update(inst_id for inst_id, member in self.membership.members().items() if member.draining)
+        except OSError as err:  # the folder unreadable for a moment: the leader's own drains still count
+            log.warning("membership not read, draining instances not known: %s", err)
+        return draining
+
     def _drain_snapshot(self, now_s: float) -> DrainSnapshot:
         live = self.view.live(now_s)
+        draining = self.draining_instances()
         instances = tuple(DrainInstance(r.inst_id, r.pool.num_blocks_free, r.pool.num_blocks_lent, r.batch_size,
-                                        r.inst_id in self._drains) for r in live)
+                                        r.inst_id in draining) for r in live)
         entries = tuple(DrainEntry(r.inst_id, e.req_id, e.inst_id, e.num_blocks)
                         for r in live for e in r.placement.entries.values())
         return DrainSnapshot(instances, entries)
@@ -882,7 +907,11 @@ class GManager:
             if state is None:
                 raise
             figures = state.figures
-        report: dict[str, Any] = {"instance_id": inst_id, "epoch": self.epoch, "draining": state is not None}
+        # Draining: this leader drains it, or its membership record says it is cordoned (by an
+        # earlier leader, or stopping), in which case ``state`` is "not_draining" (no drain of
+        # this leader's: POST /v1/drain starts one).
+        report: dict[str, Any] = {"instance_id": inst_id, "epoch": self.epoch,
+                                  "draining": state is not None or inst_id in self.draining_instances()}
         if figures is not None:
             report.update(running_requests=figures.num_running, own_requests=figures.num_own_requests,
                           blocks_held_for_others=figures.num_blocks_held,
@@ -971,9 +1000,8 @@ class GManager:
     def status(self) -> dict[str, Any]:
         now_s = self.clock()
         leader = self.leadership or self.election.leader()
-        instances = []
-        for record in self.view.live(now_s):
-            instances.append(self.instance_status(record, now_s))
+        draining = self.draining_instances()
+        instances = [self.instance_status(record, now_s, draining) for record in self.view.live(now_s)]
         return {
             "leader": self.leadership is not None,
             "pid": os.getpid(),
@@ -994,8 +1022,13 @@ class GManager:
                                   "window_s": self.config.remote_overhead_window_s},
         }
 
-    def instance_status(self, record: InstanceRecord, now_s: float) -> dict[str, Any]:
+    def instance_status(self, record: InstanceRecord, now_s: float,
+                        draining: Collection[int] | None = None) -> dict[str, Any]:
+        """One instance's figures; ``draining`` (default: :meth:`draining_instances`) saves a
+        read of the membership per instance."""
         pool = record.pool
+        if draining is None:
+            draining = self.draining_instances()
         return {
             "instance_id": record.inst_id,
             "num_blocks_total": pool.num_blocks_total,
@@ -1007,7 +1040,7 @@ class GManager:
             "num_blocks_borrowed": pool.num_blocks_borrowed,
             "placement_version": record.placement.version,
             "last_heartbeat_age_s": now_s - record.heard_at_s,
-            "draining": record.inst_id in self._drains,
+            "draining": record.inst_id in draining,
         }
 
 

@@ -231,10 +231,14 @@ class Cluster:
         self.gm.leadership = LeaderInfo(epoch=4, pid=os.getpid(), peer_host="127.0.0.1", peer_port=1,
                                         http_port=0, socket_path="")
         self.gm.transport = self.transport = RecordingTransport()
-        members = LocalMembership(tmp_path, stale_after_s=3600)
+        self.members = LocalMembership(tmp_path, stale_after_s=3600)
         for inst_id in (1, 2, 3):
-            members.publish(Member(inst_id, os.getpid(), "127.0.0.1", PORT_BASE + inst_id, 0, "", 64, 0, False,
-                                   time.time()))
+            self.publish(inst_id)
+
+    def publish(self, inst_id: int, draining: bool = False) -> None:
+        """The instance's membership record, as ``infinited`` writes it (draining: it is cordoned)."""
+        self.members.publish(Member(inst_id, os.getpid(), "127.0.0.1", PORT_BASE + inst_id, 0, "", 64, 0, draining,
+                                    time.time()))
 
     def beat(self, inst_id: int, free: int, batch: int, upserts=(), lent: int = 0, borrowed: int = 0) -> None:
         """A full-state heartbeat of ``inst_id`` at the current time."""

@@ -376,3 +376,39 @@ def test_a_drain_report_keeps_the_latest_round_s_moves_and_counts_the_rest(tmp_p
         gm._drains[2].task.cancel()
 
     asyncio.run(scenario())
+
+
+def test_a_new_leader_takes_an_instance_whose_record_says_draining_for_draining(tmp_path) -> None:
+    """A leader that knows of no drain (it took over from one that drained instance 3, or 3 is
+    stopping) still reads 3's membership record, which says it drains: 3 is named as no creditor,
+    the policy and drains place nothing there, and status says it drains."""
+    c = Cluster(tmp_path)
+    gm = c.gm
+    c.beat(1, 0, 1, upserts=((7, 1, 64),))  # a debtor with a full pool
+    c.beat(2, 63, 0)
+    c.beat(3, 64, 0)  # the roomiest: the first choice of everything that places blocks
+    c.publish(3, draining=True)
+
+    async def scenario() -> None:
+        assert gm._drains == {}
+        reply = await gm.handle(heartbeat(1, 100, 64, 0, 1, 0, 100, upserts=((7, 1, 64),)))
+        assert [h.inst_id for h in reply.creditors] == [2]
+        moves = (await gm.rebalance(dry_run=True))["moves"]
+        assert moves and {m["dst_inst_id"] for m in moves} == {2}
+        plan = await gm.drain(1, dry_run=True)
+        assert [(m["req_id"], m["dst_inst_id"], m["num_blocks"]) for m in plan["moves"]] == [(7, 2, 63)]
+        assert plan["num_blocks_free_elsewhere"] == 63
+        assert {i["instance_id"]: i["draining"] for i in gm.status()["instances"]} == {1: False, 2: False, 3: True}
+        report = gm.drain_status(3)
+        assert (report["draining"], report["state"], report["safe_to_stop"]) == (True, "not_draining", False)
+        assert gm.drain_status(2)["draining"] is False
+
+        # Uncordoned (by an earlier leader, or by hand): its next record says so, and it takes blocks again.
+        c.publish(3, draining=False)
+        reply = await gm.handle(heartbeat(1, 101, 64, 0, 1, 100, 101))
+        assert [h.inst_id for h in reply.creditors] == [3, 2]
+        assert 3 in {m["dst_inst_id"] for m in (await gm.rebalance(dry_run=True))["moves"]}
+        assert not any(i["draining"] for i in gm.status()["instances"])
+        assert c.transport.sent == []
+
+    asyncio.run(scenario())
