@@ -80,6 +80,12 @@ class FrameLimits:
     max_total_buffer_bytes: int = 1 << 34  # all buffers of a frame, bytes
 
 
+class HeaderTooLarge(ValueError):
+    """``encode``: the message's header would exceed the ``max_header_bytes`` it was given,
+    so its receiver would refuse it (and close the connection). A ValueError, as the other
+    messages that cannot travel (a non-contiguous tensor, a dtype the wire lacks)."""
+
+
 @dataclass(frozen=True)
 class EncodedFrame:
     header: bytes  # preamble + json + inline buffers
@@ -292,8 +298,9 @@ def _inline_host_bytes(array: WireArray, nbytes: int) -> bytes:
 def unencodable_reply(reply: Message, error: Exception) -> ErrorReply:
     """What a requester hears in place of a reply that could not be encoded (a handler's bad
     tensor): the connection serves on."""
+    # Bounded: the ErrorReply itself must fit in a header.
     return ErrorReply(ErrorCode.HANDLER_FAILED,
-                      f"the {reply.TYPE} reply could not be encoded: {type(error).__name__}: {error}")
+                      f"the {reply.TYPE} reply could not be encoded: {type(error).__name__}: {error}"[:2000])
 
 
 def encode(
@@ -305,6 +312,7 @@ def encode(
     inline_limit_bytes: int = FrameLimits.inline_limit_bytes,
     inline_cuda_limit_bytes: int = FrameLimits.inline_cuda_limit_bytes,
     place_shared: typing.Callable[[WireArray], int | None] | None = None,
+    max_header_bytes: int = FrameLimits.max_header_bytes,
 ) -> EncodedFrame:
     """The frame of ``message``. Tensors must be C-contiguous; nothing is copied except the
     small buffers that go inline: host buffers up to ``inline_limit_bytes`` in all, device
@@ -314,7 +322,11 @@ def encode(
     not otherwise wait for the kernels that wrote those buffers.
 
     ``place_shared``: for a host buffer that is not inline, its offset in the sender's
-    shared-memory region (placing it there), or None to send it over UCX."""
+    shared-memory region (placing it there), or None to send it over UCX.
+
+    Raises ``HeaderTooLarge`` (a ValueError) where the header (preamble, JSON and inline
+    buffers) would exceed ``max_header_bytes``, which the receiver refuses: a sender passes its
+    ``FrameLimits.max_header_bytes`` (the cluster's transports share one configuration)."""
     cls = type(message)
     plan = _plan_of(cls)
     fields = {name: getattr(message, name) if enc is None else enc(getattr(message, name))
@@ -369,6 +381,10 @@ def encode(
         "t": cls.TYPE, "v": cls.VERSION, "id": msg_id, "re": reply_to,
         "f": fields, "x": tensor_specs, "b": buffer_table,
     })
+    header_bytes = PREAMBLE.size + len(body) + inline_total
+    if header_bytes > max_header_bytes:
+        raise HeaderTooLarge(f"a {cls.TYPE} header of {header_bytes} bytes is over the "
+                             f"{max_header_bytes}-byte limit")
     flags = FLAG_WANTS_REPLY if wants_reply else 0
     preamble = PREAMBLE.pack(MAGIC, PROTOCOL_VERSION, flags, len(body), inline_total)
     frame = object.__new__(EncodedFrame)  # as in decode_header: no field-by-field frozen __init__
@@ -406,6 +422,8 @@ def decode_header(data: bytes | memoryview, limits: FrameLimits) -> FrameHeader:
         raise ProtocolError(ErrorCode.BAD_MAGIC, repr(bytes(magic)))
     if version != PROTOCOL_VERSION:
         raise ProtocolError(ErrorCode.UNSUPPORTED_VERSION, f"protocol version {version}")
+    if flags & ~FLAG_WANTS_REPLY:
+        raise ProtocolError(ErrorCode.INVALID_FIELDS, f"unknown flags {flags:#06x}")
     expected = PREAMBLE.size + json_len + inline_len
     if expected > len(data):
         raise ProtocolError(ErrorCode.TRUNCATED_FRAME, f"{len(data)} of {expected} bytes")
@@ -422,7 +440,8 @@ def decode_header(data: bytes | memoryview, limits: FrameLimits) -> FrameHeader:
     cls = MESSAGE_TYPES.get(body.get("t")) if isinstance(body.get("t"), str) else None
     if cls is None:
         raise ProtocolError(ErrorCode.UNKNOWN_TYPE, repr(body.get("t"))[:80])
-    if body.get("v") != cls.VERSION:
+    type_version = body.get("v")
+    if type(type_version) is not int or type_version != cls.VERSION:  # not true, not 1.0
         raise ProtocolError(ErrorCode.UNSUPPORTED_VERSION,
                             f"{cls.TYPE} version {body.get('v')!r:.40}")
     msg_id = body.get("id")
@@ -449,10 +468,10 @@ def decode_header(data: bytes | memoryview, limits: FrameLimits) -> FrameHeader:
             raw = tensor_fields[name]
             if type(raw) is not list:
                 raise ProtocolError(ErrorCode.INVALID_FIELDS, f"{name}: not a list")
-            kwargs[name] = value = tuple(_decode_spec(r) for r in raw)
+            kwargs[name] = value = tuple(_decode_spec(r, limits) for r in raw)
             specs.extend(value)
         else:
-            kwargs[name] = spec = _decode_spec(tensor_fields[name])
+            kwargs[name] = spec = _decode_spec(tensor_fields[name], limits)
             specs.append(spec)
 
     inline, shared_offsets = _check_buffer_table(table, specs, inline_len, limits)
@@ -476,6 +495,30 @@ def decode_header(data: bytes | memoryview, limits: FrameLimits) -> FrameHeader:
                       else bytes(data[PREAMBLE.size + json_len:])),
     )
     return header
+
+
+# The codes of a frame refused by its receiver (``decode_header``'s, and a frame whose buffers
+# disagree with its header): the refusal closes the connection.
+REFUSAL_CODES = frozenset({
+    ErrorCode.TRUNCATED_FRAME, ErrorCode.OVERSIZED_FRAME, ErrorCode.BAD_MAGIC,
+    ErrorCode.UNSUPPORTED_VERSION, ErrorCode.UNKNOWN_TYPE, ErrorCode.INVALID_JSON,
+    ErrorCode.INVALID_FIELDS, ErrorCode.LENGTH_MISMATCH, ErrorCode.BUFFER_TOO_LARGE,
+    ErrorCode.TOO_MANY_BUFFERS,
+})
+
+
+def request_id_of(data: bytes | memoryview) -> int | None:
+    """The id of a request whose header ``decode_header`` refused, where its JSON can be read
+    (the refusal then answers that request); None otherwise. Only on the refusal path."""
+    try:
+        json_len = PREAMBLE.unpack_from(data)[3]
+        body = orjson.loads(memoryview(data)[PREAMBLE.size:PREAMBLE.size + json_len])
+        msg_id = body.get("id")
+        if type(msg_id) is int and 0 <= msg_id <= _MAX_INT and body.get("re") is None:
+            return msg_id
+    except Exception:  # noqa: BLE001  (whatever it is, the frame is refused anyway)
+        pass
+    return None
 
 
 def _check_buffer_table(
@@ -520,14 +563,14 @@ def _is_int(value: object) -> bool:
     return type(value) is int and -_MAX_INT - 1 <= value <= _MAX_INT
 
 
-# Specs decoded before, by (dtype, *shape), each with its byte count: a frame's tensors mostly
-# have shapes seen before, and making a frozen spec costs more than the rest of a small
+# Specs decoded before, by (dtype, *shape), each with its span (below): a frame's tensors
+# mostly have shapes seen before, and making a frozen spec costs more than the rest of a small
 # frame's field.
 _DECODED_SPECS_KEPT = 4096
-_decoded_specs: dict[tuple, TensorSpec] = {}
+_decoded_specs: dict[tuple, tuple[TensorSpec, int]] = {}
 
 
-def _decode_spec(raw: object) -> TensorSpec:
+def _decode_spec(raw: object, limits: FrameLimits) -> TensorSpec:
     if type(raw) is list and len(raw) == 2:
         dtype, shape = raw
         if (type(dtype) is str and dtype in DTYPE_ITEMSIZE and type(shape) is list and len(shape) <= _MAX_DIMS
@@ -535,15 +578,24 @@ def _decode_spec(raw: object) -> TensorSpec:
             # Looked up only once checked: a float or bool dimension, equal to an int as a key,
             # is refused above.
             key = (dtype, *shape)
-            spec = _decoded_specs.get(key)
-            if spec is not None:
-                return spec
-            spec = TensorSpec(dtype=dtype, shape=tuple(shape))
-            if spec.nbytes > _MAX_INT:
+            known = _decoded_specs.get(key)
+            if known is None:
+                spec = TensorSpec(dtype=dtype, shape=tuple(shape))
+                # The bytes the shape spans with its empty dimensions counted as one: a tensor's
+                # strides reach that far, and an empty tensor of huge other dimensions (no
+                # bytes, so no cap on buffers applies) would overflow torch's stride
+                # calculation. Its byte count where none is empty.
+                span = DTYPE_ITEMSIZE[dtype]
+                for d in shape:
+                    span *= d or 1
+                if span > _MAX_INT:
+                    raise ProtocolError(ErrorCode.BUFFER_TOO_LARGE, f"tensor of shape {spec.shape}")
+                if len(_decoded_specs) >= _DECODED_SPECS_KEPT:
+                    _decoded_specs.clear()  # start again: the shapes in use now are kept
+                _decoded_specs[key] = known = (spec, span)
+            spec, span = known
+            if span > limits.max_buffer_bytes:  # per receiver: its limits may differ
                 raise ProtocolError(ErrorCode.BUFFER_TOO_LARGE, f"tensor of shape {spec.shape}")
-            if len(_decoded_specs) >= _DECODED_SPECS_KEPT:
-                _decoded_specs.clear()  # start again: the shapes in use now are kept
-            _decoded_specs[key] = spec
             return spec
     raise ProtocolError(ErrorCode.INVALID_FIELDS, f"bad tensor spec {raw!r:.80}")
 

@@ -7,8 +7,19 @@ The network records a trace of every frame and can kill or silence an instance:
 
 - ``kill(address)``: what UCX shows for a SIGKILLed peer: requests waiting on it fail with
   PeerUnreachable at once, and so do new ones until a transport starts at that address again.
+  The killed transport does nothing more: its running handlers are cancelled, and nothing it
+  would still send (a reply, a one-way message) leaves.
 - ``silence(address)``: frames to and from it vanish; requests time out on the fake clock,
   as with a hung peer, which only the daemons' heartbeats notice.
+
+As on UCX, where a reply travels only on its request's connection, a reply goes to the
+transport instance that sent the request, never to another at its address (one started there
+since, whose message ids begin at 1 again); a reply to a closed or killed requester is lost.
+A frame its receiver refuses (``ProtocolError``: over the receiver's limits, a field of the
+wrong type) is answered as the UCX listener answers it: an ``ErrorReply`` that fails the
+sender's requests in flight to that receiver with ``RemoteError`` (UCX closes the connection,
+failing every request on it), at once rather than at their timeouts. A reply the requester
+refuses fails its requests to that peer with the ``ProtocolError``, as UCX drops the connection.
 """
 
 from __future__ import annotations
@@ -80,7 +91,7 @@ class TraceEvent:
     message_type: str  # Message.TYPE
     msg_id: int
     reply_to: int | None
-    outcome: str  # "delivered" | "dropped" (silenced) | "unreachable" (no listener)
+    outcome: str  # "delivered" | "dropped" (silenced) | "unreachable" (no listener, or the requester is gone)
 
 
 @dataclass
@@ -113,14 +124,18 @@ class InMemoryNetwork:
         return transport
 
     def kill(self, address: PeerAddress) -> None:
-        self._listeners.pop(address, None)
-        transport = self._transports.pop(address, None)
-        if transport is not None:
+        killed = {id(t): t for t in (self._listeners.pop(address, None), self._transports.pop(address, None))
+                  if t is not None}
+        for transport in killed.values():
+            transport._closed = True  # before anything below runs: it sends nothing more
             transport._fail_all(PeerUnreachable(address, "killed"))
-            transport._closed = True
-        # Every live transport, serving or only requesting: its requests to the killed one break.
-        for other in list(self._transports.values()) + list(self._listeners.values()):
-            other._fail_requests_to(address, PeerUnreachable(address, "connection reset"))
+            transport._cancel_tasks()  # as a SIGKILLed process, it finishes nothing it was doing
+        self._fail_requests_to(address, PeerUnreachable(address, "connection reset"))
+
+    def _fail_requests_to(self, address: PeerAddress, error: Exception) -> None:
+        """Every live transport, serving or only requesting: its requests to ``address`` break."""
+        for other in {id(t): t for t in (*self._transports.values(), *self._listeners.values())}.values():
+            other._fail_requests_to(address, error)
 
     def silence(self, address: PeerAddress) -> None:
         self._silenced.add(address)
@@ -145,9 +160,17 @@ class InMemoryNetwork:
 
     # --- used by InMemoryTransport ---
 
-    def _post(self, src: PeerAddress, dst: PeerAddress, frame: codec.EncodedFrame,
-              message: Message, msg_id: int, reply_to: int | None) -> bool:
-        """Queue a frame; False when nothing listens at ``dst``."""
+    def _post(self, sender: InMemoryTransport, dst: PeerAddress, frame: codec.EncodedFrame,
+              message: Message, msg_id: int, reply_to: int | None,
+              requester: InMemoryTransport | None = None) -> bool:
+        """Queue a frame: a request or one-way message to the listener at ``dst``, or, where
+        ``requester`` is given, a frame on the way back to that transport instance (a reply, or
+        a refusal). False when nothing listens at ``dst`` or the requester is gone. A closed or
+        killed sender sends nothing."""
+        if sender._closed:
+            return True  # gone: nothing leaves it, and nothing is traced
+        src = sender.address
+
         def event(outcome: str) -> None:
             self.trace.append(TraceEvent(self.clock.now(), src, dst, message.TYPE, msg_id,
                                          reply_to, outcome))
@@ -155,21 +178,27 @@ class InMemoryNetwork:
         if src in self._silenced or dst in self._silenced:
             event("dropped")
             return True
-        receiver = self._listeners.get(dst) if reply_to is None else self._transports.get(dst)
-        if receiver is None:
+        receiver = self._listeners.get(dst) if requester is None else requester
+        if receiver is None or receiver._closed:
             event("unreachable")
             return False
         event("delivered")
         self._in_flight += 1
-        asyncio.get_running_loop().call_soon(self._deliver, receiver, src, frame)
+        asyncio.get_running_loop().call_soon(self._deliver, receiver, sender, frame, requester is not None)
         return True
 
-    def _deliver(self, receiver: InMemoryTransport, src: PeerAddress,
-                 frame: codec.EncodedFrame) -> None:
+    def _deliver(self, receiver: InMemoryTransport, sender: InMemoryTransport,
+                 frame: codec.EncodedFrame, on_reply_path: bool) -> None:
         if receiver._closed:  # killed or closed since the frame was queued: no handler runs
             self._in_flight -= 1
             return
-        task = asyncio.get_running_loop().create_task(receiver._receive(src, frame))
+        if on_reply_path:
+            receiving = receiver._take_replies(sender.address, frame)
+        else:
+            receiving = receiver._receive(sender, frame)
+        task = asyncio.get_running_loop().create_task(receiving)
+        receiver._tasks.add(task)
+        task.add_done_callback(receiver._tasks.discard)
         task.add_done_callback(self._delivered)
 
     def _delivered(self, _task: asyncio.Task) -> None:
@@ -189,6 +218,7 @@ class InMemoryTransport:
         self._pending: dict[int, _PendingRequest] = {}
         self._next_msg_id = itertools.count(1)
         self._closed = False
+        self._tasks: set[asyncio.Task] = set()  # frames being received and handled
 
     @property
     def address(self) -> PeerAddress:
@@ -205,13 +235,12 @@ class InMemoryTransport:
         self._require_open()
         timeout_s = self._config.request_timeout_s if timeout_s is None else timeout_s
         msg_id = next(self._next_msg_id)
+        frame = self._encode(message, msg_id)  # raises before anything waits on it
         future = asyncio.get_running_loop().create_future()
         timer_id = self._network.clock.call_later(
             timeout_s, lambda: self._time_out(msg_id, timeout_s))
         self._pending[msg_id] = _PendingRequest(future, timer_id, peer, message.TYPE)
-        frame = codec.encode(message, msg_id, inline_limit_bytes=self._config.limits.inline_limit_bytes,
-                             inline_cuda_limit_bytes=self._config.limits.inline_cuda_limit_bytes)
-        if not self._network._post(self._address, peer, frame, message, msg_id, None):
+        if not self._network._post(self, peer, frame, message, msg_id, None):
             self._finish(msg_id, PeerUnreachable(peer, "no listener"))
         return await future
 
@@ -226,10 +255,8 @@ class InMemoryTransport:
     ) -> None:
         self._require_open()
         msg_id = next(self._next_msg_id)
-        frame = codec.encode(message, msg_id, wants_reply=False,
-                             inline_limit_bytes=self._config.limits.inline_limit_bytes,
-                             inline_cuda_limit_bytes=self._config.limits.inline_cuda_limit_bytes)
-        if not self._network._post(self._address, peer, frame, message, msg_id, None):
+        frame = self._encode(message, msg_id, wants_reply=False)
+        if not self._network._post(self, peer, frame, message, msg_id, None):
             raise PeerUnreachable(peer, "no listener")
 
     def shared_host_buffer(self, nbytes: int) -> None:
@@ -245,11 +272,20 @@ class InMemoryTransport:
             raise PeerUnreachable(peer, "no listener")
 
     async def close(self) -> None:
+        registered = False
         for registry in (self._network._listeners, self._network._transports):
             if registry.get(self._address) is self:
                 del registry[self._address]
+                registered = True
+        self._closed = True  # first: a handler still running answers nothing
         self._fail_all(PeerUnreachable(self._address, "transport closed"))
-        self._closed = True
+        if registered:  # as UCX drops the connections of a closed listener: requests to it fail
+            self._network._fail_requests_to(self._address, PeerUnreachable(self._address, "connection closed"))
+        # As UCX's close: the handlers still running are cancelled (not one that closes it).
+        current = asyncio.current_task()
+        for task in list(self._tasks):
+            if task is not current:
+                task.cancel()
 
     # --- internals ---
 
@@ -257,33 +293,57 @@ class InMemoryTransport:
         if self._closed:
             raise PeerUnreachable(self._address, "transport closed")
 
-    async def _receive(self, src: PeerAddress, frame: codec.EncodedFrame) -> None:
+    def _encode(self, message: Message, msg_id: int, *, reply_to: int | None = None,
+                wants_reply: bool = True) -> codec.EncodedFrame:
+        limits = self._config.limits
+        return codec.encode(message, msg_id, reply_to=reply_to, wants_reply=wants_reply,
+                            inline_limit_bytes=limits.inline_limit_bytes,
+                            inline_cuda_limit_bytes=limits.inline_cuda_limit_bytes,
+                            max_header_bytes=limits.max_header_bytes)
+
+    def _cancel_tasks(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+
+    async def _receive(self, sender: InMemoryTransport, frame: codec.EncodedFrame) -> None:
+        """A frame on the listener's side (a request or a one-way message) from ``sender``."""
         try:
             header = codec.decode_header(frame.header, self._config.limits)
-        except ProtocolError as e:  # only a bug in the sender's codec gets here
-            raise AssertionError(f"in-memory frame refused: {e}") from e
-        if header.reply_to is not None:
-            self._take_reply(header, frame)
+        except ProtocolError as e:
+            self._refuse(sender, e, codec.request_id_of(frame.header))
             return
         try:
+            if header.reply_to is not None:
+                raise ProtocolError(ErrorCode.INVALID_FIELDS, "a reply on a request path")
             destinations = self._placer(header.message) if self._placer else None
             message = _carry(header, frame, destinations, self._config)
         except ProtocolError as e:  # as UCX refuses a frame whose buffers disagree with it
-            reply: Message = ErrorReply(e.code, e.detail)
+            self._refuse(sender, e, header.msg_id if header.reply_to is None else None)
+            return
         except (PlacementRefused, ValueError) as e:
-            reply = ErrorReply(ErrorCode.PLACEMENT_REFUSED, str(e))
+            reply: Message = ErrorReply(ErrorCode.PLACEMENT_REFUSED, str(e))
         else:
             reply = await self._serve(message)
-        if header.wants_reply:
+        if header.wants_reply and not self._closed:  # a closed or killed transport answers nothing
             try:
-                reply_frame = codec.encode(reply, next(self._next_msg_id), reply_to=header.msg_id,
+                reply_frame = self._encode(reply, next(self._next_msg_id), reply_to=header.msg_id,
                                            wants_reply=False)
             except Exception as e:  # noqa: BLE001  a handler's bad tensor: the requester hears why, as on UCX
                 reply = codec.unencodable_reply(reply, e)
-                reply_frame = codec.encode(reply, next(self._next_msg_id), reply_to=header.msg_id,
+                reply_frame = self._encode(reply, next(self._next_msg_id), reply_to=header.msg_id,
                                            wants_reply=False)
-            self._network._post(self._address, src, reply_frame, reply,
-                                header.msg_id, header.msg_id)
+            self._network._post(self, sender.address, reply_frame, reply, header.msg_id, header.msg_id,
+                                requester=sender)
+
+    def _refuse(self, sender: InMemoryTransport, error: ProtocolError, request_id: int | None) -> None:
+        """As the UCX listener refuses a bad frame, then closes the connection: ``ErrorReply``
+        answering the frame where its id could be read (``request_id``; its request fails with
+        RemoteError, the sender's others here with PeerUnreachable), or answering none (all of
+        them fail with RemoteError)."""
+        refusal = ErrorReply(error.code, error.detail)
+        msg_id = next(self._next_msg_id)
+        frame = self._encode(refusal, msg_id, reply_to=request_id, wants_reply=False)
+        self._network._post(self, sender.address, frame, refusal, msg_id, request_id, requester=sender)
 
     async def _serve(self, message: Message) -> Message:
         if self._handler is None:
@@ -296,15 +356,38 @@ class InMemoryTransport:
             return ErrorReply(ErrorCode.HANDLER_FAILED, f"{type(e).__name__}: {e}")
         return Ack() if reply is None else reply
 
-    def _take_reply(self, header: codec.FrameHeader, frame: codec.EncodedFrame) -> None:
-        pending = self._pending.get(header.reply_to)
-        if pending is None:
-            return  # the request timed out already
-        reply = _carry(header, frame, None, self._config)
-        if isinstance(reply, ErrorReply):
-            self._finish(header.reply_to, RemoteError(pending.peer, reply.code, reply.detail))
-        else:
-            self._finish(header.reply_to, reply)
+    async def _take_replies(self, peer: PeerAddress, frame: codec.EncodedFrame) -> None:
+        """A frame on the way back from ``peer``: a reply to one of this transport's requests,
+        or the refusal of a frame sent there. As on UCX, where a refusal closes the connection
+        and a reply that cannot be read drops it: a refusal fails its request with RemoteError
+        and the others waiting on ``peer`` with PeerUnreachable (all with RemoteError where it
+        answers none); a reply refused here fails them all with PeerUnreachable."""
+        try:
+            header = codec.decode_header(frame.header, self._config.limits)
+            if header.reply_to is None:
+                if isinstance(header.message, ErrorReply):  # the peer refused a frame, it knew not whose
+                    self._fail_requests_to(peer, RemoteError(peer, header.message.code, header.message.detail))
+                    return
+                raise ProtocolError(ErrorCode.INVALID_FIELDS, "a request on a reply path")
+            pending = self._pending.get(header.reply_to)
+            reply = _carry(header, frame, None, self._config) if pending is not None and pending.peer == peer else None
+        except ProtocolError as e:
+            self._fail_requests_to(peer, PeerUnreachable(peer, f"a reply could not be read: {e}"))
+            return
+        except Exception as e:  # noqa: BLE001  a bug, or no memory for the reply
+            self._fail_requests_to(peer, PeerUnreachable(peer, f"reading replies failed: {e!r}"))
+            return
+        if reply is not None:  # else the request timed out already
+            if isinstance(reply, ErrorReply):
+                self._finish(header.reply_to, RemoteError(peer, reply.code, reply.detail))
+            else:
+                self._finish(header.reply_to, reply)
+        message = header.message
+        if type(message) is ErrorReply and message.code in codec.REFUSAL_CODES:
+            # The peer refused that request's frame and closed the connection: the others fail.
+            self._fail_requests_to(peer, PeerUnreachable(
+                peer, f"the peer refused a frame ({message.code.value}: {message.detail}) "
+                      "and closes the connection"))
 
     def _time_out(self, msg_id: int, timeout_s: float) -> None:
         pending = self._pending.get(msg_id)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import ClassVar, Protocol, runtime_checkable
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: each frame's buffers on a UCX tag of the frame's own
 # Segments named in one AuditHeld: a creditor with more held for one home audits them in turns.
 MAX_AUDITED_SEGMENTS = 4096
 
@@ -80,6 +80,10 @@ class PoolFigures:
     num_blocks_lent: int  # blocks here that hold other instances' requests
     num_blocks_borrowed: int  # blocks of this instance's requests held on other instances
 
+    def __post_init__(self) -> None:
+        _require_not_negative("pool figures", self.num_blocks_total, self.num_blocks_free,
+                              self.num_blocks_lent, self.num_blocks_borrowed)
+
 
 @dataclass(frozen=True)
 class RequestPlacementEntry:
@@ -91,6 +95,10 @@ class RequestPlacementEntry:
     # of the request is under way): the gManager plans no move of them until it is True.
     movable: bool = True
 
+    def __post_init__(self) -> None:
+        # num_blocks: the gManager's policy refuses a negative count itself (scheduler/policy.py).
+        _require_not_negative("req_id and inst_id", self.req_id, self.inst_id)
+
 
 @dataclass(frozen=True)
 class PlacementKey:
@@ -99,11 +107,17 @@ class PlacementKey:
     req_id: int  # request id
     inst_id: int  # instance that held the blocks
 
+    def __post_init__(self) -> None:
+        _require_not_negative("req_id and inst_id", self.req_id, self.inst_id)
+
 
 @dataclass(frozen=True)
 class CreditorHint:
     inst_id: int  # an instance with spare blocks
     num_blocks_free: int  # its free blocks at its last heartbeat
+
+    def __post_init__(self) -> None:
+        _require_not_negative("inst_id and num_blocks_free", self.inst_id, self.num_blocks_free)
 
 
 @dataclass(frozen=True)
@@ -125,6 +139,10 @@ class HeldSegmentRef:
     req_id: int  # request id, unique per home instance
     segment_id: int  # the home's id for the segment (its first block's index in the request)
     reservation_id: int  # the creditor's reservation the copy was committed from
+
+    def __post_init__(self) -> None:
+        _require_not_negative("req_id, segment_id and reservation_id", self.req_id, self.segment_id,
+                              self.reservation_id)
 
 
 @dataclass(frozen=True)
@@ -162,6 +180,8 @@ class Heartbeat:
     attend_serves: int = 0  # attend requests served, count
 
     def __post_init__(self) -> None:
+        # batch_size: the gManager refuses a negative one itself (an answer, not a refused frame).
+        _require_not_negative("inst_id and seq", self.inst_id, self.seq)
         _require(self.placement_version > self.placement_base_version >= 0,
                  "placement_version must exceed placement_base_version >= 0")
         if self.placement_base_version == 0:
@@ -180,6 +200,9 @@ class HeartbeatReply:
     needs_full_placement: bool  # the gManager lacks the base: send the full placement next
     creditors: tuple[CreditorHint, ...]  # where to spill blocks if the pool runs out
 
+    def __post_init__(self) -> None:
+        _require_not_negative("epoch and acked_placement_version", self.epoch, self.acked_placement_version)
+
 
 @dataclass(frozen=True)
 class AttendRequest:
@@ -197,6 +220,9 @@ class AttendRequest:
     q: WireArray  # [num_rows, num_heads, head_dim], the model's dtype
 
     def __post_init__(self) -> None:
+        # One OR: negative where any is (a decode step builds one of these per creditor and layer).
+        if (self.home_inst_id | self.creditor_inst_id | self.step_id | self.layer) < 0:
+            raise ValueError("home_inst_id, creditor_inst_id, step_id and layer must be >= 0")
         _require(len(self.q.shape) == 3, "q must be [num_rows, num_heads, head_dim]")
         _require_rows_covered(self.slices, self.q.shape[0])
 
@@ -217,6 +243,8 @@ class AttendResult:
     lse: WireArray  # [num_rows, num_heads] float32, natural log; -inf for rows with no keys
 
     def __post_init__(self) -> None:
+        if (self.home_inst_id | self.creditor_inst_id | self.step_id | self.layer) < 0:
+            raise ValueError("home_inst_id, creditor_inst_id, step_id and layer must be >= 0")
         _require(len(self.out.shape) == 3, "out must be [num_rows, num_heads, head_dim]")
         _require(tuple(self.lse.shape) == tuple(self.out.shape[:2]),
                  "lse must be [num_rows, num_heads] of out")
@@ -240,6 +268,8 @@ class TryMoveKV:
     block_nbytes: int  # bytes of one block over all layers; the destination checks its layout
 
     def __post_init__(self) -> None:
+        _require_not_negative("epoch, move_id, req_id, home_inst_id and src_inst_id", self.epoch,
+                              self.move_id, self.req_id, self.home_inst_id, self.src_inst_id)
         _require(self.num_blocks > 0, "num_blocks must be positive")
         _require(self.block_nbytes > 0, "block_nbytes must be positive")
 
@@ -254,6 +284,11 @@ class MoveReserved:
     dst_block_ids: tuple[int, ...]  # reserved blocks, in the order the source's blocks fill them
     expires_in_ms: int  # ms until an uncommitted reservation is released
 
+    def __post_init__(self) -> None:
+        _require_not_negative("move_id, reservation_id and expires_in_ms", self.move_id,
+                              self.reservation_id, self.expires_in_ms)
+        _require_block_ids(self.dst_block_ids)
+
 
 @dataclass(frozen=True)
 class MoveRejected:
@@ -263,6 +298,9 @@ class MoveRejected:
     move_id: int  # echoed
     reason: MoveRejectReason
     num_blocks_free: int  # the destination's free blocks now, blocks
+
+    def __post_init__(self) -> None:
+        _require_not_negative("move_id and num_blocks_free", self.move_id, self.num_blocks_free)
 
 
 @dataclass(frozen=True)
@@ -279,7 +317,8 @@ class HoldKV:
     num_blocks: int  # blocks to keep for the request from now on; 0: keep none
 
     def __post_init__(self) -> None:
-        _require(self.num_blocks >= 0, "num_blocks must not be negative")
+        _require_not_negative("home_inst_id, req_id and num_blocks", self.home_inst_id, self.req_id,
+                              self.num_blocks)
 
 
 @dataclass(frozen=True)
@@ -289,6 +328,9 @@ class KVHoldReply:
 
     num_blocks_held: int  # kept for the request now: as asked, or what was kept before
     num_blocks_free: int  # this pool's blocks free for others now, holds taken off, blocks
+
+    def __post_init__(self) -> None:
+        _require_not_negative("num_blocks_held and num_blocks_free", self.num_blocks_held, self.num_blocks_free)
 
 
 @dataclass(frozen=True)
@@ -316,10 +358,12 @@ class KVBlocks:
 
     def __post_init__(self) -> None:
         _require(len(self.runs) == len(self.runs_data), "one buffer per run")
+        _require_not_negative("move_id and reservation_id", self.move_id, self.reservation_id)
         _require(self.commit_segment_id >= -1, "commit_segment_id is a segment id or -1")
         _require(self.home_inst_id >= -1 and self.req_id >= -1, "home_inst_id and req_id are ids or -1")
         for run, data in zip(self.runs, self.runs_data):
-            _require(run.num_blocks > 0, "a run has at least one block")
+            _require(run.num_blocks > 0 and run.dst_block_id >= 0,
+                     "a run has at least one block, from a block id >= 0")
             _require(len(data.shape) >= 1 and data.shape[0] == run.num_blocks,
                      "a run's buffer has num_blocks blocks in its first dimension")
 
@@ -335,6 +379,10 @@ class KVBlocksStored:
     reservation_id: int  # echoed
     num_blocks: int  # blocks written, blocks
 
+    def __post_init__(self) -> None:
+        _require_not_negative("move_id, reservation_id and num_blocks", self.move_id, self.reservation_id,
+                              self.num_blocks)
+
 
 @dataclass(frozen=True)
 class MoveCommit:
@@ -349,6 +397,10 @@ class MoveCommit:
     home_inst_id: int  # the request's home, which switched its block table
     segment_id: int  # the id the home gives the new segment in its block table
 
+    def __post_init__(self) -> None:
+        _require_not_negative("move_id, reservation_id, req_id, home_inst_id and segment_id", self.move_id,
+                              self.reservation_id, self.req_id, self.home_inst_id, self.segment_id)
+
 
 @dataclass(frozen=True)
 class FreeSegment:
@@ -361,6 +413,10 @@ class FreeSegment:
     # The receiver's reservation the copy was committed from (MoveReserved): a free that comes
     # late (sent again after a failure) leaves a newer copy under the same segment id alone.
     reservation_id: int
+
+    def __post_init__(self) -> None:
+        _require_not_negative("home_inst_id, req_id, segment_id and reservation_id", self.home_inst_id,
+                              self.req_id, self.segment_id, self.reservation_id)
 
 
 @dataclass(frozen=True)
@@ -376,6 +432,7 @@ class AuditHeld:
     segments: tuple[HeldSegmentRef, ...]  # held here for the receiver's requests
 
     def __post_init__(self) -> None:
+        _require(self.creditor_inst_id >= 0, "creditor_inst_id must be >= 0")
         _require(len(self.segments) <= MAX_AUDITED_SEGMENTS,
                  f"at most {MAX_AUDITED_SEGMENTS} segments in one audit")
 
@@ -415,7 +472,12 @@ class ForwardSegment:
     dst_block_ids: tuple[int, ...]  # reserved blocks, one per block of the segment, in order
 
     def __post_init__(self) -> None:
+        _require_not_negative("epoch, move_id, home_inst_id, req_id, segment_id, dst_inst_id and reservation_id",
+                              self.epoch, self.move_id, self.home_inst_id, self.req_id, self.segment_id,
+                              self.dst_inst_id, self.reservation_id)
         _require(len(self.dst_block_ids) > 0, "a segment has at least one block")
+        _require_block_ids(self.dst_block_ids)
+        _require(len(self.dst_host) > 0, "dst_host must name a host")
         _require(0 < self.dst_port < 65536, "dst_port must be a TCP port")
         _require(self.dst_inst_id != self.home_inst_id, "the home takes its blocks back another way")
 
@@ -441,6 +503,8 @@ class MoveKV:
     num_blocks: int  # blocks to move, oldest first (at most, for a creditor's segments)
 
     def __post_init__(self) -> None:
+        _require_not_negative("epoch, move_id, home_inst_id, req_id, src_inst_id and dst_inst_id", self.epoch,
+                              self.move_id, self.home_inst_id, self.req_id, self.src_inst_id, self.dst_inst_id)
         _require(self.num_blocks > 0, "num_blocks must be positive")
         _require(self.src_inst_id != self.dst_inst_id, "a move needs two instances")
 
@@ -456,6 +520,9 @@ class Drain:
     drain_id: int  # unique per epoch
     inst_id: int  # the instance to drain (the receiver)
 
+    def __post_init__(self) -> None:
+        _require_not_negative("epoch, drain_id and inst_id", self.epoch, self.drain_id, self.inst_id)
+
 
 @dataclass(frozen=True)
 class Uncordon:
@@ -467,6 +534,9 @@ class Uncordon:
     epoch: int  # leader's epoch
     drain_id: int  # the drain called off
     inst_id: int  # the instance (the receiver)
+
+    def __post_init__(self) -> None:
+        _require_not_negative("epoch, drain_id and inst_id", self.epoch, self.drain_id, self.inst_id)
 
 
 @dataclass(frozen=True)
@@ -547,12 +617,25 @@ def _require(condition: bool, what: str) -> None:
         raise ValueError(what)
 
 
+def _require_not_negative(what: str, *values: int) -> None:
+    if min(values) < 0:
+        raise ValueError(f"{what} must be >= 0")
+
+
+def _require_block_ids(block_ids: tuple[int, ...]) -> None:
+    """Block ids of one reservation: each >= 0, none twice."""
+    if block_ids and (min(block_ids) < 0 or len(set(block_ids)) != len(block_ids)):
+        raise ValueError("block ids must be >= 0 and distinct")
+
+
 def _require_rows_covered(slices: tuple[AttendSlice, ...], num_rows: int) -> None:
     next_row = 0
     for s in slices:
-        _require(s.row_start == next_row and s.num_rows > 0,
-                 "slices must cover q's rows in order, each at least one row")
-        _require(s.num_tokens >= 0, "num_tokens must not be negative")
+        if s.row_start != next_row or s.num_rows <= 0:
+            raise ValueError("slices must cover q's rows in order, each at least one row")
+        # One OR: negative where any is.
+        if (s.num_tokens | s.req_id | s.segment_id) < 0:
+            raise ValueError("req_id, segment_id and num_tokens must not be negative")
         next_row += s.num_rows
     _require(next_row == num_rows, "slices must cover every row of q")
 

@@ -17,9 +17,11 @@ bulk through a file in shared memory:
 - A request's host buffer that is not inline goes as an offset into the region: copied into a
   slot there (freed when the reply comes), or, where it lies in the region already (a staging
   buffer the caller took from it), with no copy. The receiver copies it into its destination.
-- A killed sender leaves a file the receiver still reads safely (the mapping outlives the
-  file's name); the owner holds an flock on its file while it lives, and each new region
-  removes the files whose owner is gone.
+- A region's file is removed by ``close``, else when the region is collected or the
+  interpreter exits. A killed sender leaves its file, which the receiver still reads safely (the
+  mapping outlives the file's name); the owner holds an flock on its file while it lives, and
+  ``remove_stale_regions`` (run by each new region, and by a transport when it starts) removes
+  the files whose owner is gone.
 
 No UCX here: the region, its slots and a peer's mapping.
 """
@@ -196,6 +198,10 @@ class SharedRegion:
             _unlink_quietly(making)
             raise
         self._fd = fd
+        # The file goes with the region: at ``close``, or once the region is collected or the
+        # interpreter exits without it (a daemon that returns without closing its transport).
+        # Only by this process: a child forked from it inherits the finalizer, not the file.
+        self._remove = weakref.finalize(self, _remove_region, self.path, fd, os.getpid())
         self._bytes = np.frombuffer(self._map, dtype=np.uint8)
         self._base = self._bytes.ctypes.data
         self._allocator = SlotAllocator(HEADER_BYTES, self.max_bytes - HEADER_BYTES)
@@ -318,8 +324,7 @@ class SharedRegion:
         if self.closed:
             return
         self.closed = True
-        _unlink_quietly(self.path)
-        os.close(self._fd)
+        self._remove()
 
 
 class PeerRegion:
@@ -451,6 +456,17 @@ def remove_stale_regions(directory: str) -> int:
         finally:
             os.close(fd)
     return removed
+
+
+def _remove_region(path: str, fd: int, owner_pid: int) -> None:
+    """Remove an owned region's file, then let its lock go (a sweep elsewhere finds no
+    unlocked file of a live region). Run once: by ``close``, the collector, or at exit."""
+    if os.getpid() == owner_pid:
+        _unlink_quietly(path)
+    try:
+        os.close(fd)
+    except OSError:
+        pass
 
 
 def _unlink_quietly(path: str) -> None:

@@ -6,11 +6,14 @@ back on the same connection. Incoming connections are served by the listener: a 
 answers at once (a plain function) is answered inline; one that returns an awaitable runs in a
 task of its own, so a slow request never blocks the ones behind it.
 
-Wire: on one UCX endpoint, each frame is one tag message with the header (see ``codec``), then
-one tag message per buffer that is not inline. UCX matches messages of one endpoint and tag in
-order, so frames need no ids on the wire beyond the header; the sender posts a frame's messages
-back to back (no await in between) and the receiver posts a frame's buffer receives before the
-next header's.
+Wire: on one UCX endpoint, each frame is one tag message with the header (see ``codec``) on the
+connection's tag, then one tag message per buffer that is not inline, on a tag of that frame's
+own (``buffer_tag``: the connection's tag, the frame's id and whether it is a reply, with the
+high bit flipped). UCX matches messages of one tag in order, so a header is never taken for a
+buffer, nor one frame's buffers for another's: a frame whose buffers do not come is refused
+after the frame timeout, and the frames behind it are served meanwhile. The sender posts a
+frame's messages back to back (no await in between); the receiver, having decoded a header,
+posts that frame's buffer receives and goes on to the next header.
 Buffers are received straight into their destinations (``BufferPlacer``), host or device;
 UCX picks the path (TCP, CUDA IPC, NVLink, InfiniBand) from ``UCX_TLS``. Between processes of
 one host, a request's host buffers go through the sender's shared-memory region instead
@@ -68,6 +71,7 @@ from infinite_llm.transport.shared_memory import (
     SharedMemoryUnavailable,
     SharedRegion,
     default_copy_threads,
+    remove_stale_regions,
 )
 from infinite_llm.transport.tensors import allocate
 from infinite_llm.transport.ucx_progress import UcxProgress
@@ -77,6 +81,19 @@ log = logging.getLogger(__name__)
 
 class ConnectionBroken(Exception):
     """The connection can carry no more frames; it is closed."""
+
+
+_TAG_BITS = (1 << 64) - 1
+_TAG_HIGH_BIT = 1 << 63
+_FRAME_BITS = _TAG_HIGH_BIT - 1
+
+
+def buffer_tag(tag: int, msg_id: int, is_reply: bool) -> int:
+    """The UCX tag of the buffers of frame ``msg_id`` on a connection whose headers travel on
+    ``tag``: its high bit is the header tag's flipped, so no header matches a buffer receive;
+    the frame's id and direction (a reply's ids come from the other side's counter) make it the
+    frame's own. Ids wrap at 2**62 (a connection never has that many frames in flight)."""
+    return (tag ^ _TAG_HIGH_BIT ^ (((msg_id << 1) | is_reply) & _FRAME_BITS)) & _TAG_BITS
 
 
 @dataclass(eq=False)  # identity: connections live in sets
@@ -118,8 +135,10 @@ class _Connection:
         # same); requests are posted on the UCX endpoint directly and awaited through
         # UcxProgress, since ucxx's own await busy-loops the event loop.
         self._ucx_endpoint = self.endpoint._ep
-        self._send_tag = Tag(self.endpoint._tags["msg_send"])
-        self._recv_tag = Tag(self.endpoint._tags["msg_recv"])
+        self._send_tag_value = self.endpoint._tags["msg_send"]
+        self._recv_tag_value = self.endpoint._tags["msg_recv"]
+        self._send_tag = Tag(self._send_tag_value)
+        self._recv_tag = Tag(self._recv_tag_value)
 
     def place_shared(self, array: object) -> int | None:
         """Where a request's host buffer lies in the region: as it is, if it is there already,
@@ -152,26 +171,29 @@ class _Connection:
             raise UCXCloseError(f"{self.label}: endpoint closed")
         self._ucx_endpoint.raise_on_error()
 
-    def _post_send(self, buffer):
-        return self._ucx_endpoint.tag_send(Array(buffer), self._send_tag)
+    def _post_send(self, buffer, tag: Tag):
+        return self._ucx_endpoint.tag_send(Array(buffer), tag)
 
-    def _post_recv(self, array: Array):
-        return self._ucx_endpoint.tag_recv(array, self._recv_tag, TagMaskFull)
+    def _post_recv(self, array: Array, tag: Tag):
+        return self._ucx_endpoint.tag_recv(array, tag, TagMaskFull)
 
-    def post_frame(self, frame: codec.EncodedFrame) -> list:
-        """Post one frame's messages; returns their UCX requests (small frames are often sent
-        already). Raises ConnectionBroken if the connection is gone."""
-        # A frame's messages are posted back to back, with no await in between, and UCX keeps
-        # the order of the messages posted on one endpoint: frames cannot interleave, so no
-        # lock is needed and several frames can be in flight on one connection.
+    def post_frame(self, frame: codec.EncodedFrame, msg_id: int, is_reply: bool) -> list:
+        """Post one frame's messages (``msg_id``: the id its header carries; ``is_reply``: it
+        answers a request); returns their UCX requests (small frames are often sent already).
+        Raises ConnectionBroken if the connection is gone."""
+        # A frame's messages are posted back to back, with no await in between: no lock is
+        # needed and several frames can be in flight on one connection. Its buffers go on a
+        # tag of the frame's own (``buffer_tag``), where the receiver looks for them.
         if self.broken:
             raise ConnectionBroken(f"{self.label}: connection closed")
         try:
             self._check_open()
             # A numpy view, not the bytes object: posting a fresh bytes object takes ucxx
             # ~0.4 ms (measured on loopback), a view of the same memory a few microseconds.
-            requests = [self._post_send(np.frombuffer(frame.header, dtype=np.uint8))]
-            requests.extend(self._post_send(b) for b in frame.buffers)
+            requests = [self._post_send(np.frombuffer(frame.header, dtype=np.uint8), self._send_tag)]
+            if frame.buffers:
+                tag = Tag(buffer_tag(self._send_tag_value, msg_id, is_reply))
+                requests.extend(self._post_send(b, tag) for b in frame.buffers)
         except UCXError as e:
             self.abort()
             raise ConnectionBroken(f"{self.label}: send failed: {e!r}") from e
@@ -227,9 +249,10 @@ class _Connection:
             still.append(entry)  # until UCX is done with it (an abort cancels it)
         self.unsent = still
 
-    async def send_frame(self, frame: codec.EncodedFrame, deadline: float | None = None) -> None:
+    async def send_frame(self, frame: codec.EncodedFrame, msg_id: int, is_reply: bool,
+                         deadline: float | None = None) -> None:
         """Send one frame whole (see ``post_frame`` and ``wait_sent``)."""
-        requests = self.post_frame(frame)
+        requests = self.post_frame(frame, msg_id, is_reply)
         try:
             await self.wait_sent(requests, deadline)
         except (TimeoutError, asyncio.CancelledError):
@@ -247,7 +270,7 @@ class _Connection:
         buf = self.header_buffer
         try:
             self._check_open()
-            request = self._post_recv(self._header_array)
+            request = self._post_recv(self._header_array, self._recv_tag)
             while True:
                 try:
                     await self.progress.wait(request, time.monotonic() + timeout_s)
@@ -268,19 +291,41 @@ class _Connection:
             raise ProtocolError(ErrorCode.OVERSIZED_FRAME, f"header of {length} bytes announced")
         data = buf[:length].tobytes()
         buf[:max(length, codec.PREAMBLE.size)] = 0
-        return codec.decode_header(data, self.config.limits)
+        try:
+            return codec.decode_header(data, self.config.limits)
+        except ProtocolError as e:
+            e.msg_id = codec.request_id_of(data)  # the refusal answers it where it can be read
+            raise
 
     def post_buffer_recvs(self, header: codec.FrameHeader, destinations: list) -> list:
         """Land the frame's inline buffers and post the receives of those that come over UCX;
         returns their UCX requests (``land_buffers`` waits for them). Once they are posted, the
-        next frame's header may be received: UCX matches a connection's messages to its receives
-        in the order they were posted."""
-        views = codec.land_inline(header, destinations)
+        next frame's header may be received: the buffers come on the frame's own tag."""
+        return self._post_recvs(header, codec.land_inline(header, destinations))
+
+    def post_scratch_recvs(self, header: codec.FrameHeader) -> tuple[list, list]:
+        """Post receives that drain a refused frame's buffers that come over UCX into one host
+        scratch buffer (of the largest one; the bytes are dropped, so receives may share it):
+        nothing for its inline buffers or those in the peer's shared memory, and host memory
+        whatever the receiving device (UCX receives a CUDA sender's message into host memory).
+        Returns the scratch views, to be kept until the receives ended (UCX writes into them),
+        and the receives."""
+        shared = header.shared_offsets
+        sizes = [spec.nbytes for i, (spec, inline) in enumerate(zip(header.specs, header.inline))
+                 if not inline and spec.nbytes > 0 and (not shared or shared[i] < 0)]
+        if not sizes:
+            return [], []
+        scratch = np.empty(max(sizes), dtype=np.uint8)
+        views = [scratch[:n] for n in sizes]
+        return views, self._post_recvs(header, views)
+
+    def _post_recvs(self, header: codec.FrameHeader, views: list) -> list:
         if not views:
             return []
         try:
             self._check_open()
-            return [self._post_recv(Array(v)) for v in views]
+            tag = Tag(buffer_tag(self._recv_tag_value, header.msg_id, header.reply_to is not None))
+            return [self._post_recv(Array(v), tag) for v in views]
         except UCXError as e:
             self.abort()
             raise ConnectionBroken(f"{self.label}: receive failed: {e!r}") from e
@@ -300,7 +345,12 @@ class _Connection:
                 await self.progress.wait(request, deadline)
         except UCXMessageTruncatedError:
             raise ProtocolError(ErrorCode.LENGTH_MISMATCH, "a buffer over its length") from None
-        except (UCXError, TimeoutError) as e:
+        except TimeoutError:
+            # The buffers did not come (a sender that posted a header alone, or one too slow):
+            # the frame is refused, and its receives end with the connection.
+            raise ProtocolError(ErrorCode.TRUNCATED_FRAME,
+                                f"buffers not received within {self.config.frame_timeout_s} s") from None
+        except UCXError as e:
             self.abort()
             raise ConnectionBroken(f"{self.label}: receive failed: {e!r}") from e
 
@@ -367,8 +417,7 @@ class _Connection:
 
     def fail_pending(self, error: Exception) -> None:
         for future in self.pending.values():
-            if not future.done():
-                future.set_exception(error)
+            _fail(future, error)
         self.pending.clear()
 
 
@@ -436,6 +485,10 @@ class UcxTransport:
 
     async def start(self, handler: MessageHandler, placer: BufferPlacer | None = None) -> None:
         self._progress = _progress_for_loop(self._config.spin_s)
+        if self._config.shared_memory_bytes > 0:
+            # Regions of processes that died without closing theirs (SIGKILL) hold tmpfs memory
+            # until someone sweeps them: a transport that may make one sweeps when it starts.
+            remove_stale_regions(self._config.shared_memory_dir)
         self._handler = handler
         self._placer = placer
         self._listener = ucxx.create_listener(self._serve_connection, port=self._config.port)
@@ -465,21 +518,44 @@ class UcxTransport:
         if connection is None or connection.broken or self._closed:
             return asyncio.ensure_future(self.request(peer, message, timeout_s=timeout_s))
         timeout_s = self._config.request_timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + timeout_s
         frame = self._encode_request(message, connection)
         wire_trace.record("req.encoded", message.TYPE, frame.msg_id)
         if frame.frame.buffers:
             wire_trace.record("req.separate_buffers", message.TYPE, len(frame.frame.buffers))
-        reply = asyncio.get_running_loop().create_future()
-        connection.pending[frame.msg_id] = reply
+        loop = asyncio.get_running_loop()
+        reply = loop.create_future()
+        msg_id = frame.msg_id
+        connection.pending[msg_id] = reply
         try:
-            posted = connection.post_frame(frame.frame)
-            wire_trace.record("req.posted", message.TYPE, frame.msg_id)
+            posted = connection.post_frame(frame.frame, msg_id, False)
+            wire_trace.record("req.posted", message.TYPE, msg_id)
         except ConnectionBroken as e:
-            connection.pending.pop(frame.msg_id, None)
+            connection.pending.pop(msg_id, None)
             self._drop(peer, connection, PeerUnreachable(peer, str(e)))
             return _failed(PeerUnreachable(peer, str(e)))
-        return self._exchange(peer, connection, frame, message.TYPE, deadline, timeout_s, posted, reply)
+        # The request's bookkeeping is set here, not in the awaitable: a caller may never run
+        # it (a task cancelled before its first step). The timer ends the wait at the deadline
+        # and takes the pending entry away; the frame is kept until UCX sent it.
+        timer = loop.call_at(loop.time() + timeout_s, _expire_request, connection, msg_id, reply)
+        if not all(r.completed for r in posted):
+            connection.keep_until_sent(posted, frame.frame)
+        return self._await_reply(peer, connection, msg_id, reply, timer, message.TYPE, timeout_s)
+
+    async def _await_reply(self, peer: PeerAddress, connection: _Connection, msg_id: int,
+                           reply: asyncio.Future, timer: asyncio.TimerHandle, type_: str,
+                           timeout_s: float) -> Message:
+        """The reply of a request that ``request_soon`` posted: its frame is kept until sent,
+        and a failed send breaks the connection, which fails ``reply``."""
+        try:
+            return await reply
+        except TimeoutError:
+            raise RequestTimeout(peer, type_, timeout_s) from None
+        finally:
+            timer.cancel()
+            if connection.pending.get(msg_id) is reply:
+                del connection.pending[msg_id]
+            if reply.done() and not reply.cancelled():
+                reply.exception()  # failed with its connection while this request raised
 
     def _encode_request(self, message: Message, connection: _Connection) -> _RequestFrame:
         msg_id = next(self._next_msg_id)
@@ -488,6 +564,7 @@ class UcxTransport:
             frame = codec.encode(
                 message, msg_id, inline_limit_bytes=self._config.limits.inline_limit_bytes,
                 inline_cuda_limit_bytes=self._config.limits.inline_cuda_limit_bytes,
+                max_header_bytes=self._config.limits.max_header_bytes,
                 place_shared=place)
         except BaseException:
             connection.free_new_slots()
@@ -507,7 +584,7 @@ class UcxTransport:
             connection.pending[frame.msg_id] = reply
         try:
             if posted is None:
-                posted = connection.post_frame(frame.frame)
+                posted = connection.post_frame(frame.frame, frame.msg_id, False)
             if frame.frame.buffers:
                 await connection.wait_sent(posted, deadline)  # a timeout or a cancel: kept below
             # A header alone is not awaited: its reply says it arrived, and a failed send breaks
@@ -536,14 +613,16 @@ class UcxTransport:
         self, peer: PeerAddress, message: Message, *, timeout_s: float | None = None
     ) -> None:
         timeout_s = self._config.request_timeout_s if timeout_s is None else timeout_s
-        frame = codec.encode(message, next(self._next_msg_id), wants_reply=False,
+        msg_id = next(self._next_msg_id)
+        frame = codec.encode(message, msg_id, wants_reply=False,
                              inline_limit_bytes=self._config.limits.inline_limit_bytes,
-                             inline_cuda_limit_bytes=self._config.limits.inline_cuda_limit_bytes)
+                             inline_cuda_limit_bytes=self._config.limits.inline_cuda_limit_bytes,
+                             max_header_bytes=self._config.limits.max_header_bytes)
         deadline = time.monotonic() + timeout_s
         connection: _Connection | None = None
         try:
             connection = await self._connection_by(peer, deadline)
-            await connection.send_frame(frame, deadline)
+            await connection.send_frame(frame, msg_id, False, deadline)
         except TimeoutError:
             raise RequestTimeout(peer, message.TYPE, timeout_s) from None
         except ConnectionBroken as e:
@@ -673,6 +752,7 @@ class UcxTransport:
             log.debug("%s: no shared memory: %s", peer, e)
             if e.code == ErrorCode.UNKNOWN_TYPE:
                 self._offer_refused.add(peer)  # a peer that predates offers closed the connection
+                self._drop(peer, connection, PeerUnreachable(peer, f"the peer refused the offer: {e}"))
             return
         except RequestTimeout:
             self._drop(peer, connection, PeerUnreachable(peer, "no answer to the connection's first request"))
@@ -701,6 +781,11 @@ class UcxTransport:
                         continue
                     await connection.land_buffers(header, destinations, requests)
                 _deliver_reply(peer, connection, header, destinations)
+                if type(header.message) is ErrorReply and header.message.code in codec.REFUSAL_CODES:
+                    # The peer refused that request's frame and closes the connection: the
+                    # request has its RemoteError; the others there fail as on any close.
+                    raise ConnectionBroken(f"the peer refused a frame ({header.message.code.value}: "
+                                           f"{header.message.detail}) and closes the connection")
         except Exception as e:  # noqa: BLE001
             self._reading_failed(peer, connection, e)
 
@@ -715,9 +800,14 @@ class UcxTransport:
             connection.landed_in_background()
 
     def _reading_failed(self, peer: PeerAddress, connection: _Connection, error: Exception) -> None:
-        """A reply could not be read: the connection is of no more use."""
-        if isinstance(error, (RemoteError, ProtocolError)):
+        """A reply could not be read: the connection is of no more use. The requests waiting
+        on it fail with PeerUnreachable; with RemoteError where the peer refused a frame it
+        could not tell (an ErrorReply answering no request: every request there may be it)."""
+        if isinstance(error, RemoteError):
             self._drop(peer, connection, error)
+        elif isinstance(error, ProtocolError):  # a reply refused here (oversized, its buffers never came)
+            log.warning("refused a reply from %s: %s", peer, error)
+            self._drop(peer, connection, PeerUnreachable(peer, f"a reply could not be read: {error}"))
         elif isinstance(error, ConnectionBroken):
             self._drop(peer, connection, PeerUnreachable(peer, str(error)))
         else:  # a bug, or no memory for a reply
@@ -743,6 +833,7 @@ class UcxTransport:
         self._inbound.add(connection)
         try:
             while True:
+                header = None
                 try:
                     header = await connection.recv_header(self._config.idle_timeout_s)
                     wire_trace.record("in.header", header.message.TYPE, header.msg_id)
@@ -750,7 +841,9 @@ class UcxTransport:
                         raise ProtocolError(ErrorCode.INVALID_FIELDS, "a reply on a request path")
                     await self._receive_request(connection, header)
                 except ProtocolError as e:
-                    await self._refuse(connection, e)
+                    # The refusal answers the frame where its id is known: decoded, or read
+                    # from a header that did not decode (``recv_header``).
+                    await self._refuse(connection, e, getattr(e, "msg_id", None) if header is None else header.msg_id)
                     return
         except ConnectionBroken:
             return
@@ -774,12 +867,16 @@ class UcxTransport:
             except (PlacementRefused, ValueError) as e:
                 refusal = ErrorReply(ErrorCode.PLACEMENT_REFUSED, str(e))
                 destinations = None
-        if destinations is None and refusal is None and self._lands_whole_on_host(header):
+        if refusal is not None:  # its buffers drained into host scratch, its reply the refusal
+            destinations, requests = connection.post_scratch_recvs(header)
+        elif destinations is None and self._lands_whole_on_host(header):
             destinations = codec.host_tensors_of_inline(header)
+            requests = None
         else:
-            if destinations is None:  # fresh tensors, or scratch to drain a refused frame into
+            if destinations is None:
                 destinations = self._fresh_destinations(header)
             requests = connection.post_buffer_recvs(header, destinations)
+        if requests is not None:
             if connection.lands_in_background(requests):  # e.g. a move's KV blocks, ahead of attend requests
                 self._spawn(self._land_and_dispatch(connection, header, destinations, requests, refusal))
                 return
@@ -792,7 +889,7 @@ class UcxTransport:
             await connection.land_buffers(header, destinations, requests, land_shared=refusal is None)
             await self._deliver(connection, header, destinations, refusal)
         except ProtocolError as e:
-            await self._refuse(connection, e)
+            await self._refuse(connection, e, header.msg_id)
         except ConnectionBroken:
             pass  # the connection's loop ends with it
         except Exception:  # as in the connection's loop: the requester hears at once, not at its timeout
@@ -872,30 +969,32 @@ class UcxTransport:
         device = self._config.landing_device(all(header.inline))
         return [allocate(s, device) for s in header.specs]
 
-    def _encode_reply(self, msg_id: int, reply: Message) -> codec.EncodedFrame:
-        """The reply's frame; one that cannot be encoded (a handler's bad tensor) becomes an
-        ErrorReply, so that the requester hears why and the connection serves on."""
+    def _encode_reply(self, msg_id: int, reply: Message) -> tuple[int, codec.EncodedFrame]:
+        """The reply's id and frame; one that cannot be encoded (a handler's bad tensor) becomes
+        an ErrorReply, so that the requester hears why and the connection serves on."""
+        reply_id = next(self._next_msg_id)
         try:
-            return self._encode(reply, msg_id)
+            return reply_id, self._encode(reply, reply_id, msg_id)
         except Exception as e:  # noqa: BLE001
             log.error("a %s reply could not be encoded", reply.TYPE, exc_info=e)
-            return self._encode(codec.unencodable_reply(reply, e), msg_id)
+            return reply_id, self._encode(codec.unencodable_reply(reply, e), reply_id, msg_id)
 
-    def _encode(self, reply: Message, msg_id: int) -> codec.EncodedFrame:
-        return codec.encode(reply, next(self._next_msg_id), reply_to=msg_id, wants_reply=False,
+    def _encode(self, reply: Message, reply_id: int, msg_id: int) -> codec.EncodedFrame:
+        return codec.encode(reply, reply_id, reply_to=msg_id, wants_reply=False,
                             inline_limit_bytes=self._config.limits.inline_limit_bytes,
-                            inline_cuda_limit_bytes=self._config.limits.inline_cuda_limit_bytes)
+                            inline_cuda_limit_bytes=self._config.limits.inline_cuda_limit_bytes,
+                            max_header_bytes=self._config.limits.max_header_bytes)
 
     def _post_reply(self, connection: _Connection, msg_id: int, reply: Message) -> None:
         """Post a reply; a task waits for its sending only where UCX has not sent it yet."""
         # The frame owns the reply's buffers (e.g. an attend result's out and lse): it must live
         # until UCX has sent them, or a rendezvous send reads freed memory.
-        frame = self._encode_reply(msg_id, reply)
+        reply_id, frame = self._encode_reply(msg_id, reply)
         wire_trace.record("reply.encoded", reply.TYPE, msg_id)
         if frame.buffers:
             wire_trace.record("reply.separate_buffers", reply.TYPE, len(frame.buffers))
         try:
-            requests = connection.post_frame(frame)
+            requests = connection.post_frame(frame, reply_id, True)
         except ConnectionBroken:
             return  # the requester is gone; its side reports that
         wire_trace.record("reply.posted", reply.TYPE, msg_id)
@@ -903,18 +1002,22 @@ class UcxTransport:
             connection.keep_until_sent(requests, frame)
 
     async def _reply(self, connection: _Connection, msg_id: int, reply: Message) -> None:
+        reply_id, frame = self._encode_reply(msg_id, reply)
         try:
-            await connection.send_frame(self._encode_reply(msg_id, reply))
+            await connection.send_frame(frame, reply_id, True)
         except ConnectionBroken:
             pass  # the requester is gone; its side reports that
 
-    async def _refuse(self, connection: _Connection, error: ProtocolError) -> None:
-        """Tell the peer why, then close: after a bad frame the stream cannot be trusted."""
+    async def _refuse(self, connection: _Connection, error: ProtocolError, msg_id: int | None) -> None:
+        """Tell the peer why, then close: after a bad frame the stream cannot be trusted. The
+        ErrorReply answers the refused frame where its id could be read (``msg_id``), so that
+        its request fails with RemoteError and the requester's others with PeerUnreachable."""
         log.warning("refused a frame from %s: %s", connection.label, error)
-        frame = codec.encode(ErrorReply(error.code, error.detail), next(self._next_msg_id),
-                             wants_reply=False)
+        reply_id = next(self._next_msg_id)
+        frame = codec.encode(ErrorReply(error.code, error.detail), reply_id, reply_to=msg_id,
+                             wants_reply=False, max_header_bytes=self._config.limits.max_header_bytes)
         try:
-            await connection.send_frame(frame)
+            await connection.send_frame(frame, reply_id, True)
         except ConnectionBroken:
             pass
         connection.abort()
@@ -958,7 +1061,7 @@ def _deliver_reply(peer: PeerAddress, connection: _Connection, header: codec.Fra
     if future is None or future.done():
         return
     if isinstance(reply, ErrorReply):
-        future.set_exception(RemoteError(peer, reply.code, reply.detail))
+        _fail(future, RemoteError(peer, reply.code, reply.detail))
     else:
         future.set_result(reply)
     wire_trace.record("reply.set", reply.TYPE, header.reply_to)
@@ -974,6 +1077,22 @@ def _free_slots(region: SharedRegion, slots) -> None:
 def _expire(future: asyncio.Future) -> None:
     if not future.done():
         future.set_exception(TimeoutError())
+
+
+def _expire_request(connection: _Connection, msg_id: int, future: asyncio.Future) -> None:
+    """A ``request_soon``'s deadline: its wait ends and its pending entry goes, whether or not
+    its awaitable ever ran."""
+    _fail(future, TimeoutError())
+    if connection.pending.get(msg_id) is future:
+        del connection.pending[msg_id]
+
+
+def _fail(future: asyncio.Future, error: Exception) -> None:
+    """Fail ``future`` if it still waits; marked retrieved (whoever awaits it still gets the
+    error): the awaitable of a ``request_soon`` may never run."""
+    if not future.done():
+        future.set_exception(error)
+        future.exception()
 
 
 # The options of this process's UCX context (the benchmark's bare ucxx anchor starts its own
