@@ -762,10 +762,7 @@ class GManager:
         ends with the leadership), but the instance stays cordoned and says so in its record, as
         does an instance that is stopping."""
         draining = set(self._drains)
-        try:
-            draining.update(inst_id for inst_id, member in self.membership.members().items() if member.draining)
-        except OSError as err:  # the folder unreadable for a moment: the leader's own drains still count
-            log.warning("membership not read, draining instances not known: %s", err)
+        draining.update(inst_id for inst_id, member in self.membership.members().items() if member.draining)
         return draining
 
     def _drain_snapshot(self, now_s: float) -> DrainSnapshot:

@@ -281,11 +281,7 @@ class InMemoryTransport:
         self._fail_all(PeerUnreachable(self._address, "transport closed"))
         if registered:  # as UCX drops the connections of a closed listener: requests to it fail
             self._network._fail_requests_to(self._address, PeerUnreachable(self._address, "connection closed"))
-        # As UCX's close: the handlers still running are cancelled (not one that closes it).
-        current = asyncio.current_task()
-        for task in list(self._tasks):
-            if task is not current:
-                task.cancel()
+        self._cancel_tasks()  # as UCX's close
 
     # --- internals ---
 
@@ -302,8 +298,12 @@ class InMemoryTransport:
                             max_header_bytes=limits.max_header_bytes)
 
     def _cancel_tasks(self) -> None:
+        """Cancel the handlers still running, but not the one calling (a handler that closes
+        its own transport finishes its own step)."""
+        current = asyncio.current_task()
         for task in list(self._tasks):
-            task.cancel()
+            if task is not current:
+                task.cancel()
 
     async def _receive(self, sender: InMemoryTransport, frame: codec.EncodedFrame) -> None:
         """A frame on the listener's side (a request or a one-way message) from ``sender``."""

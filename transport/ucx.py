@@ -506,7 +506,7 @@ class UcxTransport:
         except TimeoutError:
             raise RequestTimeout(peer, message.TYPE, timeout_s) from None
         frame = self._encode_request(message, connection)
-        return await self._exchange(peer, connection, frame, message.TYPE, deadline, timeout_s, posted=None)
+        return await self._exchange(peer, connection, frame, message.TYPE, deadline, timeout_s)
 
     def request_soon(
         self, peer: PeerAddress, message: Message, *, timeout_s: float | None = None
@@ -573,18 +573,15 @@ class UcxTransport:
         return _RequestFrame(msg_id, frame)
 
     async def _exchange(self, peer: PeerAddress, connection: _Connection, frame: _RequestFrame, type_: str,
-                        deadline: float, timeout_s: float, posted: list | None,
-                        reply: asyncio.Future | None = None) -> Message:
-        """Send ``frame`` (or wait for its ``posted`` requests) and wait for its reply by
-        ``deadline`` (time.monotonic())."""
+                        deadline: float, timeout_s: float) -> Message:
+        """Send ``frame`` and wait for its reply by ``deadline`` (time.monotonic())."""
         loop = asyncio.get_running_loop()
         timer: asyncio.TimerHandle | None = None
-        if reply is None:
-            reply = loop.create_future()
-            connection.pending[frame.msg_id] = reply
+        posted: list | None = None
+        reply = loop.create_future()
+        connection.pending[frame.msg_id] = reply
         try:
-            if posted is None:
-                posted = connection.post_frame(frame.frame, frame.msg_id, False)
+            posted = connection.post_frame(frame.frame, frame.msg_id, False)
             if frame.frame.buffers:
                 await connection.wait_sent(posted, deadline)  # a timeout or a cancel: kept below
             # A header alone is not awaited: its reply says it arrived, and a failed send breaks
@@ -747,7 +744,7 @@ class UcxTransport:
         try:
             await self._exchange(peer, connection, self._encode_request(offer, connection), offer.TYPE,
                                  time.monotonic() + self._config.connect_timeout_s,
-                                 self._config.connect_timeout_s, posted=None)
+                                 self._config.connect_timeout_s)
         except RemoteError as e:
             log.debug("%s: no shared memory: %s", peer, e)
             if e.code == ErrorCode.UNKNOWN_TYPE:

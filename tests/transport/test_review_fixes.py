@@ -43,6 +43,14 @@ async def ignore(message: m.Message) -> m.Message | None:
     return None
 
 
+def waiting_on(go: asyncio.Event):
+    """A handler that answers (an Ack) once ``go`` is set."""
+    async def handler(message: m.Message) -> m.Message | None:
+        await go.wait()
+        return None
+    return handler
+
+
 # --- the in-memory transport: replies, kills, closes -----------------------------------------
 
 
@@ -118,14 +126,9 @@ def test_a_closed_transport_answers_nothing_and_its_requesters_hear_at_once():
     async def scenario():
         net = InMemoryNetwork()
         go = asyncio.Event()
-
-        async def slow(message: m.Message) -> m.Message | None:
-            await go.wait()
-            return m.Ack()
-
         a, b = net.transport(A), net.transport(B)
         await a.start(ignore)
-        await b.start(slow)
+        await b.start(waiting_on(go))
         request = asyncio.ensure_future(a.request(B, m.Drain(epoch=1, drain_id=1, inst_id=2), timeout_s=60))
         await spin()
         await b.close()
@@ -146,16 +149,12 @@ def test_a_handler_of_a_killed_transport_cannot_send():
         go = asyncio.Event()
         outcome: list[str] = []
 
-        async def forwards(message: m.Message) -> m.Message | None:
-            await go.wait()
-            return None
-
         async def record(message: m.Message) -> m.Message | None:
             seen.append(message.TYPE)
             return None
 
         await a.start(ignore)
-        await b.start(forwards)
+        await b.start(waiting_on(go))
         await c.start(record)
         await a.send(B, m.Ack())
         await spin()
@@ -218,14 +217,9 @@ def test_a_refused_one_way_message_fails_the_requests_in_flight_to_that_peer():
     async def scenario():
         net = InMemoryNetwork()
         go = asyncio.Event()
-
-        async def slow(request: m.Message) -> m.Message | None:
-            await go.wait()
-            return None
-
         a, b = net.transport(A), net.transport(B, SMALL)
         await a.start(ignore)
-        await b.start(slow)
+        await b.start(waiting_on(go))
         pending = asyncio.ensure_future(a.request(B, m.Drain(epoch=1, drain_id=1, inst_id=2), timeout_s=5))
         await spin()
         await a.send(B, m.Echo(torch.zeros(4096, dtype=torch.uint8)))
