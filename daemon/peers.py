@@ -286,6 +286,9 @@ class TransportLender:
         # blocks), asked for before it starts on their memory; its spills use them up.
         self._holds: dict[str, dict[int, int]] = {}
         self._asking: set[str] = set()  # requests whose holds are being asked for
+        # Requests that ended while their holds were being asked for: the ask gives back what
+        # it is granted (``forget`` saw none of it).
+        self._ended_while_asking: set[str] = set()
         self._ask_again_at: dict[str, float] = {}  # after holds were refused: not before then
         self.kept_for_others: Callable[[], int] = lambda: 0  # this pool's blocks other homes hold
         self.wake: Callable[[], None] = lambda: None  # the engine loop, when holds come
@@ -310,6 +313,8 @@ class TransportLender:
         """The request is gone: the peers keep nothing more for it."""
         holds = self._holds.pop(request_id, {})
         self._ask_again_at.pop(request_id, None)
+        if request_id in self._asking:
+            self._ended_while_asking.add(request_id)
         # Every peer asked, whatever this home counts as left there: a move the gManager ordered
         # may have used less of a hold than this home knows of.
         for inst_id in holds:
@@ -323,6 +328,8 @@ class TransportLender:
         for that. Short of ``wanted``, what was granted is given back and the request asks again
         after a random pause (two homes that split the memory do not both wait on it)."""
         try:
+            if request_id in self._ended_while_asking:  # ended before this began
+                return
             holds = self._holds.setdefault(request_id, {})
             short = wanted - sum(holds.values())
             for peer in self.peers.creditors(lambda p: p.num_blocks_free + holds.get(p.inst_id, 0)):
@@ -333,10 +340,17 @@ class TransportLender:
                     current = holds.get(peer.inst_id, 0)
                     granted = await self._set_hold(peer.inst_id, request_id, current + take)
                     holds[peer.inst_id] = granted
-                    if granted > current:
+                    if granted > current or request_id in self._ended_while_asking:
                         short -= granted - current
                         break
-                if short <= 0 or request_id not in self._holds:  # enough, or the request ended
+                if request_id in self._ended_while_asking:
+                    # The request ended while its holds were asked for: ``forget`` took this
+                    # table away without the grants that came after, which go back here.
+                    for inst_id, num_blocks in list(holds.items()):
+                        if num_blocks > 0:
+                            await self._set_hold(inst_id, request_id, 0)
+                    return
+                if short <= 0:
                     return
             log.info("request %s: peers keep %d of the %d blocks it needs to start; asking again",
                      request_id, sum(holds.values()), wanted)
@@ -348,6 +362,7 @@ class TransportLender:
             self._ask_again_at[request_id] = time.monotonic() + HOLD_RETRY_S * (0.5 + random.random())
         finally:
             self._asking.discard(request_id)
+            self._ended_while_asking.discard(request_id)
             self.wake()
 
     async def _set_hold(self, inst_id: int, request_id: str, num_blocks: int) -> int:
@@ -386,7 +401,10 @@ class TransportLender:
             return  # the scheduler preempts instead, as a static instance does
         bm = engine.block_manager
         written = engine.num_written_tokens()
-        lendable = sorted(((bm.num_lendable_blocks(r, n), r) for r, n in written.items()), key=lambda x: (-x[0], x[1]))
+        # A request with a move between its reservation and its switch lends nothing now
+        # (``lendable_now``): trying it would count a failed move that was never attempted.
+        lendable = sorted(((0 if r in self._moving else bm.num_lendable_blocks(r, n), r) for r, n in written.items()),
+                          key=lambda x: (-x[0], x[1]))
         for count, request_id in lendable:
             if num_blocks <= 0:
                 break

@@ -353,3 +353,55 @@ def test_an_ordered_move_stops_at_the_next_piece_once_a_newer_leader_spoke(tmp_p
     assert tried_epochs == [5]
     assert [(seg.instance_id, len(seg.block_ids)) for seg in bm.block_table("7")] == [(1, 1), (0, 3)]
     assert home.metrics.stale_epoch_commands._value.get() == 1
+
+
+@pytest.mark.parametrize("ends", ["before the ask starts", "while the ask is in flight"])
+def test_a_hold_granted_to_a_request_that_ended_is_given_back(tmp_path, ends):
+    """A waiting request asks the peers to keep blocks for it (in the background) and ends (its
+    client left) before that ask is answered: what the creditor grants goes back at once, rather
+    than stay kept from other homes until the hold's time runs out, and the home keeps no table
+    of holds for the request."""
+    s = Setup(tmp_path)
+    holds_asked: list[int] = []
+    serve = s.creditor._handle
+
+    def handle(message):
+        if message.TYPE == "hold_kv":
+            holds_asked.append(message.num_blocks)
+        return serve(message)
+
+    async def scenario() -> None:
+        await s.creditor.transport.start(handle, s.creditor._place)
+        assert s.lender.blocks_kept_elsewhere("9", 4) == 0  # the ask starts in the background
+        if ends == "while the ask is in flight":
+            await turns_until(lambda: holds_asked)
+        s.lender.forget("9")
+        await turns_until(lambda: not s.lender._asking)
+        await s.network.settle()
+
+    asyncio.run(scenario())
+    assert s.creditor.ledger.holds == {}
+    assert s.lender._holds == {} and s.lender._ended_while_asking == set()
+    assert holds_asked in ([], [4, 0])
+
+
+def test_a_spill_passes_over_a_request_whose_move_is_in_flight(tmp_path):
+    """While a move of the request is between its reservation and its switch (an ordered move in
+    the background), a spill of the steps short of blocks does not try the request on every
+    creditor: nothing is sent, and no failed move is counted for moves never attempted."""
+    s = Setup(tmp_path)
+    third = creditor_daemon(tmp_path, s.network, 3, 8)
+    s.lender.peers.update(3, PeerAddress("memory", 3), 8, False, 8)
+    failed = s.lender.metrics.moves.labels(result="failed")
+
+    async def scenario() -> None:
+        await s.creditor.transport.start(s.creditor._handle, s.creditor._place)
+        await third.transport.start(third._handle, third._place)
+        s.lender._moving.add("7")
+        for _step in range(3):
+            await s.lender.spill(s.engine, 2)
+        await s.network.settle()
+
+    asyncio.run(scenario())
+    assert s.network.messages() == []
+    assert failed._value.get() == 0
