@@ -22,6 +22,7 @@ from typing import Any, AsyncIterator, Mapping, Protocol
 
 import orjson
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 from infinite_llm.engine.sampling import SamplingParams
 
@@ -101,7 +102,10 @@ def _openai_error(error: OpenAIError) -> web.Response:
 async def _read_json(request: web.Request) -> Any:
     if request.content_length is not None and request.content_length > _MAX_BODY_BYTES:
         raise OpenAIError(f"the request body is larger than {_MAX_BODY_BYTES} bytes", status=413)
-    raw = await request.read()
+    try:
+        raw = await request.read()
+    except RequestPayloadError as exc:  # e.g. a body whose Content-Encoding does not decode
+        raise OpenAIError(f"the request body cannot be read: {exc}") from None
     try:
         return orjson.loads(raw)
     except orjson.JSONDecodeError as exc:

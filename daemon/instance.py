@@ -528,6 +528,10 @@ class InstanceDaemon:
             token_ids = await asyncio.to_thread(self.engine.prompt_token_ids, source)
             self._refuse_while_draining()  # a drain may have begun while the prompt was tokenized
             if refuse_past_context and len(token_ids) + params.max_tokens > (context := self.engine.max_model_len):
+                if len(token_ids) >= context:  # the prompt alone: max_tokens is not what to change
+                    raise RequestRejected(
+                        f"the prompt is too long: {len(token_ids)} tokens. This model's maximum context length is "
+                        f"{context} tokens, and the prompt leaves no room for the {params.max_tokens} tokens asked for")
                 raise RequestRejected(
                     f"max_tokens is too large: {params.max_tokens}. This model's maximum context length is "
                     f"{context} tokens and the request has {len(token_ids)} input tokens "

@@ -130,12 +130,18 @@ def _sampling_params(body: Mapping[str, Any], max_tokens: int | None) -> Samplin
             stop=stop,
             ignore_eos=ignore_eos,
         )
-    except ValueError as exc:
-        raise OpenAIError(str(exc)) from None
+    except ValueError as exc:  # its messages begin with the parameter's name
+        name = str(exc).split(" ", 1)[0]
+        raise OpenAIError(str(exc), param=name if name in _SAMPLING_PARAMS else None) from None
+
+
+_SAMPLING_PARAMS = frozenset({"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos"})
 
 
 def _stream_flags(body: Mapping[str, Any]) -> tuple[bool, bool]:
-    stream = body.get("stream", False)
+    stream = body.get("stream")
+    if stream is None:  # null is the API's default, false
+        stream = False
     if not isinstance(stream, bool):
         raise OpenAIError("stream must be a boolean", param="stream")
     options = body.get("stream_options")
@@ -193,9 +199,11 @@ def parse_chat_request(body: object, served_model: str) -> GenerationRequest:
     _check_fields(body, _CHAT_FIELDS)
     model = _model(body, served_model)
     parsed = parse_messages(body.get("messages"))
-    max_tokens = _integer(body, "max_completion_tokens", None, 1)
-    if max_tokens is None:
-        max_tokens = _integer(body, "max_tokens", None, 1)
+    # Both are checked; max_completion_tokens, the newer name, wins where both are given.
+    max_completion_tokens = _integer(body, "max_completion_tokens", None, 1)
+    max_tokens = _integer(body, "max_tokens", None, 1)
+    if max_completion_tokens is not None:
+        max_tokens = max_completion_tokens
     stream, include_usage = _stream_flags(body)
     return GenerationRequest(model, None, parsed, _sampling_params(body, max_tokens), stream, include_usage,
                              max_tokens_given=max_tokens is not None)

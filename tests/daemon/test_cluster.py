@@ -156,6 +156,10 @@ def test_bad_input_gets_clear_errors_and_harms_no_one(cluster):
     code, body = inst.post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                                                     "max_completion_tokens": 8192})
     assert code == 400 and "max_tokens is too large: 8192" in body["error"]["message"], body
+    # A prompt longer than the context alone is named as such, not blamed on max_tokens.
+    code, body = inst.post("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x" * 50_000}],
+                                                    "max_tokens": 2})
+    assert code == 400 and "the prompt is too long" in body["error"]["message"], body
     # The cluster still serves.
     code, body = inst.post("/v1/completions", {"model": MODEL, "prompt": "The sky is", "max_tokens": 3, "temperature": 0})
     assert code == 200 and body["usage"]["completion_tokens"] >= 1

@@ -105,3 +105,27 @@ def test_the_servers_own_refusals_come_in_openai_error_bodies():
     assert "/v1/nothing" in missing_body["error"]["message"]
     assert wrong == 405 and allow == "POST" and "GET /v1/completions" in wrong_body["error"]["message"]
     assert large == 413 and large_body["error"]["message"]
+
+
+def test_a_body_whose_content_encoding_does_not_decode_is_a_bad_request():
+    """aiohttp cannot decompress it: a 400 in OpenAI's error body, not a plain-text 500."""
+    events = [GenerationEvent("1", "Once", (5,), True, "length", 3, 1)]
+
+    async def scenario() -> list[tuple[int, dict]]:
+        async with TestClient(TestServer(OpenAIApp(ScriptedService(events)).build())) as client:
+            answers = []
+            for encoding in ("gzip", "deflate"):
+                response = await client.post("/v1/completions", data=b"not compressed at all",
+                                             headers={"Content-Encoding": encoding, "Content-Type": "application/json",
+                                                      # the server closes a connection whose body broke
+                                                      "Connection": "close"})
+                answers.append((response.status, await response.json()))
+            response = await client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1})
+            answers.append((response.status, await response.json()))
+            return answers
+
+    (gzip_status, gzip_body), (deflate_status, deflate_body), (status, body) = asyncio.run(scenario())
+    for code, error in ((gzip_status, gzip_body), (deflate_status, deflate_body)):
+        assert code == 400 and error["error"]["type"] == "invalid_request_error"
+        assert "cannot be read" in error["error"]["message"]
+    assert status == 200 and body["choices"][0]["text"] == "Once"

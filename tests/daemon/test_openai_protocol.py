@@ -47,6 +47,8 @@ def test_token_id_prompt_and_chat_content_parts() -> None:
         ({"model": MODEL, "prompt": "x", "temperature": 3}, 400, "temperature", r"temperature must be a number in \[0.0, 2.0\]"),
         ({"model": MODEL, "prompt": "x", "stop": [1]}, 400, "stop", "stop must be"),
         ({"model": MODEL, "prompt": "x", "stream": "yes"}, 400, "stream", "stream must be a boolean"),
+        # SamplingParams' own refusals name their parameter too
+        ({"model": MODEL, "prompt": "x", "stop": ""}, 400, "stop", "stop must"),
         ({"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options", "only allowed with stream"),
         ({"model": "gpt-4", "prompt": "x"}, 404, "model", "does not exist"),
         ({"model": "", "prompt": "x"}, 400, "model", "model must be a non-empty string"),
@@ -122,3 +124,13 @@ def test_what_vllm_clients_send_is_taken_as_vllm_takes_it() -> None:
     assert req.messages[2]["content"] == ""
     with pytest.raises(OpenAIError, match="content must be a string"):
         parse_chat_request({"messages": [{"role": "user", "content": None}]}, MODEL)
+
+
+def test_a_null_stream_is_no_stream_and_both_output_limits_are_checked() -> None:
+    req = parse_completion_request({"model": MODEL, "prompt": "x", "stream": None}, MODEL)
+    assert not req.stream
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
+    assert parse_chat_request({**chat, "max_completion_tokens": 5, "max_tokens": 9}, MODEL).params.max_tokens == 5
+    with pytest.raises(OpenAIError, match="max_tokens must be") as info:
+        parse_chat_request({**chat, "max_completion_tokens": 5, "max_tokens": "abc"}, MODEL)
+    assert info.value.param == "max_tokens"
