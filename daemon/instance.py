@@ -150,7 +150,10 @@ class InstanceDaemon:
         self._engine_idle = True
         self._watchdog_withheld = False
         self._engine_task: asyncio.Task | None = None
-        self._member_runs: dict[int, tuple[str, int]] = {}  # instance id -> (host, pid) last seen
+        self._member_runs: dict[int, tuple[str, int, int]] = {}  # instance id -> (host, pid, run) last seen
+        # This process's run: new at each start, in its membership record and its holds and
+        # reservations on peers (a pid may come again, a container's often does).
+        self.run_id = random.randrange(1, 1 << 62)
         self._work = asyncio.Event()  # set when the engine may have something to do
         self._queues: dict[str, asyncio.Queue[GenerationEvent]] = {}
         self._request_ids = itertools.count(1)
@@ -348,6 +351,7 @@ class InstanceDaemon:
                                                c.timeouts.peer_request_s)
         self.lender = TransportLender(self.transport, self.peers, self.metrics, c.timeouts.peer_request_s,
                                        share_kv=c.share_kv)
+        self.lender.run_id = self.run_id
         engine_config = EngineConfig(block_size=c.block_size, pool_blocks=(pool_blocks,), max_num_seqs=c.max_num_seqs,
                                      queue_bypass_limit=c.queue_bypass_limit,
                                      split_decode_interval=c.split_decode_interval,
@@ -579,6 +583,7 @@ class InstanceDaemon:
         if isinstance(message, TryMoveKV):
             return self._try_move(message)
         if isinstance(message, HoldKV):
+            self._note_home_run(message.home_inst_id, message.home_run)
             spare = 0 if self.draining else self._free_for_others()
             held = self.ledger.set_hold(message.home_inst_id, message.req_id, message.num_blocks, spare,
                                         time.monotonic())
@@ -751,6 +756,7 @@ class InstanceDaemon:
         return await self._run_at_step_boundary(lambda: self.lender.switch_move(self.engine, move, dst))
 
     def _try_move(self, message: TryMoveKV) -> MoveReserved | MoveRejected:
+        self._note_home_run(message.home_inst_id, message.home_run)
         # A refusal's figure is what the requester may count on here: the home keeps it as this
         # instance's free blocks until the next membership tick.
         if message.epoch and not self.fence.admit(message.epoch):
@@ -897,17 +903,30 @@ class InstanceDaemon:
             if not self.ledger.has_segments_of(home):
                 self.creditor.forget(home)
 
+    def _note_home_run(self, home_inst_id: int, run_id: int) -> None:
+        """A home's request names its run: where this instance holds blocks for another run of
+        it, that home restarted, perhaps since this instance last read the membership. The old
+        run's blocks are freed before the new run's request is served, so that the membership
+        tick that sees the restart later frees nothing of the new run's."""
+        freed = self.ledger.note_home_run(home_inst_id, run_id)
+        if freed is not None:
+            self.creditor.forget(home_inst_id)
+            log.warning("instance %d restarted (its run is new): freed %d blocks held for its previous run",
+                        home_inst_id, freed)
+
     def _forget_restarted_homes(self, members: dict[int, Member]) -> None:
         """Free what this instance holds for a home whose process is another than before: a home
         restarted within ``debtor_lost_s`` keeps publishing under its instance id, so it never
         looks silent, and its new run knows nothing of the old one's segments (and numbers its
         requests from 1 again)."""
         for inst_id, member in members.items():
-            run = (member.peer_host, member.pid)
+            run = (member.peer_host, member.pid, member.run_id)
             before = self._member_runs.get(inst_id)
             self._member_runs[inst_id] = run
             if before is None or before == run or inst_id not in self.ledger.last_heard:
                 continue
+            if member.run_id and self.ledger.home_runs.get(inst_id) == member.run_id:
+                continue  # what is held here is the new run's: the old run's went at its first request
             freed = self.ledger.forget_home(inst_id)
             self.creditor.forget(inst_id)
             log.warning("instance %d restarted (pid %d, before %d): freed %d blocks held for its previous run",
@@ -1023,7 +1042,7 @@ class InstanceDaemon:
             peer_port=self.transport.address.port, http_port=self.http_port, socket_path=str(self.config.socket_path),
             num_blocks_total=bm.num_total_blocks(self.engine.home_instance_id),
             num_blocks_free=0 if self.draining else self._free_for_others(), draining=self.draining,
-            updated_at=time.time()))
+            updated_at=time.time(), run_id=self.run_id))
 
     def _update_metrics(self, now: float) -> None:
         bm, m = self.engine.block_manager, self.metrics

@@ -76,6 +76,9 @@ class CreditorLedger:
     # (home, req) -> blocks kept for the request's spills: a home asks before such a request
     # starts, so that two homes never both count on the same free blocks.
     holds: dict[tuple[int, int], Hold] = field(default_factory=dict)
+    # home -> the run (its membership record's run_id) whose requests made what is held here
+    # for it: a request of another run means the home restarted (``note_home_run``).
+    home_runs: dict[int, int] = field(default_factory=dict)
     hold_ttl_s: float = 300.0
     # Reservation ids name copies in frees that may come late: a daemon starts them at a random
     # point, so that no id of its previous run names a copy of this one.
@@ -277,9 +280,21 @@ class CreditorLedger:
         lost = [home for home, t in self.last_heard.items() if now - t > timeout_s]
         return {home: self.forget_home(home) for home in lost}
 
+    def note_home_run(self, home_inst_id: int, run_id: int) -> int | None:
+        """A home's request names its run (``run_id``; 0: not said). Where this ledger holds
+        what another run of that home asked for, that run is gone (restarted) and its segments,
+        reservations and holds are freed first: returns the blocks freed then, else None."""
+        if run_id <= 0:
+            return None
+        before = self.home_runs.get(home_inst_id)
+        freed = self.forget_home(home_inst_id) if before is not None and before != run_id else None
+        self.home_runs[home_inst_id] = run_id
+        return freed
+
     def forget_home(self, home_inst_id: int) -> int:
         """Free every segment, reservation and hold of one home (gone, or restarted: a new run
         knows nothing of them); returns the blocks freed."""
+        self.home_runs.pop(home_inst_id, None)
         count = 0
         for key in [k for k in self.held if k[0] == home_inst_id]:
             count += self.free_segment(*key)

@@ -35,6 +35,9 @@ class Member:
     num_blocks_free: int  # free for new requests or for others' segments, blocks
     draining: bool
     updated_at: float  # time.time() seconds
+    # Random, new at each start of the process (a pid may come again: a container's daemon
+    # often has the same one at every start); 0 in a record that does not say.
+    run_id: int = 0
 
 
 class LocalMembership:

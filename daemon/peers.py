@@ -267,6 +267,7 @@ class TransportLender:
         self.metrics = metrics
         self.timeout_s = timeout_s
         self.engine: LLMEngine | None = None
+        self.run_id = 0  # this process's run, named in its holds and reservations (0: not said)
         self._move_ids = itertools.count(1)
         self._background: set[asyncio.Task] = set()
         # Requests with a move of home blocks between its reservation and its switch: a second
@@ -369,7 +370,8 @@ class TransportLender:
         """Ask peer ``inst_id`` to keep ``num_blocks`` for the request; the blocks it keeps."""
         try:
             peer = self.peers.by_inst(inst_id)
-            reply = await self.transport.request(peer.address, HoldKV(self.peers.own_inst_id, int(request_id), num_blocks),
+            reply = await self.transport.request(peer.address, HoldKV(self.peers.own_inst_id, int(request_id), num_blocks,
+                                                                       home_run=self.run_id),
                                                  timeout_s=self.timeout_s)
         except (KeyError, TransportError) as exc:
             log.warning("hold of %d blocks for request %s on instance %d: %s", num_blocks, request_id, inst_id, exc)
@@ -510,7 +512,7 @@ class TransportLender:
             try:
                 reply = await self.transport.request(peer.address, TryMoveKV(
                     epoch=epoch, move_id=move_id, req_id=int(request_id), home_inst_id=own, src_inst_id=own,
-                    num_blocks=num_blocks, block_nbytes=block_nbytes), timeout_s=self.timeout_s)
+                    num_blocks=num_blocks, block_nbytes=block_nbytes, home_run=self.run_id), timeout_s=self.timeout_s)
             except TransportError as exc:
                 log.warning("move of request %s to instance %d: %s", request_id, peer.inst_id, exc)
                 self.metrics.moves.labels(result="failed").inc()
@@ -697,7 +699,7 @@ class TransportLender:
         try:
             reply = await self.transport.request(dst.address, TryMoveKV(
                 epoch=epoch, move_id=move_id, req_id=int(request_id), home_inst_id=own, src_inst_id=src.inst_id,
-                num_blocks=num_blocks, block_nbytes=block_nbytes), timeout_s=self.timeout_s)
+                num_blocks=num_blocks, block_nbytes=block_nbytes, home_run=self.run_id), timeout_s=self.timeout_s)
         except TransportError as exc:
             log.warning("move of request %s's segment %d to instance %d: %s", request_id, segment_id, dst.inst_id, exc)
             self.metrics.moves.labels(result="failed").inc()

@@ -256,7 +256,7 @@ class TryMoveKV:
     """Source -> destination: reserve ``num_blocks`` blocks for a move, or refuse."""
 
     TYPE: ClassVar[str] = "try_move_kv"
-    VERSION: ClassVar[int] = 1
+    VERSION: ClassVar[int] = 2  # 2: home_run
 
     epoch: int  # epoch of the MoveKV command being carried out; 0 for a spill of the source's own
     move_id: int  # chosen by whoever ordered the move, unique per epoch
@@ -266,10 +266,14 @@ class TryMoveKV:
     #                   a creditor holds, that creditor (the home asks, the creditor sends)
     num_blocks: int  # blocks to reserve
     block_nbytes: int  # bytes of one block over all layers; the destination checks its layout
+    # The home's run (the run_id of its membership record, new at each start); 0: not said. A
+    # destination that holds blocks for another run of the home frees them first: that run is
+    # gone, and this one knows nothing of them.
+    home_run: int = 0
 
     def __post_init__(self) -> None:
-        _require_not_negative("epoch, move_id, req_id, home_inst_id and src_inst_id", self.epoch,
-                              self.move_id, self.req_id, self.home_inst_id, self.src_inst_id)
+        _require_not_negative("epoch, move_id, req_id, home_inst_id, src_inst_id and home_run", self.epoch,
+                              self.move_id, self.req_id, self.home_inst_id, self.src_inst_id, self.home_run)
         _require(self.num_blocks > 0, "num_blocks must be positive")
         _require(self.block_nbytes > 0, "block_nbytes must be positive")
 
@@ -310,15 +314,16 @@ class HoldKV:
     hold (0 releases it); the creditor takes it first come, first served, all or nothing."""
 
     TYPE: ClassVar[str] = "hold_kv"
-    VERSION: ClassVar[int] = 1
+    VERSION: ClassVar[int] = 2  # 2: home_run
 
     home_inst_id: int  # the request's home, the sender
     req_id: int
     num_blocks: int  # blocks to keep for the request from now on; 0: keep none
+    home_run: int = 0  # the home's run, as in TryMoveKV
 
     def __post_init__(self) -> None:
-        _require_not_negative("home_inst_id, req_id and num_blocks", self.home_inst_id, self.req_id,
-                              self.num_blocks)
+        _require_not_negative("home_inst_id, req_id, num_blocks and home_run", self.home_inst_id, self.req_id,
+                              self.num_blocks, self.home_run)
 
 
 @dataclass(frozen=True)

@@ -405,3 +405,40 @@ def test_a_spill_passes_over_a_request_whose_move_is_in_flight(tmp_path):
     asyncio.run(scenario())
     assert s.network.messages() == []
     assert failed._value.get() == 0
+
+
+def test_a_restarted_homes_old_blocks_go_at_its_first_request_and_its_new_ones_stay(tmp_path):
+    """A home restarts and its new run moves blocks to the creditor before the creditor's
+    membership tick has seen the restart. The new run's request frees what the old run had there
+    (that run is gone, and the new one knows nothing of it); the tick that then sees the new
+    record frees nothing of the new run's, which the home's table names."""
+    from infinite_llm.daemon.membership import Member
+
+    s = Setup(tmp_path)
+    s.bm.allocate("7", 4 * BLOCK_SIZE)
+
+    def record(pid: int, run_id: int) -> Member:
+        return Member(inst_id=HOME, pid=pid, peer_host="memory", peer_port=HOME, http_port=0, socket_path="",
+                      num_blocks_total=8, num_blocks_free=0, draining=False, updated_at=0.0, run_id=run_id)
+
+    s.creditor._forget_restarted_homes({HOME: record(100, 111)})  # the creditor knows the old run
+
+    async def scenario() -> None:
+        await s.creditor.transport.start(s.creditor._handle, s.creditor._place)
+        s.lender.run_id = 111
+        old = await s.lender.send_move(s.engine, "7", 1, s.peer)
+        assert old is not None and s.lender.switch_move(s.engine, old, s.peer)
+        s.lender.run_id = 222  # the home restarted (the same engine stands in for the new run's)
+        new = await s.lender.send_move(s.engine, "7", 1, s.peer)
+        assert new is not None and s.lender.switch_move(s.engine, new, s.peer)
+        await s.network.settle()
+
+    asyncio.run(scenario())
+    assert list(s.creditor.ledger.held) == [(HOME, 7, 1)]  # the old run's segment 0 went
+    s.creditor._forget_restarted_homes({HOME: record(200, 222)})  # the tick sees the restart
+    assert list(s.creditor.ledger.held) == [(HOME, 7, 1)]
+    held_blocks = s.creditor.ledger.held[(HOME, 7, 1)].block_ids
+    assert s.creditor_free_at_start - s.creditor.engine.block_manager.num_free_blocks(0) == len(held_blocks)
+    # A restart with nothing of the new run here yet: the tick frees what the old run left.
+    s.creditor._forget_restarted_homes({HOME: record(300, 333)})
+    assert s.creditor.ledger.held == {}

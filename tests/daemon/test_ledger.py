@@ -239,3 +239,20 @@ def test_landed_data_is_committed_as_before() -> None:
         ledger.commit(reservation.reservation_id, 1, 7, segment_id=4, now=1.0)
     assert not ledger.landed(reservation.reservation_id).receiving
     assert ledger.commit(reservation.reservation_id, 1, 7, segment_id=4, now=1.0).block_ids == (0, 1)
+
+
+def test_a_request_of_another_run_of_a_home_frees_what_its_previous_run_left() -> None:
+    pool, ledger = make()
+    assert ledger.note_home_run(1, 0) is None and ledger.home_runs == {}  # a run not said: nothing known
+    assert ledger.note_home_run(1, 11) is None  # the first run heard of
+    reservation = ledger.reserve(1, 7, 3, now=0.0)
+    ledger.commit(reservation.reservation_id, 1, 7, segment_id=0, now=0.0)
+    ledger.reserve(1, 8, 2, now=0.0)
+    ledger.set_hold(1, 9, 2, free_for_others=3, now=0.0)
+    ledger.reserve(2, 5, 1, now=0.0)  # another home's: untouched
+    assert ledger.note_home_run(1, 11) is None  # the same run again
+    assert ledger.note_home_run(1, 12) == 5  # restarted: its segment and reservation go, and its hold
+    assert ledger.held == {} and ledger.holds == {} and [r.home_inst_id for r in ledger.reservations.values()] == [2]
+    assert ledger.home_runs == {1: 12} and pool.free_ids == [0, 1, 2, 3, 4, 6, 7]
+    ledger.forget_home(1)
+    assert ledger.home_runs == {}
