@@ -90,6 +90,10 @@ def _integer(body: Mapping[str, Any], name: str, default: int | None, low: int) 
     return value
 
 
+# SamplingParams' own checks: their messages begin with the parameter's name.
+_SAMPLING_PARAMS = frozenset({"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos"})
+
+
 def _sampling_params(body: Mapping[str, Any], max_tokens: int | None) -> SamplingParams:
     n = _integer(body, "n", 1, 1)
     if n != 1:
@@ -130,12 +134,10 @@ def _sampling_params(body: Mapping[str, Any], max_tokens: int | None) -> Samplin
             stop=stop,
             ignore_eos=ignore_eos,
         )
-    except ValueError as exc:  # its messages begin with the parameter's name
+    except ValueError as exc:
         name = str(exc).split(" ", 1)[0]
         raise OpenAIError(str(exc), param=name if name in _SAMPLING_PARAMS else None) from None
 
-
-_SAMPLING_PARAMS = frozenset({"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos"})
 
 
 def _stream_flags(body: Mapping[str, Any]) -> tuple[bool, bool]:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from infinite_llm.engine.block_manager import OutOfBlocks, Segment, SegmentMove
+from infinite_llm.engine.block_manager import BlockManager, OutOfBlocks, Segment, SegmentMove
 from infinite_llm.engine.dist_attention import AttendBatch, RemoteAttention
 from infinite_llm.engine.engine import LLMEngine
 from infinite_llm.kernels import AttentionState
@@ -341,30 +341,33 @@ class TransportLender:
                     current = holds.get(peer.inst_id, 0)
                     granted = await self._set_hold(peer.inst_id, request_id, current + take)
                     holds[peer.inst_id] = granted
-                    if granted > current or request_id in self._ended_while_asking:
+                    if request_id in self._ended_while_asking:
+                        break
+                    if granted > current:
                         short -= granted - current
                         break
                 if request_id in self._ended_while_asking:
                     # The request ended while its holds were asked for: ``forget`` took this
                     # table away without the grants that came after, which go back here.
-                    for inst_id, num_blocks in list(holds.items()):
-                        if num_blocks > 0:
-                            await self._set_hold(inst_id, request_id, 0)
+                    await self._give_back_holds(request_id, holds)
                     return
                 if short <= 0:
                     return
             log.info("request %s: peers keep %d of the %d blocks it needs to start; asking again",
                      request_id, sum(holds.values()), wanted)
-            # Given back once, then forgotten: a peer that cannot be reached now is not asked
-            # again at every retry (its holds end with their time there).
-            for inst_id in list(holds):
-                await self._set_hold(inst_id, request_id, 0)
-                holds.pop(inst_id, None)
+            await self._give_back_holds(request_id, holds)
             self._ask_again_at[request_id] = time.monotonic() + HOLD_RETRY_S * (0.5 + random.random())
         finally:
             self._asking.discard(request_id)
             self._ended_while_asking.discard(request_id)
             self.wake()
+
+    async def _give_back_holds(self, request_id: str, holds: dict[int, int]) -> None:
+        """Give every hold of the request back, once, and forget it: a peer that cannot be
+        reached now is not asked again at every retry (its holds end with their time there)."""
+        for inst_id in list(holds):
+            await self._set_hold(inst_id, request_id, 0)
+            holds.pop(inst_id, None)
 
     async def _set_hold(self, inst_id: int, request_id: str, num_blocks: int) -> int:
         """Ask peer ``inst_id`` to keep ``num_blocks`` for the request; the blocks it keeps."""
@@ -403,10 +406,9 @@ class TransportLender:
             return  # the scheduler preempts instead, as a static instance does
         bm = engine.block_manager
         written = engine.num_written_tokens()
-        # A request with a move between its reservation and its switch lends nothing now
-        # (``lendable_now``): trying it would count a failed move that was never attempted.
-        lendable = sorted(((0 if r in self._moving else bm.num_lendable_blocks(r, n), r) for r, n in written.items()),
-                          key=lambda x: (-x[0], x[1]))
+        # A request with a move between its reservation and its switch lends nothing now:
+        # trying it would count a failed move that was never attempted.
+        lendable = sorted(((self._lendable(bm, r, n), r) for r, n in written.items()), key=lambda x: (-x[0], x[1]))
         for count, request_id in lendable:
             if num_blocks <= 0:
                 break
@@ -472,9 +474,11 @@ class TransportLender:
     def lendable_now(self, engine: LLMEngine, request_id: str) -> int:
         """Home blocks of the request a move could take now: full and written, and none while
         another move of it is between its reservation and its switch."""
-        if request_id in self._moving:
-            return 0
-        return engine.block_manager.num_lendable_blocks(request_id, engine.num_written_tokens().get(request_id, 0))
+        return self._lendable(engine.block_manager, request_id, engine.num_written_tokens().get(request_id, 0))
+
+    def _lendable(self, bm: BlockManager, request_id: str, num_written: int) -> int:
+        """``lendable_now``, with the request's written tokens given (a spill reads them all once)."""
+        return 0 if request_id in self._moving else bm.num_lendable_blocks(request_id, num_written)
 
     async def send_move(self, engine: LLMEngine, request_id: str, num_blocks: int,
                         peer: Peer, epoch: int = 0) -> SegmentMove | None:

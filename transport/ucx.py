@@ -506,7 +506,6 @@ class UcxTransport:
         except TimeoutError:
             raise RequestTimeout(peer, message.TYPE, timeout_s) from None
         frame = self._encode_request(message, connection)
-        wire_trace.record("req.encoded", message.TYPE, frame.msg_id)
         return await self._exchange(peer, connection, frame, message.TYPE, deadline, timeout_s)
 
     def request_soon(
@@ -520,7 +519,6 @@ class UcxTransport:
             return asyncio.ensure_future(self.request(peer, message, timeout_s=timeout_s))
         timeout_s = self._config.request_timeout_s if timeout_s is None else timeout_s
         frame = self._encode_request(message, connection)
-        wire_trace.record("req.encoded", message.TYPE, frame.msg_id)
         if frame.frame.buffers:
             wire_trace.record("req.separate_buffers", message.TYPE, len(frame.frame.buffers))
         loop = asyncio.get_running_loop()
@@ -571,6 +569,7 @@ class UcxTransport:
             connection.free_new_slots()
             raise
         connection.claim_slots(msg_id)
+        wire_trace.record("req.encoded", message.TYPE, msg_id)
         return _RequestFrame(msg_id, frame)
 
     async def _exchange(self, peer: PeerAddress, connection: _Connection, frame: _RequestFrame, type_: str,
