@@ -657,6 +657,8 @@ def main() -> None:
                              "decodes (ask for enough new tokens) and report where their time goes")
     parser.add_argument("--peer-spin-s", type=float, default=None,
                         help="the instances' --peer-spin-s (default theirs: 0.02 s on a GPU, 0.0005 s on the CPU)")
+    parser.add_argument("--peer-header-ring-bytes", type=int, default=None,
+                        help="the instances' --peer-header-ring-bytes (default theirs, 2 MiB; 0: headers over UCX)")
     parser.add_argument("--mps", action="store_true",
                         help="record that the processes share the GPU through CUDA MPS (started by the caller)")
     parser.add_argument("--spread-gpus", action="store_true", help="instance i on GPU i mod the GPU count")
@@ -694,6 +696,8 @@ def main() -> None:
 
     extra_args = (["--model", args.model] if args.model else [])
     extra_args += ["--peer-spin-s", str(args.peer_spin_s)] if args.peer_spin_s is not None else []
+    extra_args += (["--peer-header-ring-bytes", str(args.peer_header_ring_bytes)]
+                   if args.peer_header_ring_bytes is not None else [])
     if args.max_num_batched_tokens:
         extra_args += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     if args.creditor_cuda_graphs is not None:
@@ -746,9 +750,9 @@ def main() -> None:
 
     gpu = torch.cuda.get_device_name().replace(" ", "-") if args.device.startswith("cuda") else "cpu"
     report = {"device": gpu, "machine": platform.node(), "instance_cpus": args.instance_cpus, "torch": torch.__version__, "model": args.model or "SmolLM2-135M-Instruct",
-              "cuda_mps": args.mps, "spread_gpus": args.spread_gpus, "peer_spin_s": args.peer_spin_s, "context_blocks": context_blocks, "new_tokens": args.new_tokens, "splits": splits, "moves": moves}
+              "cuda_mps": args.mps, "spread_gpus": args.spread_gpus, "peer_spin_s": args.peer_spin_s, "peer_header_ring_bytes": args.peer_header_ring_bytes, "context_blocks": context_blocks, "new_tokens": args.new_tokens, "splits": splits, "moves": moves}
     suffix = (f"-{Path(args.model).name}" if args.model else "") + ("-mps" if args.mps else "")
-    suffix += (f"-x{torch.cuda.device_count()}-{context_blocks * BLOCK_SIZE // 1024}k" if args.spread_gpus else "") + (f"-spin{args.peer_spin_s:g}" if args.peer_spin_s is not None else "")
+    suffix += (f"-x{torch.cuda.device_count()}-{context_blocks * BLOCK_SIZE // 1024}k" if args.spread_gpus else "") + (f"-spin{args.peer_spin_s:g}" if args.peer_spin_s is not None else "") + (f"-ring{args.peer_header_ring_bytes}" if args.peer_header_ring_bytes is not None else "")
     suffix += "-eager-creditor" if args.creditor_cuda_graphs is False else ""
     suffix += "-pinned" if args.instance_cpus else ""
     suffix += "-moves" if args.moves_only else ""

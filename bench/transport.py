@@ -10,7 +10,8 @@ Two processes (this one and a server it starts). Measured side by side in one ru
 - a batch of N KV blocks scattered over the source pool, moved as the daemons move them
   (gathered into one buffer for a contiguous reservation), against one contiguous run of the
   same bytes; and N runs into scattered destinations (the worst case);
-- round trip of a 1 KiB ``Echo`` (p50, p99).
+- round trip of a 1 KiB ``Echo`` (p50, p99), with the headers through the header ring (the
+  default between local processes) and over UCX.
 
 Bare ucxx anchors run in a second pair of processes (ucxx in ``polling`` mode, its lowest
 latency; one UCX context per process, so they cannot share the transport's): a 1 KiB
@@ -421,10 +422,12 @@ async def run_client(args) -> dict:
         server = PeerAddress("127.0.0.1", layer_port)
         # First the layer with shared memory off: every buffer over UCX.
         over_ucx = UcxTransport(TransportConfig(receive_device=device, request_timeout_s=60, frame_timeout_s=60,
-                                                spin_s=args.spin_s, shared_memory_bytes=0))
+                                                spin_s=args.spin_s, shared_memory_bytes=0, header_ring_bytes=0))
         await over_ucx.start(lambda message: asyncio.sleep(0))
         ucx_rates = {nbytes: (await measure_bandwidth(over_ucx, server, device, nbytes, args.window))["bytes_per_s"]
                      for nbytes in MESSAGE_SIZES}
+        # The round trip with the headers over UCX too (no header ring offered).
+        ucx_round_trips = await measure_round_trips(over_ucx, server, device, args.round_trips)
         await over_ucx.close()
         transport = UcxTransport(TransportConfig(receive_device=device, request_timeout_s=60,
                                                  frame_timeout_s=60, spin_s=args.spin_s,
@@ -457,6 +460,7 @@ async def run_client(args) -> dict:
         server_process.wait(timeout=10)
     if device.startswith("cuda"):
         round_trips["staging"] = await measure_staging(device, max(200, args.round_trips // 5), args.spin_s)
+    round_trips["layer_headers_over_ucx"] = ucx_round_trips["layer"]
     round_trips["bare_ucxx"] = bare["round_trip"]
     round_trips["overhead_p50"] = (round_trips["layer"]["p50_us"]
                                    / round_trips["bare_ucxx"]["p50_us"])
@@ -488,7 +492,8 @@ def print_table(results: dict) -> None:
     r = results["round_trip"]
     print(f"1 KiB round trip: layer p50 {r['layer']['p50_us']:.1f} us p99 "
           f"{r['layer']['p99_us']:.1f} us; bare ucxx p50 {r['bare_ucxx']['p50_us']:.1f} us "
-          f"p99 {r['bare_ucxx']['p99_us']:.1f} us; overhead {r['overhead_p50']:.2f}x")
+          f"p99 {r['bare_ucxx']['p99_us']:.1f} us; overhead {r['overhead_p50']:.2f}x; "
+          f"headers over UCX p50 {r['layer_headers_over_ucx']['p50_us']:.1f} us")
     for row in r.get("staging", []):
         print(f"device round trip {row['message_bytes'] // KiB:>5} KiB, staging limit "
               f"{row['inline_cuda_limit_bytes'] // KiB:>4} KiB: p50 {row['p50_us']:.1f} us p99 {row['p99_us']:.1f} us")

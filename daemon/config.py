@@ -24,6 +24,9 @@ class ConfigError(ValueError):
 
 GPU_PEER_SPIN_S = 0.02  # default peer_spin_s of an instance on a GPU, s
 CPU_PEER_SPIN_S = 500e-6  # default peer_spin_s of an instance on the CPU, s
+# The smallest header ring (transport.header_ring.MIN_DATA_BYTES; not imported: the CLI reads
+# configs without loading the transport).
+MIN_HEADER_RING_BYTES = 64 << 10
 
 
 MIN_TIMEOUT_S = 0.01  # the shortest wait a timeout may set, s
@@ -84,6 +87,10 @@ class InstanceConfig:
     # is its owner's alone: mode 0600).
     peer_shared_memory_bytes: int = 1 << 30
     peer_shared_memory_dir: Path = Path("/dev/shm")
+    # Frame headers to and from instances on this host go through a ring of this many bytes in
+    # peer_shared_memory_dir, one per connection and direction (a daemon's decode step sends
+    # one per layer and creditor), not TCP loopback; 0: over UCX. x86-64 only (elsewhere UCX).
+    peer_header_ring_bytes: int = 2 << 20
     # False: a static instance (vLLM-style): it admits only what its own pool holds, never
     # spills its requests' KV to peers, lends them nothing and refuses moves.
     share_kv: bool = True
@@ -130,6 +137,10 @@ class InstanceConfig:
         _check_int("peer_shared_memory_bytes", self.peer_shared_memory_bytes, minimum=0)
         if 0 < self.peer_shared_memory_bytes < 1 << 20:
             raise ConfigError(f"peer_shared_memory_bytes must be 0 (off) or at least 1 MiB, got {self.peer_shared_memory_bytes}")
+        _check_int("peer_header_ring_bytes", self.peer_header_ring_bytes, minimum=0)
+        if 0 < self.peer_header_ring_bytes < MIN_HEADER_RING_BYTES:
+            raise ConfigError(f"peer_header_ring_bytes must be 0 (off) or at least {MIN_HEADER_RING_BYTES}, "
+                              f"got {self.peer_header_ring_bytes}")
         if any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in self.cpu_affinity):
             raise ConfigError(f"cpu_affinity must list CPU ids >= 0, got {self.cpu_affinity!r}")
         for name in ("share_kv", "creditor_cuda_graphs"):

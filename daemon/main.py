@@ -38,6 +38,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict]
     parser.add_argument("--peer-port", type=int, dest="peer_port")
     parser.add_argument("--peer-spin-s", type=float, dest="peer_spin_s",
                         help="how long a wait on a peer spins before it sleeps, s (default 0.02 on a GPU, 0.0005 on the CPU)")
+    parser.add_argument("--peer-header-ring-bytes", type=int, dest="peer_header_ring_bytes",
+                        help="frame headers to instances on this host go through a ring of this many bytes "
+                             "in shared memory (default 2 MiB; 0: over UCX)")
     parser.add_argument("--share-kv", action=argparse.BooleanOptionalAction, dest="share_kv",
                         help="spill KV to peers and lend them blocks (default); --no-share-kv: a static instance")
     parser.add_argument("--cpu-affinity", dest="cpu_affinity",

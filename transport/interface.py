@@ -58,6 +58,10 @@ class TransportConfig:
     # Threads that copy a large buffer into or out of shared memory; 0: a quarter of the
     # process's CPUs, at most 4.
     shared_memory_copy_threads: int = 0
+    # Frame headers to and from peers on this host go through a ring in shared memory, one
+    # per connection and direction (``header_ring``); its data size in bytes (committed at
+    # once). 0, or a machine other than x86-64: over UCX.
+    header_ring_bytes: int = 2 << 20
     limits: FrameLimits = field(default_factory=FrameLimits)
 
     def landing_device(self, all_inline: bool) -> str:

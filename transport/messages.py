@@ -583,6 +583,49 @@ class SharedMemoryOffer:
 
 
 @dataclass(frozen=True)
+class HeaderRingOffer:
+    """A transport's request on a new connection: the headers of its later frames may come
+    through this ring of the receiver's shared-memory directory (``transport/header_ring.py``),
+    with a doorbell beside it. HeaderRingAccepted: the receiver reads the ring, and offers its
+    own for its replies. Ack: it reads the ring; its replies stay on UCX. ErrorReply
+    (shared_memory_unavailable): not (another host, another user, turned off); headers then
+    travel over UCX."""
+
+    TYPE: ClassVar[str] = "header_ring_offer"
+    VERSION: ClassVar[int] = 1
+
+    ring: str  # file name in the shared-memory directory: infllm-<pid>-<16 hex digits>.ring
+    nonce: str  # 32 hex digits: the file's first 16 bytes, which prove it is the sender's
+
+    def __post_init__(self) -> None:
+        _require(len(self.ring) <= 64 and len(self.nonce) <= 64, "ring and nonce are short names")
+
+
+@dataclass(frozen=True)
+class HeaderRingAccepted:
+    """The answer to HeaderRingOffer: the offered ring is read, and the replies' headers may
+    come through this ring once the requester has said it opened it (HeaderRingOpened)."""
+
+    TYPE: ClassVar[str] = "header_ring_accepted"
+    VERSION: ClassVar[int] = 1
+
+    ring: str  # as HeaderRingOffer's
+    nonce: str
+
+    def __post_init__(self) -> None:
+        _require(len(self.ring) <= 64 and len(self.nonce) <= 64, "ring and nonce are short names")
+
+
+@dataclass(frozen=True)
+class HeaderRingOpened:
+    """The requester opened the ring of HeaderRingAccepted. Ack (over UCX); the replies after
+    it come through the ring."""
+
+    TYPE: ClassVar[str] = "header_ring_opened"
+    VERSION: ClassVar[int] = 1
+
+
+@dataclass(frozen=True)
 class Ack:
     """The request was carried out; for requests whose success has nothing more to say."""
 
@@ -604,7 +647,8 @@ class ErrorReply:
 Message = (
     Heartbeat | HeartbeatReply | AttendRequest | AttendResult | TryMoveKV | MoveReserved
     | MoveRejected | HoldKV | KVHoldReply | KVBlocks | KVBlocksStored | MoveCommit | FreeSegment | AuditHeld | AuditHeldReply | ForwardSegment | MoveKV
-    | Drain | Uncordon | Echo | EchoReply | SharedMemoryOffer | Ack | ErrorReply
+    | Drain | Uncordon | Echo | EchoReply | SharedMemoryOffer | HeaderRingOffer | HeaderRingAccepted
+    | HeaderRingOpened | Ack | ErrorReply
 )
 
 MESSAGE_TYPES: dict[str, type] = {
@@ -612,7 +656,8 @@ MESSAGE_TYPES: dict[str, type] = {
     for cls in (
         Heartbeat, HeartbeatReply, AttendRequest, AttendResult, TryMoveKV, MoveReserved,
         MoveRejected, HoldKV, KVHoldReply, KVBlocks, KVBlocksStored, MoveCommit, FreeSegment, AuditHeld, AuditHeldReply, ForwardSegment, MoveKV,
-        Drain, Uncordon, Echo, EchoReply, SharedMemoryOffer, Ack, ErrorReply,
+        Drain, Uncordon, Echo, EchoReply, SharedMemoryOffer, HeaderRingOffer, HeaderRingAccepted,
+        HeaderRingOpened, Ack, ErrorReply,
     )
 }
 

@@ -50,7 +50,7 @@ from ucxx._lib.arr import Array
 from ucxx.exceptions import UCXCloseError, UCXError, UCXMessageTruncatedError
 from ucxx.types import Tag, TagMaskFull
 
-from infinite_llm.transport import codec, wire_trace
+from infinite_llm.transport import codec, header_ring, wire_trace
 from infinite_llm.transport.errors import (
     PeerUnreachable,
     PlacementRefused,
@@ -58,13 +58,23 @@ from infinite_llm.transport.errors import (
     RemoteError,
     RequestTimeout,
 )
+from infinite_llm.transport.header_ring import HeaderRing, HeaderRingUnavailable, PeerHeaderRing, RingBroken
 from infinite_llm.transport.interface import (
     BufferPlacer,
     MessageHandler,
     PeerAddress,
     TransportConfig,
 )
-from infinite_llm.transport.messages import Ack, ErrorCode, ErrorReply, Message, SharedMemoryOffer
+from infinite_llm.transport.messages import (
+    Ack,
+    ErrorCode,
+    ErrorReply,
+    HeaderRingAccepted,
+    HeaderRingOffer,
+    HeaderRingOpened,
+    Message,
+    SharedMemoryOffer,
+)
 from infinite_llm.transport.shared_memory import (
     ParallelCopy,
     PeerRegion,
@@ -127,6 +137,16 @@ class _Connection:
     receiving: int = 0
     # Handlers of this connection's requests running as tasks (their replies still to come).
     handling: int = 0
+    # Headers to a local peer go through a ring in shared memory (``header_ring``) once the
+    # peer opened it, and the peer's come through its own: ``ring_out`` is this side's,
+    # ``ring_in`` the peer's. A listener's ring waits in ``ring_offered`` until the requester
+    # says it opened it. Headers that do not fit a ring go over UCX as before.
+    ring_out: HeaderRing | None = None
+    ring_in: PeerHeaderRing | None = None
+    ring_offered: HeaderRing | None = None
+    # The header receive posted on the endpoint; it stays posted while headers come through
+    # the ring, and a killed peer fails it.
+    header_request: object | None = None
 
     def __post_init__(self) -> None:
         self.header_buffer = np.zeros(self.config.limits.max_header_bytes, dtype=np.uint8)
@@ -188,13 +208,17 @@ class _Connection:
             raise ConnectionBroken(f"{self.label}: connection closed")
         try:
             self._check_open()
-            # A numpy view, not the bytes object: posting a fresh bytes object takes ucxx
-            # ~0.4 ms (measured on loopback), a view of the same memory a few microseconds.
-            requests = [self._post_send(np.frombuffer(frame.header, dtype=np.uint8), self._send_tag)]
+            ring = self.ring_out
+            if ring is not None and ring.write(frame.header):
+                requests = []  # the header is in the peer's ring already
+            else:
+                # A numpy view, not the bytes object: posting a fresh bytes object takes ucxx
+                # ~0.4 ms (measured on loopback), a view of the same memory a few microseconds.
+                requests = [self._post_send(np.frombuffer(frame.header, dtype=np.uint8), self._send_tag)]
             if frame.buffers:
                 tag = Tag(buffer_tag(self._send_tag_value, msg_id, is_reply))
                 requests.extend(self._post_send(b, tag) for b in frame.buffers)
-        except UCXError as e:
+        except (UCXError, RingBroken) as e:
             self.abort()
             raise ConnectionBroken(f"{self.label}: send failed: {e!r}") from e
         return requests
@@ -265,20 +289,42 @@ class _Connection:
         return bool(self.pending) or self.receiving > 0 or self.handling > 0
 
     async def recv_header(self, timeout_s: float) -> codec.FrameHeader:
-        """The next frame's header. Raises ProtocolError for a bad frame, ConnectionBroken
-        when the peer is gone or the connection idles (``busy`` is False) past ``timeout_s``."""
+        """The next frame's header, from the peer's ring or over UCX. Raises ProtocolError for
+        a bad frame, ConnectionBroken when the peer is gone or the connection idles (``busy``
+        is False) past ``timeout_s``."""
         buf = self.header_buffer
         try:
-            self._check_open()
-            request = self._post_recv(self._header_array, self._recv_tag)
+            ring = self.ring_in
+            request = None
+            deadline = time.monotonic() + timeout_s
             while True:
-                try:
-                    await self.progress.wait(request, time.monotonic() + timeout_s)
+                # The ring first, also once the endpoint has failed: a peer that closes right
+                # after its last header (a refusal) has that header read before its close.
+                if ring is not None:
+                    data = ring.take()
+                    if data is not None:
+                        self.sweep_unsent()
+                        return self._decode(data)
+                if request is None:
+                    self._check_open()
+                    request = self.header_request
+                    if request is None:
+                        request = self.header_request = self._post_recv(self._header_array, self._recv_tag)
+                if request.completed:
                     break
+                try:
+                    await self.progress.wait(request, deadline, ring)
                 except TimeoutError:
                     if not self.busy():
                         raise
                     # A long handler, reply or landing: the same receive waits on.
+                    deadline = time.monotonic() + timeout_s
+                except UCXError:
+                    if ring is None:
+                        raise
+                    # Raised below, once the ring has been looked at again.
+            self.header_request = None
+            request.check_error()
         except UCXMessageTruncatedError:
             raise ProtocolError(ErrorCode.OVERSIZED_FRAME,
                                 f"header over {buf.nbytes} bytes") from None
@@ -291,6 +337,9 @@ class _Connection:
             raise ProtocolError(ErrorCode.OVERSIZED_FRAME, f"header of {length} bytes announced")
         data = buf[:length].tobytes()
         buf[:max(length, codec.PREAMBLE.size)] = 0
+        return self._decode(data)
+
+    def _decode(self, data: bytes) -> codec.FrameHeader:
         try:
             return codec.decode_header(data, self.config.limits)
         except ProtocolError as e:
@@ -410,6 +459,9 @@ class _Connection:
                     self.config.frame_timeout_s, _free_slots, self.shared_out, slots)
             if self.shared_in is not None:
                 self.shared_in.close()
+            for ring in (self.ring_in, self.ring_out, self.ring_offered):
+                if ring is not None:
+                    ring.close()
             self.endpoint.abort()
             # The endpoint's requests end as cancelled; wake their waiters now rather than
             # at the next event on the worker.
@@ -443,6 +495,7 @@ class UcxTransport:
         self._shared_region_failed = False
         self._shared_copy: ParallelCopy | None = None  # made with the first region, ours or a peer's
         self._offer_refused: set[PeerAddress] = set()  # peers that do not know SharedMemoryOffer
+        self._ring_offer_refused: set[PeerAddress] = set()  # peers that do not know HeaderRingOffer
 
     @property
     def address(self) -> PeerAddress:
@@ -489,6 +542,8 @@ class UcxTransport:
             # Regions of processes that died without closing theirs (SIGKILL) hold tmpfs memory
             # until someone sweeps them: a transport that may make one sweeps when it starts.
             remove_stale_regions(self._config.shared_memory_dir)
+        if self._rings_on():
+            header_ring.remove_stale_rings(self._config.shared_memory_dir)
         self._handler = handler
         self._placer = placer
         self._listener = ucxx.create_listener(self._serve_connection, port=self._config.port)
@@ -722,7 +777,75 @@ class UcxTransport:
             await self._offer_shared_memory(peer, connection, region)
             if connection.broken and peer in self._offer_refused:
                 return await self._connect(peer)  # once more, without the offer
+        if self._rings_on() and peer not in self._ring_offer_refused and not connection.broken:
+            await self._offer_header_ring(peer, connection)
+            if connection.broken and peer in self._ring_offer_refused:
+                return await self._connect(peer)  # once more, without the offer
         return connection
+
+    def _rings_on(self) -> bool:
+        return self._config.header_ring_bytes > 0 and header_ring.supported()
+
+    def _new_ring(self) -> HeaderRing | None:
+        """A header ring for one connection's frames from here; None where it cannot be made
+        (a full tmpfs): those headers travel over UCX."""
+        try:
+            return HeaderRing(self._config.shared_memory_dir, self._config.header_ring_bytes)
+        except (OSError, ValueError) as e:
+            log.warning("no header ring for a local peer (%s): its headers travel over UCX", e)
+            return None
+
+    async def _connect_request(self, peer: PeerAddress, connection: _Connection, message: Message) -> Message:
+        """A request of a new connection's set-up, within the connect timeout. A peer that
+        does not answer fails the connection; its refusals are the caller's."""
+        try:
+            return await self._exchange(peer, connection, self._encode_request(message, connection), message.TYPE,
+                                        time.monotonic() + self._config.connect_timeout_s,
+                                        self._config.connect_timeout_s)
+        except RequestTimeout:
+            what = f"no answer to the connection's {message.TYPE}"
+            self._drop(peer, connection, PeerUnreachable(peer, what))
+            raise PeerUnreachable(peer, f"cannot connect: {what}") from None
+
+    async def _offer_header_ring(self, peer: PeerAddress, connection: _Connection) -> None:
+        """Offer a ring for this connection's request headers. Where the peer opens it, they
+        go through it; where the peer offers one back and it opens here, the replies' headers
+        come through that. A refusal (another host) leaves the connection as it is."""
+        ring = self._new_ring()
+        if ring is None:
+            return
+        try:
+            answer = await self._connect_request(peer, connection, HeaderRingOffer(ring=ring.name, nonce=ring.nonce.hex()))
+        except RemoteError as e:
+            ring.close()
+            log.debug("%s: no header ring: %s", peer, e)
+            if e.code == ErrorCode.UNKNOWN_TYPE:
+                self._ring_offer_refused.add(peer)  # a peer that predates rings closed the connection
+                self._drop(peer, connection, PeerUnreachable(peer, f"the peer refused the offer: {e}"))
+            return
+        except BaseException:
+            ring.close()
+            raise
+        ring.unlink()  # the peer has opened it: the files' names are of no more use
+        if connection.broken:
+            ring.close()
+            return
+        connection.ring_out = ring
+        if type(answer) is not HeaderRingAccepted:
+            return  # the peer's replies stay on UCX
+        try:
+            peer_ring = PeerHeaderRing.open(self._config.shared_memory_dir, answer.ring, answer.nonce,
+                                            self._config.limits.max_header_bytes)
+        except HeaderRingUnavailable as e:
+            log.warning("%s: cannot open the peer's header ring (%s): its replies come over UCX", peer, e)
+            return
+        # Read by the reply loop from its next header on: the answer to HeaderRingOpened comes
+        # over UCX and wakes it, and the peer's ring carries only the replies after that one.
+        connection.ring_in = peer_ring
+        try:
+            await self._connect_request(peer, connection, HeaderRingOpened())
+        except RemoteError as e:
+            log.warning("%s: the peer did not take up its header ring (%s): its replies come over UCX", peer, e)
 
     def _region(self) -> SharedRegion | None:
         """This transport's shared-memory region, made on first use; None where it is turned
@@ -920,6 +1043,11 @@ class UcxTransport:
         handler never holds up the connection's next frame."""
         if type(message) is SharedMemoryOffer:
             outcome: object = self._accept_shared_memory(connection, message)
+        elif type(message) is HeaderRingOffer:
+            outcome = self._accept_header_ring(connection, message)
+        elif type(message) is HeaderRingOpened:
+            self._open_reply_ring(connection, header)
+            return
         elif self._handler is None:
             outcome = ErrorReply(ErrorCode.NO_HANDLER, "transport not started")
         else:
@@ -958,6 +1086,40 @@ class UcxTransport:
             connection.shared_in.close()
         connection.shared_in = region
         return Ack()
+
+    def _accept_header_ring(self, connection: _Connection, offer: HeaderRingOffer) -> Message:
+        """Read the headers of a connection's requests from the ring its peer offers, if it is
+        in this host's shared memory, and offer one back for the replies."""
+        if not self._rings_on():
+            return ErrorReply(ErrorCode.SHARED_MEMORY_UNAVAILABLE, "header rings are turned off here")
+        try:
+            ring_in = PeerHeaderRing.open(self._config.shared_memory_dir, offer.ring, offer.nonce,
+                                          self._config.limits.max_header_bytes)
+        except HeaderRingUnavailable as e:
+            return ErrorReply(ErrorCode.SHARED_MEMORY_UNAVAILABLE, str(e))
+        for earlier in (connection.ring_in, connection.ring_offered):  # a second offer replaces the first
+            if earlier is not None:
+                earlier.close()
+        connection.ring_in = ring_in  # this connection's loop reads it from its next header on
+        connection.ring_offered = self._new_ring()
+        if connection.ring_offered is None:
+            return Ack()
+        return HeaderRingAccepted(ring=connection.ring_offered.name, nonce=connection.ring_offered.nonce.hex())
+
+    def _open_reply_ring(self, connection: _Connection, header: codec.FrameHeader) -> None:
+        """The requester opened the ring offered for the replies: answer over UCX, then send
+        the headers of the replies after that answer through the ring."""
+        ring = connection.ring_offered
+        if header.wants_reply:
+            self._post_reply(connection, header.msg_id, Ack() if ring is not None else ErrorReply(
+                ErrorCode.SHARED_MEMORY_UNAVAILABLE, "no header ring is offered on this connection"))
+        if ring is None:
+            return
+        ring.unlink()
+        connection.ring_offered = None
+        if connection.ring_out is not None:
+            connection.ring_out.close()
+        connection.ring_out = ring
 
     def _copier(self) -> ParallelCopy:
         if self._shared_copy is None:

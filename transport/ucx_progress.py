@@ -40,7 +40,7 @@ class UcxProgress:
         self._worker = worker
         self._loop = loop
         self.spin_s = spin_s
-        self._sleepers: list[tuple[object, asyncio.Future]] = []
+        self._sleepers: list[tuple[object, asyncio.Future, object]] = []  # request, future, ring
         self._tick: asyncio.TimerHandle | None = None
         self._fd = worker.epoll_file_descriptor
         # Replaces the reader of ucxx's blocking mode on the same fd (which only progresses):
@@ -51,9 +51,13 @@ class UcxProgress:
         self._watch(True)
         self._tick = loop.call_later(SAFETY_TICK_S, self._on_tick)
 
-    async def wait(self, request, deadline: float | None = None) -> None:
+    async def wait(self, request, deadline: float | None = None, ring=None) -> None:
         """Until ``request`` completes; raises its error (UCXError subclasses) if it failed, or
         TimeoutError once ``time.monotonic()`` passes ``deadline`` (None: no limit).
+
+        With ``ring`` (a peer's ``PeerHeaderRing``) it also returns once the ring holds a
+        header, the request still pending, and a sleeping wait wakes at the ring's doorbell:
+        the caller looks at both again.
 
         The deadline is checked while spinning and armed as one timer only once the wait goes
         to sleep: most waits end within the spin, and a timer per wait (``asyncio.timeout``)
@@ -62,10 +66,12 @@ class UcxProgress:
         worker = self._worker
         if not request.completed:
             worker.progress()
-        if not request.completed:
+        if not request.completed and not (ring is not None and ring.has_frame()):
             spin_until = time.monotonic() + self.spin_s
             while True:
                 await asyncio.sleep(0)
+                if ring is not None and ring.has_frame():  # looked at first: no system call
+                    break
                 worker.progress()
                 if self._sleepers:  # this progress may have completed a sleeper's request
                     self._wake_completed()
@@ -75,17 +81,25 @@ class UcxProgress:
                 if deadline is not None and now >= deadline:
                     raise TimeoutError()
                 if now >= spin_until:
-                    await self._sleep(request, deadline)
+                    await self._sleep(request, deadline, ring)
                     break
         if self._sleepers:  # the spin's progress may have taken the event they sleep on
             self._wake_completed()
             self._arm()
-        request.check_error()
+        if request.completed:
+            request.check_error()
 
-    async def _sleep(self, request, deadline: float | None) -> None:
+    async def _sleep(self, request, deadline: float | None, ring=None) -> None:
         loop = self._loop
         future = loop.create_future()
-        entry = (request, future)
+        entry = (request, future, ring)
+        if ring is not None:
+            # Emptied before the ring is looked at: a header written after that look rings a
+            # bell that is then still there to wake this wait.
+            ring.drain_bell()
+            if ring.has_frame():
+                return
+            ring.watch(loop, future)
         self._sleepers.append(entry)
         self._watch(True)
         timer = None
@@ -97,6 +111,8 @@ class UcxProgress:
         finally:
             if timer is not None:
                 timer.cancel()
+            if ring is not None:
+                ring.unwatch()
             try:  # still listed when cancelled or timed out
                 self._sleepers.remove(entry)
             except ValueError:
@@ -114,12 +130,13 @@ class UcxProgress:
         if not self._sleepers:
             return
         still = []
-        for request, future in self._sleepers:
-            if request.completed:
+        for entry in self._sleepers:
+            request, future, ring = entry
+            if request.completed or (ring is not None and ring.has_frame()):
                 if not future.done():
                     future.set_result(None)
             elif not future.done():
-                still.append((request, future))
+                still.append(entry)
         self._sleepers = still
 
     def _on_event(self) -> None:

@@ -144,6 +144,20 @@ def test_queue_bypass_limit_from_flags_and_its_bounds() -> None:
             load_config(None, {"queue_bypass_limit": bad})
 
 
+def test_peer_header_ring_bytes_from_flags_and_its_bounds() -> None:
+    from infinite_llm.daemon.config import MIN_HEADER_RING_BYTES
+    from infinite_llm.daemon.main import parse_args
+    from infinite_llm.transport.header_ring import MIN_DATA_BYTES
+
+    assert MIN_HEADER_RING_BYTES == MIN_DATA_BYTES
+    assert load_config().peer_header_ring_bytes == 2 << 20
+    assert load_config(None, parse_args(["--peer-header-ring-bytes", "0"])[1]).peer_header_ring_bytes == 0
+    assert load_config(None, {"peer_header_ring_bytes": MIN_DATA_BYTES}).peer_header_ring_bytes == MIN_DATA_BYTES
+    for bad in (-1, MIN_DATA_BYTES - 8, 2.5, True):
+        with pytest.raises(ConfigError, match="peer_header_ring_bytes"):
+            load_config(None, {"peer_header_ring_bytes": bad})
+
+
 def test_split_decode_interval_from_flags_and_its_bounds() -> None:
     from infinite_llm.daemon.main import parse_args
 

@@ -71,6 +71,9 @@ def sample_messages() -> list[m.Message]:
         m.Echo(payload=np.arange(10, dtype=np.int64)),
         m.EchoReply(payload=torch.arange(4, dtype=torch.int32)),
         m.SharedMemoryOffer(region="infllm-123-0123456789abcdef", nonce="ab" * 16),
+        m.HeaderRingOffer(ring="infllm-123-0123456789abcdef.ring", nonce="ab" * 16),
+        m.HeaderRingAccepted(ring="infllm-124-0123456789abcdef.ring", nonce="cd" * 16),
+        m.HeaderRingOpened(),
         m.Ack(),
         m.ErrorReply(code=m.ErrorCode.STALE_EPOCH, detail="epoch 16 < 17"),
     ]

@@ -1,0 +1,379 @@
+"""Frame headers between the processes of one host, through a ring in shared memory.
+
+A header posted on a UCX endpoint to a local peer goes over TCP loopback (``shared_memory``
+says why UCX's own shared memory is off): a system call through the network stack on the
+sender, 20-50 us on the development host and 50-77 us inside a daemon on the H200 machine's
+host, and a poll of the socket on the receiver. Here the sender copies the header into a ring
+in a file of ``/dev/shm`` and rings a doorbell (one byte into a FIFO, which wakes a receiver
+asleep in its event loop); a receiver that spins sees the header at its next look. The
+frame's buffers, if any, still go over UCX on the frame's own tag, or through the sender's
+shared-memory region.
+
+- One ring per connection and direction, made by its producer: the requester's for its
+  requests, the listener's for its replies. Both map the file read-write: the consumer
+  writes its read position there. The producer never reads back what it wrote, so a consumer
+  can spoil nothing but its own frames.
+- The first page holds the nonce (which proves the file is the offerer's), the data size, and
+  two positions, each a u64 byte count since the ring began, on a cache line of its own: the
+  producer's write position and the consumer's read position. A record is a u32 length, 4
+  reserved bytes and the header, padded to 8 bytes; where a record would run past the ring's
+  end, a wrap marker (length ``WRAP``) sends the reader back to the start.
+- Memory order: the producer stores a record, then its write position; the consumer loads the
+  write position, then the record, and stores its read position once it copied the record
+  out. x86-64 keeps stores in order with stores and loads with loads, which is all this needs;
+  elsewhere no ring is offered (``supported``) and headers stay on UCX.
+- What the peer writes is checked, never trusted: a consumer refuses a position or a length
+  that does not fit (``ProtocolError``: the frame is refused and the connection closed), and a
+  producer takes a read position outside [its last one, its write position] for a broken
+  connection (``RingBroken``).
+- A killed peer is noticed by UCX on the connection's endpoint, where a header receive is
+  always posted; the ring is only data. The doorbell is opened read-write by the consumer too,
+  so that a producer that died leaves no end-of-file to wake on forever.
+- Files: made locked (flock) under a name the stale sweep knows, and removed as soon as the
+  peer has opened them (mappings and descriptors outlive the names). A process killed before
+  that leaves them to ``remove_stale_rings``.
+
+No UCX here.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import platform
+import re
+import secrets
+import stat
+
+import numpy as np
+
+from infinite_llm.transport.errors import ProtocolError
+from infinite_llm.transport.messages import ErrorCode
+
+CONTROL_BYTES = 4096  # the first page: nonce, data size, positions; the data follows
+NONCE_BYTES = 16
+_DATA_SIZE_AT = 16  # u64
+_WRITE_AT = 64  # u64, the producer's; a cache line of its own
+_READ_AT = 128  # u64, the consumer's
+RECORD_ALIGNMENT = 8
+RECORD_PREFIX_BYTES = 8  # u32 length, 4 reserved
+WRAP = 0xFFFFFFFF  # a record length that sends the reader back to the ring's start
+MIN_DATA_BYTES = 64 << 10
+_RING_NAME = re.compile(r"infllm-(\d{1,10})-([0-9a-f]{16})\.ring\Z")
+_STALE_NAME = re.compile(r"\.?infllm-(\d{1,10})-([0-9a-f]{16})\.(ring|bell)\Z")
+
+
+def supported() -> bool:
+    """Whether this machine's memory order lets the ring go without fences (x86-64)."""
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+class HeaderRingUnavailable(Exception):
+    """A peer's ring cannot be used (another host, another user, a stale or foreign file)."""
+
+
+class RingBroken(Exception):
+    """The consumer's read position is impossible: the ring can no longer be trusted."""
+
+
+def _record_bytes(header_bytes: int) -> int:
+    return -(-(RECORD_PREFIX_BYTES + header_bytes) // RECORD_ALIGNMENT) * RECORD_ALIGNMENT
+
+
+class HeaderRing:
+    """The producer's side: a ring of ``data_bytes`` in a new file of ``directory``.
+
+    Headers over ``max_header_bytes`` (a quarter of the ring, so that several fit) are not
+    taken; nor is one the ring has no room for while the consumer is behind. The caller sends
+    those over UCX: frames of one connection may be handled out of order anyway
+    (``docs/transport.md``). Used from its transport's event loop only.
+    """
+
+    def __init__(self, directory: str = "/dev/shm", data_bytes: int = 2 << 20) -> None:
+        data_bytes -= data_bytes % RECORD_ALIGNMENT
+        if data_bytes < MIN_DATA_BYTES:
+            raise ValueError(f"a header ring needs at least {MIN_DATA_BYTES} bytes, got {data_bytes}")
+        remove_stale_rings(directory)
+        stem = f"infllm-{os.getpid()}-{secrets.token_hex(8)}"
+        self.name = f"{stem}.ring"
+        self.data_bytes = data_bytes
+        self.max_header_bytes = data_bytes // 4 - RECORD_PREFIX_BYTES
+        self.nonce = secrets.token_bytes(NONCE_BYTES)
+        self._paths: list[str] = []
+        self._map: mmap.mmap | None = None
+        self._bell_fd = -1
+        self._ring_fd = -1
+        try:
+            self._map = self._make_ring(directory, stem)
+            self._make_bell(directory, stem)
+        except BaseException:
+            self.close()
+            raise
+        control = np.frombuffer(self._map, dtype="<u8", count=CONTROL_BYTES // 8)
+        self._write_view = control[_WRITE_AT // 8:_WRITE_AT // 8 + 1]
+        self._read_view = control[_READ_AT // 8:_READ_AT // 8 + 1]
+        self._data = np.frombuffer(self._map, dtype=np.uint8, offset=CONTROL_BYTES)
+        self._lengths = self._data.view("<u4")  # a record's length, at its offset / 4
+        self._write_pos = 0
+        self._last_read = 0
+        self.closed = False
+
+    def _make_ring(self, directory: str, stem: str) -> mmap.mmap:
+        # Made under a name the sweep passes over while unlocked, as a region is.
+        making = os.path.join(directory, f".{stem}.ring")
+        fd = self._ring_fd = os.open(making, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        self._paths.append(making)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held while this process lives
+        size = CONTROL_BYTES + self.data_bytes
+        os.ftruncate(fd, size)
+        # All of it committed now: a full tmpfs shows here as an error, never later as a SIGBUS.
+        os.posix_fallocate(fd, 0, size)
+        os.pwrite(fd, self.nonce + self.data_bytes.to_bytes(8, "little"), 0)
+        mapped = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        path = os.path.join(directory, self.name)
+        os.rename(making, path)
+        self._paths[-1] = path
+        return mapped
+
+    def _make_bell(self, directory: str, stem: str) -> None:
+        making = os.path.join(directory, f".{stem}.bell")
+        os.mkfifo(making, 0o600)
+        self._paths.append(making)
+        # Read-write: opening a FIFO for writing alone fails while no one reads it.
+        fd = self._bell_fd = os.open(making, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        path = os.path.join(directory, f"{stem}.bell")
+        os.rename(making, path)
+        self._paths[-1] = path
+
+    def write(self, header: bytes) -> bool:
+        """Put one header in the ring and ring the bell; False where it is over
+        ``max_header_bytes`` or the ring has no room for it now. Raises RingBroken where the
+        consumer's read position is impossible."""
+        nbytes = len(header)
+        if nbytes > self.max_header_bytes or self.closed:
+            return False
+        read = int(self._read_view[0])
+        position = self._write_pos
+        if read < self._last_read or read > position:
+            raise RingBroken(f"read position {read} outside [{self._last_read}, {position}]")
+        self._last_read = read
+        size = self.data_bytes
+        offset = position % size
+        record = _record_bytes(nbytes)
+        skip = size - offset if size - offset < record else 0
+        if position + skip + record - read > size:
+            return False
+        if skip:
+            self._lengths[offset // 4] = WRAP
+            offset = 0
+        self._lengths[offset // 4] = nbytes
+        start = offset + RECORD_PREFIX_BYTES
+        self._data[start:start + nbytes] = np.frombuffer(header, dtype=np.uint8)
+        self._write_pos = position + skip + record
+        self._write_view[0] = self._write_pos  # after the record: the consumer reads up to it
+        try:
+            os.write(self._bell_fd, b"\x01")
+        except BlockingIOError:
+            pass  # the FIFO is full: the consumer has a wake-up waiting already
+        return True
+
+    def unlink(self) -> None:
+        """Remove the files' names (the peer has opened them, or never will)."""
+        for path in self._paths:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        self._paths = []
+
+    def close(self) -> None:
+        self.closed = True
+        self.unlink()
+        for fd in (self._bell_fd, self._ring_fd):
+            if fd >= 0:
+                os.close(fd)
+        self._bell_fd = self._ring_fd = -1
+        # The mapping goes with the last view of it (this object's arrays).
+        self._map = None
+
+
+class PeerHeaderRing:
+    """The consumer's side: a peer's ring, mapped read-write (to publish the read position),
+    and its doorbell."""
+
+    def __init__(self, name: str, mapped: mmap.mmap, bell_fd: int, data_bytes: int,
+                 max_header_bytes: int) -> None:
+        self.name = name
+        self.data_bytes = data_bytes
+        self.max_header_bytes = max_header_bytes
+        self.bell_fd = bell_fd
+        self._map = mapped
+        control = np.frombuffer(mapped, dtype="<u8", count=CONTROL_BYTES // 8)
+        self._write_view = control[_WRITE_AT // 8:_WRITE_AT // 8 + 1]
+        self._read_view = control[_READ_AT // 8:_READ_AT // 8 + 1]
+        self._data = np.frombuffer(mapped, dtype=np.uint8, offset=CONTROL_BYTES, count=data_bytes)
+        self._lengths = self._data.view("<u4")
+        self._read_pos = int(self._read_view[0])
+        self._watcher: tuple[object, object] | None = None  # (event loop, future) while watched
+        self.closed = False
+
+    @classmethod
+    def open(cls, directory: str, name: str, nonce_hex: str, max_header_bytes: int) -> PeerHeaderRing:
+        """Open the ring ``name`` of ``directory`` and its bell, if they are this user's and
+        the ring's first bytes are the nonce. Raises HeaderRingUnavailable otherwise.
+        ``max_header_bytes``: this receiver's limit (a longer record is refused)."""
+        if not isinstance(name, str) or not _RING_NAME.match(name):
+            raise HeaderRingUnavailable(f"not a ring name: {name!r:.80}")
+        try:
+            nonce = bytes.fromhex(nonce_hex)
+        except (TypeError, ValueError):
+            raise HeaderRingUnavailable("the nonce is not hex") from None
+        if len(nonce) != NONCE_BYTES:
+            raise HeaderRingUnavailable(f"a nonce of {len(nonce)} bytes")
+        fd = _open_own(os.path.join(directory, name), os.O_RDWR, stat.S_ISREG)
+        if fd is None:
+            raise HeaderRingUnavailable(f"{name}: no ring file of this user there")
+        try:
+            size = os.fstat(fd).st_size
+            first = os.pread(fd, NONCE_BYTES + 8, 0)
+            data_bytes = int.from_bytes(first[NONCE_BYTES:], "little")
+            if (first[:NONCE_BYTES] != nonce or data_bytes < MIN_DATA_BYTES
+                    or data_bytes % RECORD_ALIGNMENT or size != CONTROL_BYTES + data_bytes):
+                raise HeaderRingUnavailable(f"{name}: another ring under that name")
+            mapped = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as e:
+            raise HeaderRingUnavailable(f"cannot map {name}: {e}") from None
+        finally:
+            os.close(fd)
+        # Read-write, as the producer has it: a FIFO whose last writer is gone reads as
+        # end-of-file, readable for ever.
+        bell_fd = _open_own(os.path.join(directory, name.removesuffix(".ring") + ".bell"),
+                            os.O_RDWR, stat.S_ISFIFO)
+        if bell_fd is None:
+            mapped.close()
+            raise HeaderRingUnavailable(f"{name}: no doorbell of this user beside it")
+        return cls(name, mapped, bell_fd, data_bytes, max_header_bytes)
+
+    def has_frame(self) -> bool:
+        return not self.closed and int(self._write_view[0]) != self._read_pos
+
+    def take(self) -> bytes | None:
+        """The next header's bytes (a copy), or None where the ring is empty. Raises
+        ProtocolError where the producer's position or a record does not fit."""
+        if self.closed:
+            return None
+        written = int(self._write_view[0])
+        read = self._read_pos
+        if written == read:
+            return None
+        size = self.data_bytes
+        if written < read or written - read > size:
+            raise ProtocolError(ErrorCode.LENGTH_MISMATCH, f"ring write position {written}, read {read}")
+        offset = read % size
+        nbytes = int(self._lengths[offset // 4])
+        if nbytes == WRAP:
+            read += size - offset
+            offset = 0
+            if written == read:
+                raise ProtocolError(ErrorCode.TRUNCATED_FRAME, "a ring's wrap marker with no record after it")
+            nbytes = int(self._lengths[0])
+        record = _record_bytes(nbytes)
+        if nbytes > self.max_header_bytes:
+            raise ProtocolError(ErrorCode.OVERSIZED_FRAME, f"a ring record of {nbytes} bytes")
+        if offset + record > size or read + record > written:
+            raise ProtocolError(ErrorCode.TRUNCATED_FRAME, f"a ring record of {nbytes} bytes past its end")
+        start = offset + RECORD_PREFIX_BYTES
+        header = self._data[start:start + nbytes].tobytes()
+        self._read_pos = read + record
+        self._read_view[0] = self._read_pos  # after the copy: the producer may write over it now
+        return header
+
+    def drain_bell(self) -> None:
+        """Empty the doorbell, before a wait that it should wake."""
+        try:
+            while os.read(self.bell_fd, 4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+    def watch(self, loop, future) -> None:
+        """Wake ``future`` (set its result) when the bell rings, or when the ring is closed."""
+        self.unwatch()
+        loop.add_reader(self.bell_fd, _wake, future)
+        self._watcher = (loop, future)
+
+    def unwatch(self) -> None:
+        if self._watcher is not None:
+            loop, _future = self._watcher
+            self._watcher = None
+            loop.remove_reader(self.bell_fd)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        watcher = self._watcher
+        self.unwatch()  # before the descriptor goes: its number may be another's next
+        if watcher is not None:
+            _wake(watcher[1])
+        os.close(self.bell_fd)
+        try:
+            self._map.close()
+        except BufferError:
+            pass  # views of it live on (this object's arrays); unmapped with them
+
+
+def _wake(future) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+def _open_own(path: str, flags: int, is_kind) -> int | None:
+    """A descriptor of ``path`` if it is a file of ``is_kind`` (stat.S_ISREG, S_ISFIFO) of this
+    user, never following a link or blocking on a FIFO; else None."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        os.close(fd)
+        return None
+    if not is_kind(st.st_mode) or st.st_uid != os.geteuid():
+        os.close(fd)
+        return None
+    return fd
+
+
+def remove_stale_rings(directory: str) -> int:
+    """Remove this user's ring and doorbell files in ``directory`` whose maker is gone (no
+    process holds their lock); returns how many."""
+    removed = 0
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return 0
+    for name in names:
+        match = _STALE_NAME.match(name)
+        if match is None:
+            continue
+        path = os.path.join(directory, name)
+        fd = _open_own(path, os.O_RDONLY, stat.S_ISFIFO if match.group(3) == "bell" else stat.S_ISREG)
+        if fd is None:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # its maker lives
+        else:
+            try:
+                os.unlink(path)
+                removed += 1
+            except OSError:
+                pass
+        finally:
+            os.close(fd)
+    return removed
