@@ -15,9 +15,13 @@ shared-memory region.
   can spoil nothing but its own frames.
 - The first page holds the nonce (which proves the file is the offerer's), the data size, and
   two positions, each a u64 byte count since the ring began, on a cache line of its own: the
-  producer's write position and the consumer's read position. A record is a u32 length, 4
-  reserved bytes and the header, padded to 8 bytes; where a record would run past the ring's
-  end, a wrap marker (length ``WRAP``) sends the reader back to the start.
+  producer's write position and the consumer's read position. A record is a u32 length, a u32
+  stamp and the header, padded to 8 bytes; where a record would run past the ring's end, a
+  wrap marker (length ``WRAP``) sends the reader back to the start.
+- Headers that do not fit (too large, or the ring full) go over UCX. A record's stamp counts
+  the headers its producer sent over UCX on the connection before it, and the consumer takes
+  a record only once it has received that many: a connection's headers are handled in the
+  order they were sent, whichever way each went.
 - Memory order: the producer stores a record, then its write position; the consumer loads the
   write position, then the record, and stores its read position once it copied the record
   out. x86-64 keeps stores in order with stores and loads with loads, which is all this needs;
@@ -45,6 +49,7 @@ import platform
 import re
 import secrets
 import stat
+import time
 
 import numpy as np
 
@@ -57,11 +62,16 @@ _DATA_SIZE_AT = 16  # u64
 _WRITE_AT = 64  # u64, the producer's; a cache line of its own
 _READ_AT = 128  # u64, the consumer's
 RECORD_ALIGNMENT = 8
-RECORD_PREFIX_BYTES = 8  # u32 length, 4 reserved
+RECORD_PREFIX_BYTES = 8  # u32 length, u32 stamp
 WRAP = 0xFFFFFFFF  # a record length that sends the reader back to the ring's start
+STAMP_MASK = 0xFFFFFFFF  # a record's stamp: the producer's headers sent over UCX before it, mod 2**32
+STAMP_HALF = 1 << 31
 MIN_DATA_BYTES = 64 << 10
 _RING_NAME = re.compile(r"infllm-(\d{1,10})-([0-9a-f]{16})\.ring\Z")
 _STALE_NAME = re.compile(r"\.?infllm-(\d{1,10})-([0-9a-f]{16})\.(ring|bell)\Z")
+# A file under the hidden name of one being made is swept only once it is this old, s: between
+# its creation and its maker's lock it is unlocked, and another process's sweep would take it.
+MAKING_GRACE_S = 10.0
 
 
 def supported() -> bool:
@@ -114,13 +124,14 @@ class HeaderRing:
         self._write_view = control[_WRITE_AT // 8:_WRITE_AT // 8 + 1]
         self._read_view = control[_READ_AT // 8:_READ_AT // 8 + 1]
         self._data = np.frombuffer(self._map, dtype=np.uint8, offset=CONTROL_BYTES)
-        self._lengths = self._data.view("<u4")  # a record's length, at its offset / 4
+        self._words = self._data.view("<u4")  # a record's length and stamp, at its offset / 4
         self._write_pos = 0
         self._last_read = 0
         self.closed = False
 
     def _make_ring(self, directory: str, stem: str) -> mmap.mmap:
-        # Made under a name the sweep passes over while unlocked, as a region is.
+        # Made under a hidden name, which a sweep passes over while it is young (it is
+        # unlocked until the lock below), then renamed once locked.
         making = os.path.join(directory, f".{stem}.ring")
         fd = self._ring_fd = os.open(making, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         self._paths.append(making)
@@ -147,10 +158,12 @@ class HeaderRing:
         os.rename(making, path)
         self._paths[-1] = path
 
-    def write(self, header: bytes) -> bool:
+    def write(self, header: bytes, ucx_headers_sent: int = 0) -> bool:
         """Put one header in the ring and ring the bell; False where it is over
         ``max_header_bytes`` or the ring has no room for it now. Raises RingBroken where the
-        consumer's read position is impossible."""
+        consumer's read position is impossible. ``ucx_headers_sent``: the headers this side
+        has sent over UCX on the connection so far (the record's stamp: the consumer takes
+        those first)."""
         nbytes = len(header)
         if nbytes > self.max_header_bytes or self.closed:
             return False
@@ -166,9 +179,10 @@ class HeaderRing:
         if position + skip + record - read > size:
             return False
         if skip:
-            self._lengths[offset // 4] = WRAP
+            self._words[offset // 4] = WRAP
             offset = 0
-        self._lengths[offset // 4] = nbytes
+        self._words[offset // 4] = nbytes
+        self._words[offset // 4 + 1] = ucx_headers_sent & STAMP_MASK
         start = offset + RECORD_PREFIX_BYTES
         self._data[start:start + nbytes] = np.frombuffer(header, dtype=np.uint8)
         self._write_pos = position + skip + record
@@ -214,8 +228,9 @@ class PeerHeaderRing:
         self._write_view = control[_WRITE_AT // 8:_WRITE_AT // 8 + 1]
         self._read_view = control[_READ_AT // 8:_READ_AT // 8 + 1]
         self._data = np.frombuffer(mapped, dtype=np.uint8, offset=CONTROL_BYTES, count=data_bytes)
-        self._lengths = self._data.view("<u4")
+        self._words = self._data.view("<u4")  # a record's length and stamp, at its offset / 4
         self._read_pos = int(self._read_view[0])
+        self.waits_for_ucx = False
         self._watcher: tuple[object, object] | None = None  # (event loop, future) while watched
         self.closed = False
 
@@ -243,7 +258,7 @@ class PeerHeaderRing:
                     or data_bytes % RECORD_ALIGNMENT or size != CONTROL_BYTES + data_bytes):
                 raise HeaderRingUnavailable(f"{name}: another ring under that name")
             mapped = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except OSError as e:
+        except (OSError, ValueError) as e:  # ValueError: the file was cut short meanwhile
             raise HeaderRingUnavailable(f"cannot map {name}: {e}") from None
         finally:
             os.close(fd)
@@ -259,9 +274,16 @@ class PeerHeaderRing:
     def has_frame(self) -> bool:
         return not self.closed and int(self._write_view[0]) != self._read_pos
 
-    def take(self) -> bytes | None:
+    def take(self, ucx_headers_taken: int | None = None) -> bytes | None:
         """The next header's bytes (a copy), or None where the ring is empty. Raises
-        ProtocolError where the producer's position or a record does not fit."""
+        ProtocolError where the producer's position or a record does not fit.
+
+        ``ucx_headers_taken``: how many of the producer's headers this side has received over
+        UCX. A record the producer wrote after sending more than that many over UCX is left
+        where it is (None, and ``waits_for_ucx`` is True): those headers go first, so that a
+        connection's headers are handled in the order they were sent, whichever way each
+        went. None: take it whatever its stamp (the connection is failing)."""
+        self.waits_for_ucx = False
         if self.closed:
             return None
         written = int(self._write_view[0])
@@ -272,18 +294,24 @@ class PeerHeaderRing:
         if written < read or written - read > size:
             raise ProtocolError(ErrorCode.LENGTH_MISMATCH, f"ring write position {written}, read {read}")
         offset = read % size
-        nbytes = int(self._lengths[offset // 4])
+        nbytes = int(self._words[offset // 4])
         if nbytes == WRAP:
             read += size - offset
             offset = 0
             if written == read:
                 raise ProtocolError(ErrorCode.TRUNCATED_FRAME, "a ring's wrap marker with no record after it")
-            nbytes = int(self._lengths[0])
+            nbytes = int(self._words[0])
         record = _record_bytes(nbytes)
         if nbytes > self.max_header_bytes:
             raise ProtocolError(ErrorCode.OVERSIZED_FRAME, f"a ring record of {nbytes} bytes")
         if offset + record > size or read + record > written:
             raise ProtocolError(ErrorCode.TRUNCATED_FRAME, f"a ring record of {nbytes} bytes past its end")
+        if ucx_headers_taken is not None:
+            # Stamps count modulo 2**32; one ahead of the count by less than half that waits.
+            ahead = (int(self._words[offset // 4 + 1]) - ucx_headers_taken) & STAMP_MASK
+            if 0 < ahead < STAMP_HALF:
+                self.waits_for_ucx = True
+                return None
         start = offset + RECORD_PREFIX_BYTES
         header = self._data[start:start + nbytes].tobytes()
         self._read_pos = read + record
@@ -348,6 +376,13 @@ def _open_own(path: str, flags: int, is_kind) -> int | None:
     return fd
 
 
+def _younger_than(path: str, seconds: float) -> bool:
+    try:
+        return time.time() - os.lstat(path).st_mtime < seconds
+    except OSError:
+        return True  # gone already
+
+
 def remove_stale_rings(directory: str) -> int:
     """Remove this user's ring and doorbell files in ``directory`` whose maker is gone (no
     process holds their lock); returns how many."""
@@ -361,6 +396,8 @@ def remove_stale_rings(directory: str) -> int:
         if match is None:
             continue
         path = os.path.join(directory, name)
+        if name.startswith(".") and _younger_than(path, MAKING_GRACE_S):
+            continue  # being made: its maker locks it a moment after it appears
         fd = _open_own(path, os.O_RDONLY, stat.S_ISFIFO if match.group(3) == "bell" else stat.S_ISREG)
         if fd is None:
             continue

@@ -39,6 +39,7 @@ import re
 import secrets
 import stat
 import threading
+import time
 import weakref
 
 import numpy as np
@@ -53,8 +54,10 @@ SLOT_ALIGNMENT = 4096  # slots start on page boundaries, bytes
 COMMIT_STEP_BYTES = 64 << 20  # the region is committed in steps of this many bytes
 NONCE_BYTES = 16
 _REGION_NAME = re.compile(r"infllm-(\d{1,10})-([0-9a-f]{16})\Z")
-# A region's file while its owner makes it (left so by an owner killed then): swept as well.
+# A region's file while its owner makes it (left so by an owner killed then): swept as well,
+# once it is MAKING_GRACE_S old (until its owner locks it, a sweep elsewhere could take it).
 _MAKING_NAME = re.compile(r"\.infllm-(\d{1,10})-([0-9a-f]{16})\Z")
+MAKING_GRACE_S = 10.0
 
 
 class ParallelCopy:
@@ -431,6 +434,13 @@ def _open_region_file(path: str) -> int | None:
     return fd
 
 
+def _younger_than(path: str, seconds: float) -> bool:
+    try:
+        return time.time() - os.lstat(path).st_mtime < seconds
+    except OSError:
+        return True  # gone already
+
+
 def remove_stale_regions(directory: str) -> int:
     """Remove the regions of this user in ``directory`` whose owner is gone (no process holds
     their lock); returns how many. Anything else under a region's name is left alone."""
@@ -443,6 +453,8 @@ def remove_stale_regions(directory: str) -> int:
         if not (_REGION_NAME.match(name) or _MAKING_NAME.match(name)):
             continue
         path = os.path.join(directory, name)
+        if name.startswith(".") and _younger_than(path, MAKING_GRACE_S):
+            continue  # being made: its owner locks it a moment after it appears
         fd = _open_region_file(path)
         if fd is None:
             continue

@@ -147,6 +147,11 @@ class _Connection:
     # The header receive posted on the endpoint; it stays posted while headers come through
     # the ring, and a killed peer fails it.
     header_request: object | None = None
+    ring_headers: int = 0  # headers taken from ring_in
+    # Headers sent over UCX on this connection, and received over it: a ring record carries
+    # its producer's count, and is taken only once as many have come (header_ring).
+    ucx_headers_sent: int = 0
+    ucx_headers_taken: int = 0
 
     def __post_init__(self) -> None:
         self.header_buffer = np.zeros(self.config.limits.max_header_bytes, dtype=np.uint8)
@@ -209,12 +214,13 @@ class _Connection:
         try:
             self._check_open()
             ring = self.ring_out
-            if ring is not None and ring.write(frame.header):
+            if ring is not None and ring.write(frame.header, self.ucx_headers_sent):
                 requests = []  # the header is in the peer's ring already
             else:
                 # A numpy view, not the bytes object: posting a fresh bytes object takes ucxx
                 # ~0.4 ms (measured on loopback), a view of the same memory a few microseconds.
                 requests = [self._post_send(np.frombuffer(frame.header, dtype=np.uint8), self._send_tag)]
+                self.ucx_headers_sent += 1
             if frame.buffers:
                 tag = Tag(buffer_tag(self._send_tag_value, msg_id, is_reply))
                 requests.extend(self._post_send(b, tag) for b in frame.buffers)
@@ -295,25 +301,40 @@ class _Connection:
         buf = self.header_buffer
         try:
             ring = self.ring_in
-            request = None
+            request = self.header_request
             deadline = time.monotonic() + timeout_s
             while True:
-                # The ring first, also once the endpoint has failed: a peer that closes right
-                # after its last header (a refusal) has that header read before its close.
+                if request is None:
+                    # Kept posted while headers come through the ring, so that one sent over
+                    # UCX (too large for the ring, or the ring full) is received at once.
+                    try:
+                        self._check_open()
+                        request = self.header_request = self._post_recv(self._header_array, self._recv_tag)
+                    except UCXError:
+                        if ring is None or not ring.has_frame():
+                            raise
+                        # The ring's last headers first; this error again after them.
+                failed = request is None or (request.completed and not _succeeded(request))
                 if ring is not None:
-                    data = ring.take()
+                    # In the order they were sent: a record waits for the UCX headers sent
+                    # before it. Once the endpoint has failed, whatever the ring holds (a peer
+                    # that closes right after its last header, a refusal, has it read).
+                    data = ring.take(None if failed else self.ucx_headers_taken)
                     if data is not None:
+                        self.ring_headers += 1
+                        if self.ring_headers % RING_HEADERS_PER_PROGRESS == 0:
+                            # While the ring never empties, nothing else here progresses UCX:
+                            # a header sent over it meanwhile would wait for the 10 ms tick.
+                            self.progress.poke()
                         self.sweep_unsent()
                         return self._decode(data)
                 if request is None:
-                    self._check_open()
-                    request = self.header_request
-                    if request is None:
-                        request = self.header_request = self._post_recv(self._header_array, self._recv_tag)
+                    continue  # the endpoint failed with headers still in the ring: read on
                 if request.completed:
                     break
                 try:
-                    await self.progress.wait(request, deadline, ring)
+                    # A record that waits for a UCX header: only that header can move things.
+                    await self.progress.wait(request, deadline, None if ring is None or ring.waits_for_ucx else ring)
                 except TimeoutError:
                     if not self.busy():
                         raise
@@ -325,6 +346,7 @@ class _Connection:
                     # Raised below, once the ring has been looked at again.
             self.header_request = None
             request.check_error()
+            self.ucx_headers_taken += 1
         except UCXMessageTruncatedError:
             raise ProtocolError(ErrorCode.OVERSIZED_FRAME,
                                 f"header over {buf.nbytes} bytes") from None
@@ -1092,19 +1114,22 @@ class UcxTransport:
         in this host's shared memory, and offer one back for the replies."""
         if not self._rings_on():
             return ErrorReply(ErrorCode.SHARED_MEMORY_UNAVAILABLE, "header rings are turned off here")
+        if connection.ring_in is not None or connection.ring_offered is not None or connection.ring_out is not None:
+            # The requester writes on into the ring it offered first: that one is read on.
+            return ErrorReply(ErrorCode.SHARED_MEMORY_UNAVAILABLE, "this connection has its header rings already")
         try:
             ring_in = PeerHeaderRing.open(self._config.shared_memory_dir, offer.ring, offer.nonce,
                                           self._config.limits.max_header_bytes)
         except HeaderRingUnavailable as e:
             return ErrorReply(ErrorCode.SHARED_MEMORY_UNAVAILABLE, str(e))
-        for earlier in (connection.ring_in, connection.ring_offered):  # a second offer replaces the first
-            if earlier is not None:
-                earlier.close()
         connection.ring_in = ring_in  # this connection's loop reads it from its next header on
-        connection.ring_offered = self._new_ring()
-        if connection.ring_offered is None:
+        ring = connection.ring_offered = self._new_ring()
+        if ring is None:
             return Ack()
-        return HeaderRingAccepted(ring=connection.ring_offered.name, nonce=connection.ring_offered.nonce.hex())
+        # Its names go once the requester says it opened it, or after a while if it never does
+        # (it could not open it: its replies then stay on UCX).
+        asyncio.get_running_loop().call_later(OFFERED_RING_NAMES_S, ring.unlink)
+        return HeaderRingAccepted(ring=ring.name, nonce=ring.nonce.hex())
 
     def _open_reply_ring(self, connection: _Connection, header: codec.FrameHeader) -> None:
         """The requester opened the ring offered for the replies: answer over UCX, then send
@@ -1210,6 +1235,22 @@ def _handler_failed(message: Message, error: Exception) -> ErrorReply:
     else:
         log.error("handler failed on %s", message.TYPE, exc_info=error)
     return ErrorReply(ErrorCode.HANDLER_FAILED, f"{type(error).__name__}: {error}")
+
+
+# A reader that takes this many headers in a row from a ring progresses UCX once.
+RING_HEADERS_PER_PROGRESS = 8
+# A ring offered for a connection's replies keeps its files' names this long at most when the
+# requester never says it opened it, s (the names go at once when it does).
+OFFERED_RING_NAMES_S = 10.0
+
+
+def _succeeded(request) -> bool:
+    """Whether a completed UCX request ended without an error."""
+    try:
+        request.check_error()
+    except UCXError:
+        return False
+    return True
 
 
 # A buffer at least this large is copied out of a peer's region on a thread, bytes.

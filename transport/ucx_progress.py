@@ -94,6 +94,8 @@ class UcxProgress:
         future = loop.create_future()
         entry = (request, future, ring)
         if ring is not None:
+            if ring.closed:  # its connection was aborted: the request has ended too
+                return
             # Emptied before the ring is looked at: a header written after that look rings a
             # bell that is then still there to wake this wait.
             ring.drain_bell()

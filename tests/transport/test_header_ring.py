@@ -97,6 +97,24 @@ def test_records_wrap_around_the_ring_and_room_comes_back_as_they_are_read(sizes
             producer.close()
 
 
+def test_a_record_waits_for_the_headers_its_producer_sent_over_ucx_before_it(pair):
+    """Each record carries how many headers its producer had sent over UCX; the consumer
+    leaves it until it has received as many that way (counted modulo 2**32), unless told to
+    take whatever is there."""
+    producer, consumer = pair
+    assert producer.write(b"after three", ucx_headers_sent=3)
+    assert consumer.take(2) is None and consumer.waits_for_ucx
+    assert consumer.has_frame()
+    assert consumer.take(3) == b"after three" and not consumer.waits_for_ucx
+    assert producer.write(b"behind", ucx_headers_sent=5)
+    assert consumer.take(10) == b"behind"  # an older stamp: those headers came long ago
+    assert producer.write(b"wrapped", ucx_headers_sent=(1 << 32) + 1)
+    assert consumer.take(1 << 32) is None and consumer.waits_for_ucx
+    assert consumer.take((1 << 32) + 1) == b"wrapped"
+    assert producer.write(b"failing", ucx_headers_sent=100)
+    assert consumer.take(None) == b"failing"  # the connection fails: whatever is there
+
+
 def test_a_header_over_a_quarter_of_the_ring_is_not_taken(pair):
     producer, consumer = pair
     assert not producer.write(b"x" * (producer.max_header_bytes + 1))
@@ -256,6 +274,21 @@ def test_rings_of_killed_processes_are_removed_and_live_ones_kept(pair, director
             child.wait(timeout=10)
 
 
+def test_ring_files_left_half_made_are_removed_once_old(directory):
+    """A maker killed between creating its files and renaming them leaves them under their
+    hidden names, unlocked; a live maker's look the same for a moment, so only old ones go."""
+    ring = os.path.join(directory, ".infllm-99999-0123456789abcdef.ring")
+    bell = os.path.join(directory, ".infllm-99999-0123456789abcdef.bell")
+    with open(ring, "wb") as f:
+        f.write(b"\0" * 8192)
+    os.mkfifo(bell, 0o600)
+    assert remove_stale_rings(directory) == 0 and os.path.exists(ring) and os.path.exists(bell)
+    old = time.time() - header_ring.MAKING_GRACE_S - 1
+    for path in (ring, bell):
+        os.utime(path, (old, old))
+    assert remove_stale_rings(directory) == 2 and os.listdir(directory) == []
+
+
 def test_a_consumer_reads_on_after_its_producer_was_killed(directory):
     """The mapping outlives the process: what it wrote is still read, and its bell, opened
     read-write here, never reads as an end of file that would wake a wait for ever."""
@@ -280,3 +313,75 @@ def test_a_consumer_reads_on_after_its_producer_was_killed(directory):
         if child.poll() is None:
             child.kill()
             child.wait(timeout=10)
+
+
+# --- fuzz: whatever a producer leaves in the ring, the consumer takes bytes or refuses --------
+
+RING_FUZZ_EXAMPLES = 2_500
+RING_FUZZ_EXAMPLES_SLOW = 25_000
+
+
+@st.composite
+def ring_states(draw) -> tuple[int, int, bytes, list[tuple[int, int]], int | None]:
+    """A write and a read position (near each other, around a wrap, or anywhere), data
+    bytes, u32 words planted at record offsets (lengths: valid ones, wrap markers, garbage;
+    or stamps), and the count of UCX headers the consumer has taken (None: any record)."""
+    size = MIN_DATA_BYTES
+    read = draw(st.sampled_from([0, 8, size - 8, size - 64, size * 3 - 16]) | st.integers(0, 1 << 40).map(lambda x: x * 8))
+    written = draw(st.one_of(
+        st.just(read), st.integers(0, 4096).map(lambda d: read + d * 8), st.integers(0, 1 << 41),
+        st.integers(-64, 64).map(lambda d: max(0, read + d * 8))))
+    data = draw(st.binary(max_size=256))
+    lengths = draw(st.lists(st.tuples(st.integers(0, size // 4 - 1).map(lambda x: x * 4),
+                                      st.sampled_from([0, 1, 7, 100, 4000, header_ring.WRAP, LIMIT + 1, 1 << 31])
+                                      | st.integers(0, (1 << 32) - 1)), max_size=4))
+    count = draw(st.none() | st.integers(0, (1 << 33)))  # UCX headers taken so far
+    return written, read, data, lengths, count
+
+
+def _take_all_or_refuse(consumer: PeerHeaderRing, count: int | None) -> None:
+    for _ in range(64):
+        try:
+            header = consumer.take(count)
+        except ProtocolError:
+            return
+        if header is None:
+            return
+        assert isinstance(header, bytes) and len(header) <= LIMIT
+
+
+def _fuzz_ring(examples: int) -> None:
+    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+    with tempfile.TemporaryDirectory(dir=base) as directory:
+        producer = HeaderRing(directory, MIN_DATA_BYTES)
+        path = os.path.join(directory, producer.name)
+        control = np.memmap(path, dtype="<u8", mode="r+", shape=(CONTROL_BYTES // 8,))
+        data = np.memmap(path, dtype=np.uint8, mode="r+", offset=CONTROL_BYTES, shape=(MIN_DATA_BYTES,))
+        try:
+            @settings(max_examples=examples, deadline=None, database=None)
+            @given(ring_states())
+            def consumer_takes_or_refuses(state) -> None:
+                written, read, payload, lengths, count = state
+                data[:len(payload)] = np.frombuffer(payload, dtype=np.uint8)
+                for offset, length in lengths:
+                    data[offset:offset + 4] = np.frombuffer(length.to_bytes(4, "little"), dtype=np.uint8)
+                control[16] = read  # where a consumer that opens the ring starts
+                control[8] = written
+                consumer = PeerHeaderRing.open(directory, producer.name, producer.nonce.hex(), LIMIT)
+                try:
+                    _take_all_or_refuse(consumer, count)
+                finally:
+                    consumer.close()
+
+            consumer_takes_or_refuses()
+        finally:
+            producer.close()
+
+
+def test_fuzz_ring_contents():
+    _fuzz_ring(RING_FUZZ_EXAMPLES)
+
+
+@pytest.mark.slow
+def test_fuzz_ring_contents_long():
+    _fuzz_ring(RING_FUZZ_EXAMPLES_SLOW)

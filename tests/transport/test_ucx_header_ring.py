@@ -25,7 +25,10 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+from infinite_llm.transport import codec
 from infinite_llm.transport import messages as m
 from infinite_llm.transport.codec import FrameLimits
 from infinite_llm.transport.errors import PeerUnreachable, RemoteError
@@ -33,6 +36,7 @@ from infinite_llm.transport.header_ring import PeerHeaderRing
 from infinite_llm.transport.interface import PeerAddress, TransportConfig
 
 from conftest import run_bounded
+from test_codec_fuzz import STRATEGIES
 from test_ucx_loopback import Peer
 
 ucxx = pytest.importorskip("ucxx")
@@ -271,6 +275,104 @@ def test_headers_the_full_ring_has_no_room_for_go_over_ucx(ucx_loop, shm_dir):
     run_bounded(ucx_loop, scenario(), 30)
 
 
+def test_headers_are_handled_in_the_order_they_were_sent_whichever_way_each_went(ucx_loop, shm_dir):
+    """Requests posted back to back fill a small ring, and the rest go over UCX, while the
+    listener's replies fill its ring the same way: the listener handles the requests, and the
+    requester reads the replies, in the order they were sent (a record waits for the headers
+    its producer sent over UCX before it)."""
+    config = dict(shared_memory_dir=shm_dir, header_ring_bytes=SMALL_RING_BYTES)
+    handled: list[int] = []
+
+    def recording(message: m.Message):
+        if isinstance(message, m.Echo):
+            handled.append(int(message.payload[:8].view(torch.int64)[0]))
+            return m.EchoReply(message.payload)
+        return None
+
+    async def scenario():
+        async with started(recording, **config) as server, started(**config) as client:
+            await client.connect(server.address)
+            outbound = client._outbound[server.address]
+            for round_ in range(3):
+                handled.clear()
+                payloads = []
+                for i in range(60):
+                    payload = payload_of(1000 * round_ + i, 4096)
+                    payload[:8] = torch.tensor([i], dtype=torch.int64).view(torch.uint8)
+                    payloads.append(payload)
+                sent_over_ucx = outbound.ucx_headers_sent
+                pending = [client.request_soon(server.address, m.Echo(p)) for p in payloads]
+                assert outbound.ucx_headers_sent > sent_over_ucx  # some went over UCX ...
+                replies = await asyncio.gather(*pending)
+                assert handled == list(range(60))  # ... and all were handled in order
+                for payload, reply in zip(payloads, replies):
+                    assert torch.equal(reply.payload, payload)
+                inbound = only_inbound(server)
+                assert inbound.ucx_headers_taken == outbound.ucx_headers_sent
+                assert outbound.ucx_headers_taken == inbound.ucx_headers_sent
+    run_bounded(ucx_loop, scenario(), 30)
+
+
+def test_a_second_ring_offer_on_a_connection_is_refused_and_the_first_rings_serve_on(ucx_loop, shm_dir):
+    async def scenario():
+        async with started(shared_memory_dir=shm_dir) as server, started(shared_memory_dir=shm_dir) as client:
+            await client.connect(server.address)
+            outbound = client._outbound[server.address]
+            inbound = only_inbound(server)
+            first = (inbound.ring_in.name, inbound.ring_out.name)
+            with pytest.raises(RemoteError) as info:
+                await client.request(server.address, m.HeaderRingOffer(ring="infllm-1-0123456789abcdef.ring",
+                                                                         nonce="00" * 16))
+            assert info.value.code == m.ErrorCode.SHARED_MEMORY_UNAVAILABLE
+            assert client._outbound[server.address] is outbound  # an answer, not a refusal
+            assert (inbound.ring_in.name, inbound.ring_out.name) == first and inbound.ring_offered is None
+            before = outbound.ring_out._write_pos
+            for i in range(10):
+                await echo_checked(client, server.address, payload_of(i))
+            assert outbound.ring_out._write_pos > before and not outbound.broken
+    run_bounded(ucx_loop, scenario(), 30)
+
+
+def test_an_offered_ring_the_requester_cannot_open_loses_its_names_and_replies_stay_on_ucx(
+        ucx_loop, shm_dir, monkeypatch):
+    """The requester could not open the listener's ring (here: refused on purpose), so it never
+    says it opened it: the listener's replies stay on UCX, and the offered ring's files go
+    after ``OFFERED_RING_NAMES_S``, not with the connection."""
+    from infinite_llm.transport import ucx as ucx_module
+    from infinite_llm.transport.header_ring import HeaderRingUnavailable
+
+    monkeypatch.setattr(ucx_module, "OFFERED_RING_NAMES_S", 0.3)
+    real_open = PeerHeaderRing.open.__func__
+    opens: list[str] = []
+    opened_by_requester: list[str] = []
+
+    def refusing_open(cls, directory, name, nonce_hex, max_header_bytes):
+        # Both ends are in this process: the listener opens the requester's ring first, then
+        # the requester the listener's.
+        opens.append(name)
+        if len(opens) == 2:
+            opened_by_requester.append(name)
+            raise HeaderRingUnavailable("refused by the test")
+        return real_open(cls, directory, name, nonce_hex, max_header_bytes)
+
+    async def scenario():
+        async with started(shared_memory_dir=shm_dir) as server, started(shared_memory_dir=shm_dir) as client:
+            monkeypatch.setattr(PeerHeaderRing, "open", classmethod(refusing_open))
+            await client.connect(server.address)
+            outbound = client._outbound[server.address]
+            inbound = only_inbound(server)
+            assert outbound.ring_out is not None and outbound.ring_in is None
+            assert inbound.ring_in is not None and inbound.ring_out is None and inbound.ring_offered is not None
+            assert opened_by_requester == [inbound.ring_offered.name]
+            assert ring_files(shm_dir) != []  # the offered ring's names, for now
+            await until(lambda: ring_files(shm_dir) == [], 5, "the offered ring's names removed")
+            sent_over_ucx = inbound.ucx_headers_sent
+            for i in range(5):
+                await echo_checked(client, server.address, payload_of(i))
+            assert inbound.ucx_headers_sent == sent_over_ucx + 5
+    run_bounded(ucx_loop, scenario(), 30)
+
+
 def test_rings_turned_off_on_the_listener_leave_every_header_on_ucx(ucx_loop, shm_dir):
     """``header_ring_bytes=0`` on the listener: it refuses the offer, the requester keeps no
     ring (the one it offered is closed and its files removed), neither side has one, and
@@ -502,3 +604,69 @@ def test_many_requests_in_flight_at_once_get_their_own_replies_through_the_rings
             assert outbound.header_request is client_request
             assert inbound.header_request is server_request
     run_bounded(ucx_loop, scenario(), 30)
+
+
+# --- a live listener refuses whatever malformed header comes through the ring ---------------
+
+
+def refused_as_it_is(data: bytes) -> bool:
+    """Whether a listener must refuse ``data`` read from a ring (exactly these bytes: a ring
+    carries a header's length, no zero padding as a UCX receive buffer would add)."""
+    try:
+        codec.decode_header(data, codec.FrameLimits())
+    except Exception:  # noqa: BLE001  (any refusal counts here)
+        return True
+    return False
+
+
+def live_ring_fuzz(ucx_loop, peer: Peer, examples: int) -> None:
+    """Each malformed header goes into the requester's ring of a fresh connection to a real
+    listener process, behind a slow request: that request fails at once (RemoteError where
+    the refusal answers it or names no request, PeerUnreachable where it answers the bad
+    frame's own id), and the listener serves on."""
+    frames = st.one_of(*STRATEGIES.values()).filter(lambda data: 0 < len(data) and refused_as_it_is(data))
+
+    async def one(client: UcxTransport, data: bytes) -> None:
+        await client.connect(peer.address)
+        outbound = client._outbound[peer.address]
+        assert outbound.ring_out is not None and outbound.ring_in is not None
+        slow = asyncio.ensure_future(client.request(peer.address, m.Drain(1, 5000, 1), timeout_s=10))
+        await asyncio.sleep(0.005)
+        assert outbound.ring_out.write(data)
+        with pytest.raises((RemoteError, PeerUnreachable)):
+            async with asyncio.timeout(2):
+                await slow
+        assert server_address_dropped(client, peer.address)
+
+    async def scenario(datas: list[bytes]) -> None:
+        async with started(lambda message: None) as client:
+            for data in datas:
+                await one(client, data)
+            await echo_checked(client, peer.address, payload_of(7))
+
+    batch: list[bytes] = []
+
+    @settings(max_examples=examples, deadline=None, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
+                                     HealthCheck.data_too_large])
+    @given(frames)
+    def collect(data: bytes) -> None:
+        batch.append(data)
+
+    collect()
+    run_bounded(ucx_loop, scenario(batch), 30 + examples * 0.5)
+    assert peer.process.poll() is None
+
+
+def server_address_dropped(client: UcxTransport, address: PeerAddress) -> bool:
+    connection = client._outbound.get(address)
+    return connection is None or connection.broken
+
+
+def test_live_listener_ring_fuzz(ucx_loop, start_peer):
+    live_ring_fuzz(ucx_loop, start_peer("serve"), examples=150)
+
+
+@pytest.mark.slow
+def test_live_listener_ring_fuzz_long(ucx_loop, start_peer):
+    live_ring_fuzz(ucx_loop, start_peer("serve"), examples=3_000)
