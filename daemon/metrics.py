@@ -79,6 +79,13 @@ class _SharedMemoryCollector:
         yield GaugeMetricFamily("infllm_peer_shared_memory_peers",
                                 "Peers this instance sends host buffers to through shared memory",
                                 value=len(status["peers"]))
+        rings = GaugeMetricFamily("infllm_peer_header_rings",
+                                  "Connections with peers on this host whose frame headers go through rings in shared "
+                                  "memory, by direction: to peers (outbound), from them (inbound)",
+                                  labels=["direction"])
+        rings.add_metric(["outbound"], len(status["header_ring_peers"]))
+        rings.add_metric(["inbound"], status["header_ring_inbound"])
+        yield rings
 
 
 @dataclass

@@ -111,7 +111,9 @@ class Transport(Protocol):
 
     def shared_memory_status(self) -> dict:
         """The shared memory's figures: ``region`` (its file name, or None), ``committed_bytes``,
-        ``in_use_bytes`` and ``peers`` (the addresses that requests reach through it)."""
+        ``in_use_bytes``, ``peers`` (the addresses that requests reach through it),
+        ``header_ring_peers`` (those whose connections carry their headers through rings) and
+        ``header_ring_inbound`` (connections from peers that do)."""
         ...
 
     async def connect(self, peer: PeerAddress) -> None:

@@ -264,7 +264,8 @@ class InMemoryTransport:
         return None
 
     def shared_memory_status(self) -> dict:
-        return {"region": None, "committed_bytes": 0, "in_use_bytes": 0, "peers": []}
+        return {"region": None, "committed_bytes": 0, "in_use_bytes": 0, "peers": [],
+                "header_ring_peers": [], "header_ring_inbound": 0}
 
     async def connect(self, peer: PeerAddress) -> None:
         self._require_open()

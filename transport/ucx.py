@@ -534,13 +534,19 @@ class UcxTransport:
 
     def shared_memory_status(self) -> dict:
         """This transport's shared memory: its region's file name (None: none made), bytes
-        committed and in slots now, and the peers that requests reach through it."""
+        committed and in slots now, the peers that requests reach through it, and the
+        connections whose headers go through header rings."""
         region = self._shared_region
         return {
             "region": None if region is None or region.closed else region.name,
             "committed_bytes": 0 if region is None else region.committed_bytes,
             "in_use_bytes": 0 if region is None else region.bytes_in_use,
             "peers": sorted(str(peer) for peer in self._outbound if self.uses_shared_memory(peer)),
+            # Connections whose headers go through rings: to peers, by address, and from them.
+            "header_ring_peers": sorted(str(peer) for peer, connection in self._outbound.items()
+                                        if not connection.broken and connection.ring_out is not None),
+            "header_ring_inbound": sum(1 for connection in self._inbound
+                                       if not connection.broken and connection.ring_in is not None),
         }
 
     def uses_shared_memory(self, peer: PeerAddress) -> bool:

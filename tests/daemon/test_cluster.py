@@ -97,6 +97,11 @@ def test_long_prompt_spills_over_all_three_and_matches_one_instance(cluster, ref
     home_metrics = cluster[1].metrics()
     assert home_metrics["infllm_peer_shared_memory_peers"] == 2
     assert home_metrics['infllm_peer_shared_memory_bytes{state="committed"}'] == shared["committed_bytes"]
+    # Its frame headers to them, and theirs back, went through header rings.
+    assert len(shared["header_ring_peers"]) == 2, shared
+    assert home_metrics['infllm_peer_header_rings{direction="outbound"}'] == 2
+    for i in (2, 3):
+        assert cluster[i].metrics()['infllm_peer_header_rings{direction="inbound"}'] >= 1
 
     # Finished: every creditor has freed what it held.
     deadline = time.monotonic() + 10
