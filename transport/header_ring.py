@@ -96,8 +96,8 @@ class HeaderRing:
 
     Headers over ``max_header_bytes`` (a quarter of the ring, so that several fit) are not
     taken; nor is one the ring has no room for while the consumer is behind. The caller sends
-    those over UCX: frames of one connection may be handled out of order anyway
-    (``docs/transport.md``). Used from its transport's event loop only.
+    those over UCX, and the records' stamps keep the connection's headers in the order they
+    were sent (``PeerHeaderRing.take``). Used from its transport's event loop only.
     """
 
     def __init__(self, directory: str = "/dev/shm", data_bytes: int = 2 << 20) -> None:
