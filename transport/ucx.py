@@ -485,6 +485,9 @@ class _Connection:
                 if ring is not None:
                     ring.close()
             self.endpoint.abort()
+            # The aborted endpoint cancels it; let it go with the reader's wait rather than
+            # with this connection, which may be collected only after UCX's worker at exit.
+            self.header_request = None
             # The endpoint's requests end as cancelled; wake their waiters now rather than
             # at the next event on the worker.
             asyncio.get_running_loop().call_soon(self.progress.poke)
