@@ -49,12 +49,13 @@ import platform
 import re
 import secrets
 import stat
-import time
 
 import numpy as np
 
 from infinite_llm.transport.errors import ProtocolError
 from infinite_llm.transport.messages import ErrorCode
+# A file under a hidden name is swept only once this old (it is unlocked until its maker locks it).
+from infinite_llm.transport.shared_memory import MAKING_GRACE_S, open_own_file, younger_than
 
 CONTROL_BYTES = 4096  # the first page: nonce, data size, positions; the data follows
 NONCE_BYTES = 16
@@ -69,9 +70,6 @@ STAMP_HALF = 1 << 31
 MIN_DATA_BYTES = 64 << 10
 _RING_NAME = re.compile(r"infllm-(\d{1,10})-([0-9a-f]{16})\.ring\Z")
 _STALE_NAME = re.compile(r"\.?infllm-(\d{1,10})-([0-9a-f]{16})\.(ring|bell)\Z")
-# A file under the hidden name of one being made is swept only once it is this old, s: between
-# its creation and its maker's lock it is unlocked, and another process's sweep would take it.
-MAKING_GRACE_S = 10.0
 
 
 def supported() -> bool:
@@ -247,7 +245,7 @@ class PeerHeaderRing:
             raise HeaderRingUnavailable("the nonce is not hex") from None
         if len(nonce) != NONCE_BYTES:
             raise HeaderRingUnavailable(f"a nonce of {len(nonce)} bytes")
-        fd = _open_own(os.path.join(directory, name), os.O_RDWR, stat.S_ISREG)
+        fd = open_own_file(os.path.join(directory, name), os.O_RDWR, stat.S_ISREG)
         if fd is None:
             raise HeaderRingUnavailable(f"{name}: no ring file of this user there")
         try:
@@ -264,7 +262,7 @@ class PeerHeaderRing:
             os.close(fd)
         # Read-write, as the producer has it: a FIFO whose last writer is gone reads as
         # end-of-file, readable for ever.
-        bell_fd = _open_own(os.path.join(directory, name.removesuffix(".ring") + ".bell"),
+        bell_fd = open_own_file(os.path.join(directory, name.removesuffix(".ring") + ".bell"),
                             os.O_RDWR, stat.S_ISFIFO)
         if bell_fd is None:
             mapped.close()
@@ -358,31 +356,6 @@ def _wake(future) -> None:
         future.set_result(None)
 
 
-def _open_own(path: str, flags: int, is_kind) -> int | None:
-    """A descriptor of ``path`` if it is a file of ``is_kind`` (stat.S_ISREG, S_ISFIFO) of this
-    user, never following a link or blocking on a FIFO; else None."""
-    try:
-        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        st = os.fstat(fd)
-    except OSError:
-        os.close(fd)
-        return None
-    if not is_kind(st.st_mode) or st.st_uid != os.geteuid():
-        os.close(fd)
-        return None
-    return fd
-
-
-def _younger_than(path: str, seconds: float) -> bool:
-    try:
-        return time.time() - os.lstat(path).st_mtime < seconds
-    except OSError:
-        return True  # gone already
-
-
 def remove_stale_rings(directory: str) -> int:
     """Remove this user's ring and doorbell files in ``directory`` whose maker is gone (no
     process holds their lock); returns how many."""
@@ -396,9 +369,9 @@ def remove_stale_rings(directory: str) -> int:
         if match is None:
             continue
         path = os.path.join(directory, name)
-        if name.startswith(".") and _younger_than(path, MAKING_GRACE_S):
+        if name.startswith(".") and younger_than(path, MAKING_GRACE_S):
             continue  # being made: its maker locks it a moment after it appears
-        fd = _open_own(path, os.O_RDONLY, stat.S_ISFIFO if match.group(3) == "bell" else stat.S_ISREG)
+        fd = open_own_file(path, os.O_RDONLY, stat.S_ISFIFO if match.group(3) == "bell" else stat.S_ISREG)
         if fd is None:
             continue
         try:

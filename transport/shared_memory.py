@@ -419,8 +419,14 @@ class PeerRegion:
 def _open_region_file(path: str) -> int | None:
     """A read-only descriptor of ``path`` if it is a regular file of this user (never blocking
     on a FIFO, never following a link), else None."""
+    return open_own_file(path, os.O_RDONLY, stat.S_ISREG)
+
+
+def open_own_file(path: str, flags: int, is_kind) -> int | None:
+    """A descriptor of ``path`` if it is a file of ``is_kind`` (stat.S_ISREG, S_ISFIFO) of this
+    user, never following a link or blocking on a FIFO; else None."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return None
     try:
@@ -428,13 +434,13 @@ def _open_region_file(path: str) -> int | None:
     except OSError:
         os.close(fd)
         return None
-    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+    if not is_kind(st.st_mode) or st.st_uid != os.geteuid():
         os.close(fd)
         return None
     return fd
 
 
-def _younger_than(path: str, seconds: float) -> bool:
+def younger_than(path: str, seconds: float) -> bool:
     try:
         return time.time() - os.lstat(path).st_mtime < seconds
     except OSError:
@@ -453,7 +459,7 @@ def remove_stale_regions(directory: str) -> int:
         if not (_REGION_NAME.match(name) or _MAKING_NAME.match(name)):
             continue
         path = os.path.join(directory, name)
-        if name.startswith(".") and _younger_than(path, MAKING_GRACE_S):
+        if name.startswith(".") and younger_than(path, MAKING_GRACE_S):
             continue  # being made: its owner locks it a moment after it appears
         fd = _open_region_file(path)
         if fd is None:
