@@ -60,6 +60,7 @@ MAGIC = b"ILLM"
 PREAMBLE = struct.Struct("<4sHHII")
 FLAG_WANTS_REPLY = 0x1
 _MAX_INT = (1 << 63) - 1
+_MIN_INT = -_MAX_INT - 1
 _MAX_DIMS = 8
 
 
@@ -413,49 +414,35 @@ def decode_header(data: bytes | memoryview, limits: FrameLimits) -> FrameHeader:
 
     Raises ProtocolError for every malformed input, and nothing else.
     """
-    if len(data) > limits.max_header_bytes:
-        raise ProtocolError(ErrorCode.OVERSIZED_FRAME, f"header of {len(data)} bytes")
-    if len(data) < PREAMBLE.size:
-        raise ProtocolError(ErrorCode.TRUNCATED_FRAME, f"header of {len(data)} bytes")
+    # Each stage checks a well-formed frame in one condition, and hands anything else to its
+    # refusal, which finds the first fault in order and says what it is: a small frame's decode
+    # is on every round trip's critical path twice, and most of its cost was the checks.
+    size = len(data)
+    if not PREAMBLE.size <= size <= limits.max_header_bytes:
+        raise _preamble_refusal(data, limits)
     magic, version, flags, json_len, inline_len = PREAMBLE.unpack_from(data)
-    if magic != MAGIC:
-        raise ProtocolError(ErrorCode.BAD_MAGIC, repr(bytes(magic)))
-    if version != PROTOCOL_VERSION:
-        raise ProtocolError(ErrorCode.UNSUPPORTED_VERSION, f"protocol version {version}")
-    if flags & ~FLAG_WANTS_REPLY:
-        raise ProtocolError(ErrorCode.INVALID_FIELDS, f"unknown flags {flags:#06x}")
-    expected = PREAMBLE.size + json_len + inline_len
-    if expected > len(data):
-        raise ProtocolError(ErrorCode.TRUNCATED_FRAME, f"{len(data)} of {expected} bytes")
-    if expected < len(data):
-        raise ProtocolError(ErrorCode.LENGTH_MISMATCH, f"{len(data)} bytes, {expected} announced")
+    if (magic != MAGIC or version != PROTOCOL_VERSION or flags & ~FLAG_WANTS_REPLY
+            or PREAMBLE.size + json_len + inline_len != size):
+        raise _preamble_refusal(data, limits)
     try:
         # A view: orjson reads it in place, where bytes() would copy the JSON first.
         body = orjson.loads(memoryview(data)[PREAMBLE.size:PREAMBLE.size + json_len])
     except orjson.JSONDecodeError as e:
         raise ProtocolError(ErrorCode.INVALID_JSON, str(e)) from None
-    if not isinstance(body, dict):
-        raise ProtocolError(ErrorCode.INVALID_FIELDS, "header is not an object")
 
-    cls = MESSAGE_TYPES.get(body.get("t")) if isinstance(body.get("t"), str) else None
-    if cls is None:
-        raise ProtocolError(ErrorCode.UNKNOWN_TYPE, repr(body.get("t"))[:80])
-    type_version = body.get("v")
-    if type(type_version) is not int or type_version != cls.VERSION:  # not true, not 1.0
-        raise ProtocolError(ErrorCode.UNSUPPORTED_VERSION,
-                            f"{cls.TYPE} version {body.get('v')!r:.40}")
-    msg_id = body.get("id")
-    reply_to = body.get("re")
-    if not _is_int(msg_id) or not (reply_to is None or _is_int(reply_to)):
-        raise ProtocolError(ErrorCode.INVALID_FIELDS, "id and re must be integers")
-    fields, tensor_fields = body.get("f"), body.get("x")
-    table = body.get("b")
-    if not isinstance(fields, dict) or not isinstance(tensor_fields, dict):
-        raise ProtocolError(ErrorCode.INVALID_FIELDS, "f and x must be objects")
-    if not isinstance(table, list):
-        raise ProtocolError(ErrorCode.INVALID_FIELDS, "b must be a list")
-    if len(table) > limits.max_buffers:
-        raise ProtocolError(ErrorCode.TOO_MANY_BUFFERS, f"{len(table)} buffers")
+    try:
+        cls = MESSAGE_TYPES[body["t"]]
+        type_version, msg_id, fields, tensor_fields, table = (
+            body["v"], body["id"], body["f"], body["x"], body["b"])
+        reply_to = body.get("re")
+    except (KeyError, TypeError):  # a key missing, a type unhashable, or not an object
+        raise _envelope_refusal(body, limits) from None
+    if not (type(type_version) is int and type_version == cls.VERSION  # not true, not 1.0
+            and type(msg_id) is int and _MIN_INT <= msg_id <= _MAX_INT
+            and (reply_to is None or (type(reply_to) is int and _MIN_INT <= reply_to <= _MAX_INT))
+            and type(fields) is dict and type(tensor_fields) is dict
+            and type(table) is list and len(table) <= limits.max_buffers):
+        raise _envelope_refusal(body, limits)
 
     plan = _plan_of(cls)
     # Each field under its own key: a plain field under "x" or a tensor under "f" is refused.
@@ -468,7 +455,7 @@ def decode_header(data: bytes | memoryview, limits: FrameLimits) -> FrameHeader:
             raw = tensor_fields[name]
             if type(raw) is not list:
                 raise ProtocolError(ErrorCode.INVALID_FIELDS, f"{name}: not a list")
-            kwargs[name] = value = tuple(_decode_spec(r, limits) for r in raw)
+            kwargs[name] = value = tuple([_decode_spec(r, limits) for r in raw])
             specs.extend(value)
         else:
             kwargs[name] = spec = _decode_spec(tensor_fields[name], limits)
@@ -486,15 +473,56 @@ def decode_header(data: bytes | memoryview, limits: FrameLimits) -> FrameHeader:
         message=message,
         msg_id=msg_id,
         reply_to=reply_to,
-        wants_reply=bool(flags & FLAG_WANTS_REPLY),
+        wants_reply=flags == FLAG_WANTS_REPLY,
         specs=tuple(specs),
         inline=inline,
         shared_offsets=shared_offsets,
         # Zero-copy where ``data`` is immutable bytes (the transports pass a fresh copy).
-        inline_bytes=(memoryview(data)[PREAMBLE.size + json_len:] if isinstance(data, bytes)
+        inline_bytes=(memoryview(data)[PREAMBLE.size + json_len:] if type(data) is bytes
                       else bytes(data[PREAMBLE.size + json_len:])),
     )
     return header
+
+
+def _preamble_refusal(data: bytes | memoryview, limits: FrameLimits) -> ProtocolError:
+    """Why ``decode_header`` refuses a header's size or preamble."""
+    if len(data) > limits.max_header_bytes:
+        return ProtocolError(ErrorCode.OVERSIZED_FRAME, f"header of {len(data)} bytes")
+    if len(data) < PREAMBLE.size:
+        return ProtocolError(ErrorCode.TRUNCATED_FRAME, f"header of {len(data)} bytes")
+    magic, version, flags, json_len, inline_len = PREAMBLE.unpack_from(data)
+    if magic != MAGIC:
+        return ProtocolError(ErrorCode.BAD_MAGIC, repr(bytes(magic)))
+    if version != PROTOCOL_VERSION:
+        return ProtocolError(ErrorCode.UNSUPPORTED_VERSION, f"protocol version {version}")
+    if flags & ~FLAG_WANTS_REPLY:
+        return ProtocolError(ErrorCode.INVALID_FIELDS, f"unknown flags {flags:#06x}")
+    expected = PREAMBLE.size + json_len + inline_len
+    if expected > len(data):
+        return ProtocolError(ErrorCode.TRUNCATED_FRAME, f"{len(data)} of {expected} bytes")
+    return ProtocolError(ErrorCode.LENGTH_MISMATCH, f"{len(data)} bytes, {expected} announced")
+
+
+def _envelope_refusal(body: object, limits: FrameLimits) -> ProtocolError:
+    """Why ``decode_header`` refuses a header's JSON object (its type, version, ids, the
+    objects of its fields, its buffer table); a missing "re" reads as a request."""
+    if not isinstance(body, dict):
+        return ProtocolError(ErrorCode.INVALID_FIELDS, "header is not an object")
+    cls = MESSAGE_TYPES.get(body.get("t")) if isinstance(body.get("t"), str) else None
+    if cls is None:
+        return ProtocolError(ErrorCode.UNKNOWN_TYPE, repr(body.get("t"))[:80])
+    type_version = body.get("v")
+    if type(type_version) is not int or type_version != cls.VERSION:
+        return ProtocolError(ErrorCode.UNSUPPORTED_VERSION, f"{cls.TYPE} version {type_version!r:.40}")
+    reply_to = body.get("re")
+    if not _is_int(body.get("id")) or not (reply_to is None or _is_int(reply_to)):
+        return ProtocolError(ErrorCode.INVALID_FIELDS, "id and re must be integers")
+    if not isinstance(body.get("f"), dict) or not isinstance(body.get("x"), dict):
+        return ProtocolError(ErrorCode.INVALID_FIELDS, "f and x must be objects")
+    table = body.get("b")
+    if not isinstance(table, list):
+        return ProtocolError(ErrorCode.INVALID_FIELDS, "b must be a list")
+    return ProtocolError(ErrorCode.TOO_MANY_BUFFERS, f"{len(table)} buffers")
 
 
 # The codes of a frame refused by its receiver (``decode_header``'s, and a frame whose buffers
@@ -522,6 +550,31 @@ def request_id_of(data: bytes | memoryview) -> int | None:
 
 
 def _check_buffer_table(
+    table: list, specs: list[TensorSpec], inline_len: int, limits: FrameLimits
+) -> tuple[tuple[bool, ...], tuple[int, ...]]:
+    """Per buffer, whether it is inline, and the offsets of those in shared memory."""
+    # The common table first: each buffer [nbytes, 0|1], its byte count its tensor's (a spec
+    # spans at most max_buffer_bytes, ``_decode_spec``); anything else is checked below.
+    if len(table) == len(specs):
+        inline = []
+        total = inline_total = 0
+        for entry, spec in zip(table, specs):
+            if type(entry) is not list or len(entry) != 2:
+                break
+            nbytes, where = entry
+            if nbytes != spec.nbytes or type(nbytes) is not int or type(where) is not int or not 0 <= where <= 1:
+                break
+            total += nbytes
+            if where:
+                inline_total += nbytes
+            inline.append(where == 1)
+        else:
+            if inline_total == inline_len and total <= limits.max_total_buffer_bytes:
+                return tuple(inline), ()
+    return _check_any_buffer_table(table, specs, inline_len, limits)
+
+
+def _check_any_buffer_table(
     table: list, specs: list[TensorSpec], inline_len: int, limits: FrameLimits
 ) -> tuple[tuple[bool, ...], tuple[int, ...]]:
     if len(table) != len(specs):

@@ -49,8 +49,7 @@ import platform
 import re
 import secrets
 import stat
-
-import numpy as np
+import struct
 
 from infinite_llm.transport.errors import ProtocolError
 from infinite_llm.transport.messages import ErrorCode
@@ -67,6 +66,8 @@ RECORD_PREFIX_BYTES = 8  # u32 length, u32 stamp
 WRAP = 0xFFFFFFFF  # a record length that sends the reader back to the ring's start
 STAMP_MASK = 0xFFFFFFFF  # a record's stamp: the producer's headers sent over UCX before it, mod 2**32
 STAMP_HALF = 1 << 31
+_PREFIX = struct.Struct("<II")  # a record's length and stamp
+_WRAP_MARK = struct.Struct("<I")
 MIN_DATA_BYTES = 64 << 10
 _RING_NAME = re.compile(r"infllm-(\d{1,10})-([0-9a-f]{16})\.ring\Z")
 _STALE_NAME = re.compile(r"\.?infllm-(\d{1,10})-([0-9a-f]{16})\.(ring|bell)\Z")
@@ -118,11 +119,7 @@ class HeaderRing:
         except BaseException:
             self.close()
             raise
-        control = np.frombuffer(self._map, dtype="<u8", count=CONTROL_BYTES // 8)
-        self._write_view = control[_WRITE_AT // 8:_WRITE_AT // 8 + 1]
-        self._read_view = control[_READ_AT // 8:_READ_AT // 8 + 1]
-        self._data = np.frombuffer(self._map, dtype=np.uint8, offset=CONTROL_BYTES)
-        self._words = self._data.view("<u4")  # a record's length and stamp, at its offset / 4
+        self._write_view, self._read_view = _position_views(self._map)
         self._write_pos = 0
         self._last_read = 0
         self.closed = False
@@ -165,7 +162,7 @@ class HeaderRing:
         nbytes = len(header)
         if nbytes > self.max_header_bytes or self.closed:
             return False
-        read = int(self._read_view[0])
+        read = self._read_view[0]
         position = self._write_pos
         if read < self._last_read or read > position:
             raise RingBroken(f"read position {read} outside [{self._last_read}, {position}]")
@@ -176,13 +173,14 @@ class HeaderRing:
         skip = size - offset if size - offset < record else 0
         if position + skip + record - read > size:
             return False
+        ring = self._map
         if skip:
-            self._words[offset // 4] = WRAP
+            _WRAP_MARK.pack_into(ring, CONTROL_BYTES + offset, WRAP)
             offset = 0
-        self._words[offset // 4] = nbytes
-        self._words[offset // 4 + 1] = ucx_headers_sent & STAMP_MASK
-        start = offset + RECORD_PREFIX_BYTES
-        self._data[start:start + nbytes] = np.frombuffer(header, dtype=np.uint8)
+        start = CONTROL_BYTES + offset
+        _PREFIX.pack_into(ring, start, nbytes, ucx_headers_sent & STAMP_MASK)
+        start += RECORD_PREFIX_BYTES
+        ring[start:start + nbytes] = header
         self._write_pos = position + skip + record
         self._write_view[0] = self._write_pos  # after the record: the consumer reads up to it
         try:
@@ -207,8 +205,9 @@ class HeaderRing:
             if fd >= 0:
                 os.close(fd)
         self._bell_fd = self._ring_fd = -1
-        # The mapping goes with the last view of it (this object's arrays).
-        self._map = None
+        if self._map is not None:
+            _unmap(self._map, (self._write_view, self._read_view))
+            self._map = None
 
 
 class PeerHeaderRing:
@@ -222,12 +221,8 @@ class PeerHeaderRing:
         self.max_header_bytes = max_header_bytes
         self.bell_fd = bell_fd
         self._map = mapped
-        control = np.frombuffer(mapped, dtype="<u8", count=CONTROL_BYTES // 8)
-        self._write_view = control[_WRITE_AT // 8:_WRITE_AT // 8 + 1]
-        self._read_view = control[_READ_AT // 8:_READ_AT // 8 + 1]
-        self._data = np.frombuffer(mapped, dtype=np.uint8, offset=CONTROL_BYTES, count=data_bytes)
-        self._words = self._data.view("<u4")  # a record's length and stamp, at its offset / 4
-        self._read_pos = int(self._read_view[0])
+        self._write_view, self._read_view = _position_views(mapped)
+        self._read_pos = self._read_view[0]
         self.waits_for_ucx = False
         self._watcher: tuple[object, object] | None = None  # (event loop, future) while watched
         self.closed = False
@@ -270,7 +265,7 @@ class PeerHeaderRing:
         return cls(name, mapped, bell_fd, data_bytes, max_header_bytes)
 
     def has_frame(self) -> bool:
-        return not self.closed and int(self._write_view[0]) != self._read_pos
+        return not self.closed and self._write_view[0] != self._read_pos
 
     def take(self, ucx_headers_taken: int | None = None) -> bytes | None:
         """The next header's bytes (a copy), or None where the ring is empty. Raises
@@ -284,7 +279,7 @@ class PeerHeaderRing:
         self.waits_for_ucx = False
         if self.closed:
             return None
-        written = int(self._write_view[0])
+        written = self._write_view[0]
         read = self._read_pos
         if written == read:
             return None
@@ -292,13 +287,14 @@ class PeerHeaderRing:
         if written < read or written - read > size:
             raise ProtocolError(ErrorCode.LENGTH_MISMATCH, f"ring write position {written}, read {read}")
         offset = read % size
-        nbytes = int(self._words[offset // 4])
+        ring = self._map
+        nbytes, stamp = _PREFIX.unpack_from(ring, CONTROL_BYTES + offset)
         if nbytes == WRAP:
             read += size - offset
             offset = 0
             if written == read:
                 raise ProtocolError(ErrorCode.TRUNCATED_FRAME, "a ring's wrap marker with no record after it")
-            nbytes = int(self._words[0])
+            nbytes, stamp = _PREFIX.unpack_from(ring, CONTROL_BYTES)
         record = _record_bytes(nbytes)
         if nbytes > self.max_header_bytes:
             raise ProtocolError(ErrorCode.OVERSIZED_FRAME, f"a ring record of {nbytes} bytes")
@@ -306,12 +302,12 @@ class PeerHeaderRing:
             raise ProtocolError(ErrorCode.TRUNCATED_FRAME, f"a ring record of {nbytes} bytes past its end")
         if ucx_headers_taken is not None:
             # Stamps count modulo 2**32; one ahead of the count by less than half that waits.
-            ahead = (int(self._words[offset // 4 + 1]) - ucx_headers_taken) & STAMP_MASK
+            ahead = (stamp - ucx_headers_taken) & STAMP_MASK
             if 0 < ahead < STAMP_HALF:
                 self.waits_for_ucx = True
                 return None
-        start = offset + RECORD_PREFIX_BYTES
-        header = self._data[start:start + nbytes].tobytes()
+        start = CONTROL_BYTES + offset + RECORD_PREFIX_BYTES
+        header = ring[start:start + nbytes]
         self._read_pos = read + record
         self._read_view[0] = self._read_pos  # after the copy: the producer may write over it now
         return header
@@ -345,10 +341,23 @@ class PeerHeaderRing:
         if watcher is not None:
             _wake(watcher[1])
         os.close(self.bell_fd)
-        try:
-            self._map.close()
-        except BufferError:
-            pass  # views of it live on (this object's arrays); unmapped with them
+        _unmap(self._map, (self._write_view, self._read_view))
+
+
+def _position_views(mapped: mmap.mmap) -> tuple[memoryview, memoryview]:
+    """The write and read positions of a mapped ring, each a one-element u64 view: an index
+    loads or stores the whole aligned word at once, as the memory order above needs."""
+    control = memoryview(mapped)
+    return (control[_WRITE_AT:_WRITE_AT + 8].cast("Q"), control[_READ_AT:_READ_AT + 8].cast("Q"))
+
+
+def _unmap(mapped: mmap.mmap, views: tuple[memoryview, ...]) -> None:
+    for view in views:
+        view.release()
+    try:
+        mapped.close()
+    except BufferError:
+        pass  # another view of it lives on (a caller's); unmapped with it
 
 
 def _wake(future) -> None:
