@@ -345,8 +345,9 @@ class PeerHeaderRing:
 
 
 def _position_views(mapped: mmap.mmap) -> tuple[memoryview, memoryview]:
-    """The write and read positions of a mapped ring, each a one-element u64 view: an index
-    loads or stores the whole aligned word at once, as the memory order above needs."""
+    """The write and read positions of a mapped ring, each a one-element u64 view (native
+    order: little-endian on x86-64, where rings are offered): an index loads or stores the
+    whole aligned word at once, as the memory order above needs."""
     control = memoryview(mapped)
     return (control[_WRITE_AT:_WRITE_AT + 8].cast("Q"), control[_READ_AT:_READ_AT + 8].cast("Q"))
 
