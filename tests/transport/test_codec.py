@@ -215,6 +215,42 @@ def test_malformed_headers_are_refused(data: bytes, code: m.ErrorCode):
     assert refusal_code(data) == code
 
 
+def without(body: dict, key: str) -> dict:
+    return {k: v for k, v in body.items() if k != key}
+
+
+@pytest.mark.parametrize("key, code", [
+    ("t", m.ErrorCode.UNKNOWN_TYPE), ("v", m.ErrorCode.UNSUPPORTED_VERSION),
+    ("id", m.ErrorCode.INVALID_FIELDS), ("f", m.ErrorCode.INVALID_FIELDS),
+    ("x", m.ErrorCode.INVALID_FIELDS), ("b", m.ErrorCode.INVALID_FIELDS),
+])
+def test_a_header_missing_a_key_is_refused_with_its_code(key: str, code: m.ErrorCode):
+    assert refusal_code(frame_with(without(echo_body(), key), b"abcd")) == code
+
+
+@pytest.mark.parametrize("body, code", [
+    (echo_body(t=["echo"]), m.ErrorCode.UNKNOWN_TYPE), (echo_body(t={"echo": 1}), m.ErrorCode.UNKNOWN_TYPE),
+    ("echo", m.ErrorCode.INVALID_FIELDS), (5, m.ErrorCode.INVALID_FIELDS), (None, m.ErrorCode.INVALID_FIELDS),
+])
+def test_an_unhashable_type_or_a_header_that_is_no_object_is_refused(body: object, code: m.ErrorCode):
+    assert refusal_code(frame_with(body, b"abcd")) == code
+
+
+def test_a_header_without_re_is_a_request():
+    header = codec.decode_header(frame_with(without(echo_body(), "re"), b"abcd"), LIMITS)
+    assert header.reply_to is None and header.msg_id == 1
+
+
+def test_a_table_of_shared_and_separate_buffers_decodes():
+    body = {"t": "attend_result", "v": 1, "id": 1, "re": 7,
+            "f": {"home_inst_id": 1, "creditor_inst_id": 2, "step_id": 0, "layer": 0},
+            "x": {"out": ["float32", [1, 1, 1]], "lse": ["float32", [1, 1]]},
+            "b": [[4, 2, 64], [4, 0]]}
+    header = codec.decode_header(frame_with(body), LIMITS)
+    assert header.inline == (False, False) and header.shared_offsets == (64, -1)
+    assert header.reply_to == 7 and header.num_wire_buffers == 1
+
+
 def test_oversized_frame_is_refused():
     small_limits = codec.FrameLimits(max_header_bytes=64)
     assert refusal_code(frame_with(echo_body(), b"abcd"), small_limits) == m.ErrorCode.OVERSIZED_FRAME
