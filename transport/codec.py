@@ -473,7 +473,7 @@ def decode_header(data: bytes | memoryview, limits: FrameLimits) -> FrameHeader:
         message=message,
         msg_id=msg_id,
         reply_to=reply_to,
-        wants_reply=flags == FLAG_WANTS_REPLY,
+        wants_reply=bool(flags & FLAG_WANTS_REPLY),
         specs=tuple(specs),
         inline=inline,
         shared_offsets=shared_offsets,
