@@ -51,7 +51,7 @@ from infinite_llm.daemon.config import peer_spin_for  # noqa: E402
 from infinite_llm.transport import messages as m  # noqa: E402
 from infinite_llm.transport.codec import FrameLimits  # noqa: E402
 from infinite_llm.transport.interface import PeerAddress, TransportConfig  # noqa: E402
-from infinite_llm.transport.kv_packing import HostStaging, pack_kv_runs  # noqa: E402
+from infinite_llm.transport.kv_packing import HostStaging, KVPacker, wait_for_event  # noqa: E402
 from infinite_llm.transport.shared_memory import default_copy_threads  # noqa: E402
 from infinite_llm.transport.ucx import UCX_CONTEXT_OPTIONS, UcxTransport  # noqa: E402
 
@@ -265,10 +265,11 @@ def rotation_slots(nbytes: int) -> int:
 
 
 async def send_blocks(transport: UcxTransport, server: PeerAddress, runs_list, data_list,
-                      num_messages: int, window: int, pack=None, staging: HostStaging | None = None) -> float:
+                      num_messages: int, window: int, pack=None, packer: KVPacker | None = None) -> float:
     """Seconds to send ``num_messages`` KVBlocks (cycling over the given ones), ``window`` at
-    a time in flight. ``pack``: builds each message's (runs, buffers) instead, as a move does
-    (its gather is part of the time), into ``staging``, given back once answered."""
+    a time in flight. ``pack``: builds each message's (runs, buffers, ready event) instead with
+    ``packer``, sent as a daemon's mover sends a move (its gather is part of the time), the
+    buffers given back once answered."""
     next_index = 0
 
     async def worker() -> None:
@@ -277,10 +278,16 @@ async def send_blocks(transport: UcxTransport, server: PeerAddress, runs_list, d
             i = next_index
             next_index += 1
             k = i % len(runs_list)
-            runs, data = pack() if pack is not None else (runs_list[k], data_list[k])
-            await transport.request(server, m.KVBlocks(i, 1, runs, data), timeout_s=60)
-            if staging is not None:
-                staging.give_back(data)
+            if pack is None:
+                await transport.request(server, m.KVBlocks(i, 1, runs_list[k], data_list[k]), timeout_s=60)
+                continue
+            runs, data, ready = pack()
+            await wait_for_event(ready, time.monotonic() + 60)
+            with packer.on_stream(data[0]):  # on the pool's device
+                reply = transport.request_soon(server, m.KVBlocks(i, 1, runs, data), timeout_s=60,
+                                               device_ready=True)
+            await reply
+            packer.give_back(data)
 
     t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(window)))
@@ -321,9 +328,10 @@ def shared_copy(transport: UcxTransport, tensor: torch.Tensor) -> torch.Tensor:
 
 async def measure_block_batch(transport, server, device, num_blocks: int, block_nbytes: int,
                               window: int) -> dict:
-    """N KV blocks scattered over the source pool, moved as a move does (gathered on the
-    sender into one buffer for a contiguous reservation: ``pack_kv_runs``), against the same
-    bytes already contiguous; and the worst case, N runs into N scattered destinations."""
+    """N KV blocks scattered over the source pool, moved as a daemon's mover moves them
+    (``KVPacker``: gathered on the sender into one buffer for a contiguous reservation, on a
+    stream of its own for a device pool, its event polled from the event loop), against the
+    same bytes already contiguous; and the worst case, N runs into N scattered destinations."""
     source_pool = torch.randint(0, 255, (4 * num_blocks, block_nbytes), dtype=torch.uint8, device=device)
     scattered_ids = torch.randperm(4 * num_blocks)[:num_blocks].tolist()
     # The contiguous anchor rotates over the pool's four contiguous ranges, as the bandwidth
@@ -334,18 +342,19 @@ async def measure_block_batch(transport, server, device, num_blocks: int, block_
     scattered_runs = tuple(m.BlockRun(2 * i, 1) for i in range(num_blocks))
     scattered_data = tuple(source_pool[b:b + 1] for b in scattered_ids)
 
-    staging = HostStaging(allocate=transport.shared_host_buffer)  # as a daemon's mover keeps one
+    packer = KVPacker(HostStaging(allocate=transport.shared_host_buffer))  # as a daemon's mover keeps one
+    packer.prepare(source_pool)
 
     def gather():
-        return pack_kv_runs(source_pool, scattered_ids, list(range(num_blocks)), staging)
+        return packer.pack(source_pool, scattered_ids, list(range(num_blocks)))
 
     num_messages = max(8, min(200, (512 * MiB) // (num_blocks * block_nbytes)))
     results = {}
     for name, runs, data, pack in (("contiguous", contiguous_runs, contiguous_data, None),
                                    ("gathered", [None], [None], gather),
                                    ("scattered", [scattered_runs], [scattered_data], None)):
-        await send_blocks(transport, server, runs, data, 4, window, pack, staging)
-        seconds = await send_blocks(transport, server, runs, data, num_messages, window, pack, staging)
+        await send_blocks(transport, server, runs, data, 4, window, pack, packer)
+        seconds = await send_blocks(transport, server, runs, data, num_messages, window, pack, packer)
         results[name] = num_blocks * block_nbytes * num_messages / seconds
     return {"num_blocks": num_blocks, "block_nbytes": block_nbytes, "messages": num_messages,
             "window": window, "contiguous_bytes_per_s": results["contiguous"],

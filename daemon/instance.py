@@ -628,7 +628,7 @@ class InstanceDaemon:
                 return None
             if isinstance(message, ForwardSegment):
                 return forward_segment(self.transport, self.ledger, self.pool, message,
-                                       self.config.timeouts.peer_request_s)
+                                       self.config.timeouts.peer_request_s, packer=self.lender.packer)
             return self._order_move(message)
         if isinstance(message, AuditHeld):
             return self.lender.stale_held(self.engine, message)

@@ -17,7 +17,6 @@ Three id spaces meet here, each translated in one place:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import random
@@ -34,14 +33,13 @@ from infinite_llm.kernels import AttentionState
 from infinite_llm.transport import wire_trace
 from infinite_llm.transport.errors import RemoteError, TransportError
 from infinite_llm.transport.interface import PeerAddress, Transport
-from infinite_llm.transport.kv_packing import HostStaging, pack_kv_runs
+from infinite_llm.transport.kv_packing import HostStaging, KVPacker, wait_for_event
 from infinite_llm.transport.messages import (
     AttendRequest,
     AttendResult,
     AttendSlice,
     AuditHeld,
     AuditHeldReply,
-    BlockRun,
     ForwardSegment,
     FreeSegment,
     HoldKV,
@@ -277,12 +275,11 @@ class TransportLender:
         # the destination may hold the committed copy before the table points there.
         self._relocating: set[tuple[str, int, int]] = set()
         self._relocating_requests: set[str] = set()  # requests with a move_held under way
-        # Gathers of scattered home blocks (a host pool's), used again move after move, in the
-        # transport's shared memory where it has some (sent to a local peer with no copy).
-        self._staging = HostStaging(allocate=transport.shared_host_buffer)
-        # A device pool's moves are packed on a stream of their own (made with the first), so
-        # that a move waits for the engine's queued kernels without blocking the event loop.
-        self._move_stream: torch.cuda.Stream | None = None
+        # Gathers of scattered home blocks: a host pool's into buffers used again move after
+        # move, in the transport's shared memory where it has some (sent to a local peer with no
+        # copy); a device pool's on a stream of their own, so that a move waits for the engine's
+        # queued kernels without blocking the event loop.
+        self._packer = KVPacker(HostStaging(allocate=transport.shared_host_buffer))
         # Blocks peers keep for a waiting request of this home (request -> peer inst id ->
         # blocks), asked for before it starts on their memory; its spills use them up.
         self._holds: dict[str, dict[int, int]] = {}
@@ -560,21 +557,17 @@ class TransportLender:
             # One buffer per run of consecutive destination blocks (the reservation is contiguous
             # where the peer's pool allows): a view of the home pool, or a gather of its blocks.
             # Committed there with its data: nothing is checked here between the two.
-            runs, data, ready = self._pack(pool, move.src_block_ids, move.dst_block_ids)
+            runs, data, ready = self._packer.pack(pool, move.src_block_ids, move.dst_block_ids)
             timeout_s = kv_data_timeout_s(self.timeout_s, num_blocks * block_nbytes)
-            if ready is not None:
-                await wait_for_event(ready, time.monotonic() + timeout_s)
-            with self._on_move_stream(pool):
-                # Encoded and posted here, on the stream the buffers were made on and are ready
-                # on: the codec's wait for their producers then has nothing left to wait for.
-                # (Where no connection is open, the encode runs later and waits for the
-                # engine's stream too: correct, only slower.)
+            await wait_for_event(ready, time.monotonic() + timeout_s)
+            with self._packer.on_stream(pool):
+                # Ready (the event passed): the codec does not wait for a stream.
                 stored_soon = self.transport.request_soon(
                     peer.address, KVBlocks(move_id, reply.reservation_id, runs, data, commit_segment_id=segment_id,
                                            home_inst_id=self.peers.own_inst_id, req_id=int(request_id)),
-                    timeout_s=timeout_s)
+                    timeout_s=timeout_s, device_ready=True)
             stored = await stored_soon
-            self._staging.give_back(data)  # answered: the peer holds the data
+            self._packer.give_back(data)  # answered: the peer holds the data
             if not isinstance(stored, KVBlocksStored) or stored.num_blocks != num_blocks:
                 raise RuntimeError(f"instance {peer.inst_id} stored {stored!r}")
         except (TransportError, RuntimeError, TimeoutError) as exc:
@@ -585,33 +578,13 @@ class TransportLender:
         return move
 
     def prepare(self, pool: torch.Tensor) -> None:
-        """Make the move stream for a device pool now, while nothing is queued: making a CUDA
-        stream waits for the device's queued work (162 ms behind a step's kernels on the H200),
-        which the first move would otherwise do with the event loop blocked."""
-        if pool.is_cuda and self._move_stream is None:
-            self._move_stream = torch.cuda.Stream(pool.device)
+        """Make the move stream for a device pool now (``KVPacker.prepare``)."""
+        self._packer.prepare(pool)
 
-    def _pack(self, pool: torch.Tensor, src_block_ids, dst_block_ids
-              ) -> tuple[tuple[BlockRun, ...], tuple[torch.Tensor, ...], torch.cuda.Event | None]:
-        """A move's runs and buffers (``pack_kv_runs``), and for a device pool the event after
-        which they are ready: packed on the move stream, behind what the engine's stream had
-        queued (the kernels that wrote the blocks), without the host waiting for either."""
-        if not pool.is_cuda:
-            return *pack_kv_runs(pool, src_block_ids, dst_block_ids, self._staging), None
-        self.prepare(pool)  # made at start already in a daemon
-        self._move_stream.wait_stream(torch.cuda.current_stream(pool.device))
-        with torch.cuda.stream(self._move_stream):
-            runs, data = pack_kv_runs(pool, src_block_ids, dst_block_ids)
-            ready = torch.cuda.Event()
-            ready.record(self._move_stream)
-        return runs, data, ready
-
-    def _on_move_stream(self, pool: torch.Tensor):
-        """The move stream as the current one, for synchronous code only (a coroutine that
-        awaits inside would hand it to every other task)."""
-        if self._move_stream is None or not pool.is_cuda:
-            return contextlib.nullcontext()
-        return torch.cuda.stream(self._move_stream)
+    @property
+    def packer(self) -> KVPacker:
+        """How this instance packs the KV blocks it sends (its creditor forwards too)."""
+        return self._packer
 
     def switch_move(self, engine: LLMEngine, move: SegmentMove, peer: Peer) -> bool:
         """The last phase, at a step boundary: the home's table points at the peer's copy and
@@ -831,39 +804,36 @@ async def audit_held(transport: Transport, ledger: CreditorLedger, own_inst_id: 
     return ledger.free_audited(by_ref[ref] for ref in reply.stale if ref in by_ref), next_after
 
 
-async def wait_for_event(event: torch.cuda.Event, deadline: float) -> None:
-    """Until the device has passed ``event``, polled between the event loop's other work rather
-    than waited on with the loop blocked; TimeoutError past ``deadline`` (time.monotonic())."""
-    while not event.query():
-        if time.monotonic() >= deadline:
-            raise TimeoutError("device work before a move did not finish in time")
-        await asyncio.sleep(0)
-
-
 def kv_data_timeout_s(request_timeout_s: float, nbytes: int) -> float:
     """How long a request carrying ``nbytes`` of KV blocks may take to be answered, s."""
     return request_timeout_s + nbytes / MOVE_BYTES_PER_S_FLOOR
 
 
 async def forward_segment(transport: Transport, ledger: CreditorLedger, pool: torch.Tensor, message: ForwardSegment,
-                          timeout_s: float) -> KVBlocksStored:
+                          timeout_s: float, *, packer: KVPacker) -> KVBlocksStored:
     """The creditor's share of a creditor-to-creditor move: send a held segment's blocks from
     ``pool`` (``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``) straight into
     the destination's reservation and return the destination's acknowledgement.
 
     The segment stays held here (its home may still attend over it) until the home frees it.
     Lent blocks are full and never written again, so reading them while serving attention is safe.
+    ``packer``: gathers the blocks as the home's mover does (the instance's, shared with it).
     """
     segment = ledger.segment(message.home_inst_id, message.req_id, message.segment_id)
     if len(message.dst_block_ids) != len(segment.block_ids):
         raise ValueError(f"segment {message.segment_id} of request {message.req_id} has {len(segment.block_ids)} "
                          f"blocks here, {len(message.dst_block_ids)} were reserved")
-    runs, data = pack_kv_runs(pool, segment.block_ids, message.dst_block_ids)
+    runs, data, ready = packer.pack(pool, segment.block_ids, message.dst_block_ids)
     nbytes = sum(d.numel() * d.element_size() for d in data)
-    stored = await transport.request(PeerAddress(message.dst_host, message.dst_port),
-                                     KVBlocks(message.move_id, message.reservation_id, runs, data,
-                                              home_inst_id=message.home_inst_id, req_id=message.req_id),
-                                     timeout_s=kv_data_timeout_s(timeout_s, nbytes))
+    timeout_s = kv_data_timeout_s(timeout_s, nbytes)
+    await wait_for_event(ready, time.monotonic() + timeout_s)
+    with packer.on_stream(pool):
+        stored_soon = transport.request_soon(PeerAddress(message.dst_host, message.dst_port),
+                                             KVBlocks(message.move_id, message.reservation_id, runs, data,
+                                                      home_inst_id=message.home_inst_id, req_id=message.req_id),
+                                             timeout_s=timeout_s, device_ready=True)
+    stored = await stored_soon
+    packer.give_back(data)  # answered: the peer holds the data
     if not isinstance(stored, KVBlocksStored):
         raise RuntimeError(f"instance {message.dst_inst_id} answered the blocks with {type(stored).__name__}")
     ledger.heard_from(message.home_inst_id, time.monotonic())

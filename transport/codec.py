@@ -314,13 +314,15 @@ def encode(
     inline_cuda_limit_bytes: int = FrameLimits.inline_cuda_limit_bytes,
     place_shared: typing.Callable[[WireArray], int | None] | None = None,
     max_header_bytes: int = FrameLimits.max_header_bytes,
+    device_ready: bool = False,
 ) -> EncodedFrame:
     """The frame of ``message``. Tensors must be C-contiguous; nothing is copied except the
     small buffers that go inline: host buffers up to ``inline_limit_bytes`` in all, device
     buffers up to ``inline_cuda_limit_bytes`` in all (copied to the host first, which waits for
     the current CUDA stream). A frame with device buffers that UCX reads in place waits for
     the current stream of their devices: UCX's copies run on streams of its own, which would
-    not otherwise wait for the kernels that wrote those buffers.
+    not otherwise wait for the kernels that wrote those buffers; ``device_ready`` says the
+    caller has waited for them already (an event it polled from its event loop).
 
     ``place_shared``: for a host buffer that is not inline, its offset in the sender's
     shared-memory region (placing it there), or None to send it over UCX.
@@ -375,7 +377,7 @@ def encode(
             wire_buffers.append(wire_view(array))
             if on_device:
                 posted_device_arrays.append(array)
-    if posted_device_arrays:
+    if posted_device_arrays and not device_ready:
         wait_for_producers(posted_device_arrays)
 
     body = orjson.dumps({

@@ -84,14 +84,20 @@ class Transport(Protocol):
         ...
 
     async def request(
-        self, peer: PeerAddress, message: Message, *, timeout_s: float | None = None
+        self, peer: PeerAddress, message: Message, *, timeout_s: float | None = None,
+        device_ready: bool = False,
     ) -> Message:
         """Send ``message`` and return the reply. Raises PeerUnreachable, RequestTimeout or
-        RemoteError (the peer answered ErrorReply)."""
+        RemoteError (the peer answered ErrorReply).
+
+        ``device_ready``: the caller has waited for the kernels that wrote the message's device
+        tensors (an event it polled, ``kv_packing.wait_for_event``), so the transport does not
+        wait for the current stream before UCX reads them (``codec.encode``)."""
         ...
 
     def request_soon(
-        self, peer: PeerAddress, message: Message, *, timeout_s: float | None = None
+        self, peer: PeerAddress, message: Message, *, timeout_s: float | None = None,
+        device_ready: bool = False,
     ) -> Awaitable[Message]:
         """``request``, started now: where it can, the message leaves before this returns (the
         peer works on it while the caller computes). Await the result for the reply."""

@@ -4,6 +4,10 @@ A run whose source blocks are consecutive is a view of the pool (no copy); one w
 are scattered is gathered with one ``index_select`` on the pool's device, queued on the
 current stream: the codec waits for it before UCX reads the buffer on its own streams.
 
+``KVPacker`` packs a move as a daemon's mover does: a device pool's gathers on a stream of its
+own, behind what the current stream had queued, with an event the caller polls from its event
+loop (``wait_for_event``) instead of the codec blocking the loop on a stream wait.
+
 A gather from a host pool goes into a ``HostStaging`` buffer where the caller keeps one. A
 fresh host buffer of a few MiB is fresh pages, and the gather faults every one of them in:
 on the development CPU, 64 blocks of 64 KiB took 0.3-0.9 ms to gather into fresh memory
@@ -13,9 +17,13 @@ allocator hands the same memory out again.)
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import math
+import time
 from collections.abc import Callable, Iterable
 
+import numpy as np
 import torch
 
 from infinite_llm.transport.block_runs import PackedRun, destination_runs
@@ -91,10 +99,73 @@ def pack_kv_runs(pool: torch.Tensor, src_block_ids: list[int] | tuple[int, ...],
             continue
         # Up to the device without waiting for its stream (a blocking copy would wait for every
         # kernel queued on it; from pageable memory the bytes are staged before this returns).
-        index = torch.tensor(run.src_block_ids, dtype=torch.long).to(pool.device, non_blocking=True)
+        # Through numpy: torch.tensor of a list of 64 ints takes 8.6 us, this 2.8 us.
+        index = torch.from_numpy(np.array(run.src_block_ids, dtype=np.int64)).to(pool.device, non_blocking=True)
         if staging is not None and pool.device.type == "cpu":
             out = staging.take((run.num_blocks, *pool.shape[1:]), pool.dtype)
             buffers.append(torch.index_select(pool, 0, index, out=out))
         else:
             buffers.append(pool.index_select(0, index))
     return tuple(BlockRun(r.dst_block_id, r.num_blocks) for r in packed), tuple(buffers)
+
+
+class KVPacker:
+    """Packs moves' buffers (``pack_kv_runs``) for a sender that keeps its event loop turning.
+
+    A host pool's gathers go into ``staging`` (give them back once the move is answered). A
+    device pool's are queued on a stream of this packer's, behind the kernels the pool's
+    current stream had queued (those that wrote the blocks), and come with the event after
+    which they are ready: the caller awaits ``wait_for_event`` and then encodes the message
+    with ``device_ready`` (the codec would otherwise wait for the current stream with the
+    event loop blocked, and on a shared stream for every move packed after this one too).
+    """
+
+    def __init__(self, staging: HostStaging | None = None) -> None:
+        self.staging = staging if staging is not None else HostStaging()
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def prepare(self, pool: torch.Tensor) -> None:
+        """Make the stream for a device pool now, while nothing is queued: making a CUDA stream
+        waits for the device's queued work (162 ms behind a step's kernels on the H200), which
+        the first move would otherwise do with the event loop blocked."""
+        if pool.is_cuda and pool.device not in self._streams:
+            self._streams[pool.device] = torch.cuda.Stream(pool.device)
+
+    def pack(self, pool: torch.Tensor, src_block_ids, dst_block_ids
+             ) -> tuple[tuple[BlockRun, ...], tuple[torch.Tensor, ...], torch.cuda.Event | None]:
+        """``(runs, buffers, ready)``: those of ``pack_kv_runs``, and for a device pool the event
+        after which the buffers hold the blocks (None for a host pool: packed already)."""
+        if not pool.is_cuda:
+            return *pack_kv_runs(pool, src_block_ids, dst_block_ids, self.staging), None
+        self.prepare(pool)
+        stream = self._streams[pool.device]
+        stream.wait_stream(torch.cuda.current_stream(pool.device))
+        with torch.cuda.stream(stream):
+            runs, buffers = pack_kv_runs(pool, src_block_ids, dst_block_ids)
+            ready = torch.cuda.Event()
+            ready.record(stream)
+        return runs, buffers, ready
+
+    def on_stream(self, pool: torch.Tensor) -> contextlib.AbstractContextManager:
+        """The pool's packing stream as the current one, for synchronous code only (a coroutine
+        that awaits inside would hand it to every other task): a small device buffer that
+        travels inline is copied to the host on the current stream, which should not be one
+        with a step's kernels queued on it."""
+        stream = self._streams.get(pool.device) if pool.is_cuda else None
+        return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
+
+    def give_back(self, buffers: Iterable[torch.Tensor]) -> None:
+        """A finished move's buffers (``HostStaging.give_back``)."""
+        self.staging.give_back(buffers)
+
+
+async def wait_for_event(event: torch.cuda.Event | None, deadline: float) -> None:
+    """Until the device has passed ``event`` (None: at once), polled between the event loop's
+    other work rather than waited on with the loop blocked; TimeoutError past ``deadline``
+    (time.monotonic())."""
+    if event is None:
+        return
+    while not event.query():
+        if time.monotonic() >= deadline:
+            raise TimeoutError("device work before a move did not finish in time")
+        await asyncio.sleep(0)

@@ -230,12 +230,13 @@ class InMemoryTransport:
         self._network._listeners[self._address] = self
 
     async def request(
-        self, peer: PeerAddress, message: Message, *, timeout_s: float | None = None
+        self, peer: PeerAddress, message: Message, *, timeout_s: float | None = None,
+        device_ready: bool = False,
     ) -> Message:
         self._require_open()
         timeout_s = self._config.request_timeout_s if timeout_s is None else timeout_s
         msg_id = next(self._next_msg_id)
-        frame = self._encode(message, msg_id)  # raises before anything waits on it
+        frame = self._encode(message, msg_id, device_ready=device_ready)  # raises before anything waits on it
         future = asyncio.get_running_loop().create_future()
         timer_id = self._network.clock.call_later(
             timeout_s, lambda: self._time_out(msg_id, timeout_s))
@@ -245,10 +246,11 @@ class InMemoryTransport:
         return await future
 
     def request_soon(
-        self, peer: PeerAddress, message: Message, *, timeout_s: float | None = None
+        self, peer: PeerAddress, message: Message, *, timeout_s: float | None = None,
+        device_ready: bool = False,
     ) -> Awaitable[Message]:
         """``request`` as a task: in memory a message travels only when the loop runs anyway."""
-        return asyncio.ensure_future(self.request(peer, message, timeout_s=timeout_s))
+        return asyncio.ensure_future(self.request(peer, message, timeout_s=timeout_s, device_ready=device_ready))
 
     async def send(
         self, peer: PeerAddress, message: Message, *, timeout_s: float | None = None
@@ -291,9 +293,10 @@ class InMemoryTransport:
             raise PeerUnreachable(self._address, "transport closed")
 
     def _encode(self, message: Message, msg_id: int, *, reply_to: int | None = None,
-                wants_reply: bool = True) -> codec.EncodedFrame:
+                wants_reply: bool = True, device_ready: bool = False) -> codec.EncodedFrame:
         limits = self._config.limits
         return codec.encode(message, msg_id, reply_to=reply_to, wants_reply=wants_reply,
+                            device_ready=device_ready,
                             inline_limit_bytes=limits.inline_limit_bytes,
                             inline_cuda_limit_bytes=limits.inline_cuda_limit_bytes,
                             max_header_bytes=limits.max_header_bytes)

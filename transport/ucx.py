@@ -581,7 +581,8 @@ class UcxTransport:
         self._address = PeerAddress(self._config.host, self._listener.port)
 
     async def request(
-        self, peer: PeerAddress, message: Message, *, timeout_s: float | None = None
+        self, peer: PeerAddress, message: Message, *, timeout_s: float | None = None,
+        device_ready: bool = False,
     ) -> Message:
         timeout_s = self._config.request_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
@@ -591,20 +592,22 @@ class UcxTransport:
             raise PeerUnreachable(peer, str(e)) from None
         except TimeoutError:
             raise RequestTimeout(peer, message.TYPE, timeout_s) from None
-        frame = self._encode_request(message, connection)
+        frame = self._encode_request(message, connection, device_ready)
         return await self._exchange(peer, connection, frame, message.TYPE, deadline, timeout_s)
 
     def request_soon(
-        self, peer: PeerAddress, message: Message, *, timeout_s: float | None = None
+        self, peer: PeerAddress, message: Message, *, timeout_s: float | None = None,
+        device_ready: bool = False,
     ) -> Awaitable[Message]:
         """``request``, with the frame posted before this returns where the connection to
         ``peer`` is open: the peer starts on it while the caller computes, before the caller's
         next await. Returns an awaitable of the reply (raising as ``request`` does)."""
         connection = self._outbound.get(peer)
         if connection is None or connection.broken or self._closed:
-            return asyncio.ensure_future(self.request(peer, message, timeout_s=timeout_s))
+            return asyncio.ensure_future(self.request(peer, message, timeout_s=timeout_s,
+                                                      device_ready=device_ready))
         timeout_s = self._config.request_timeout_s if timeout_s is None else timeout_s
-        frame = self._encode_request(message, connection)
+        frame = self._encode_request(message, connection, device_ready)
         if frame.frame.buffers:
             wire_trace.record("req.separate_buffers", message.TYPE, len(frame.frame.buffers))
         loop = asyncio.get_running_loop()
@@ -642,7 +645,8 @@ class UcxTransport:
             if reply.done() and not reply.cancelled():
                 reply.exception()  # failed with its connection while this request raised
 
-    def _encode_request(self, message: Message, connection: _Connection) -> _RequestFrame:
+    def _encode_request(self, message: Message, connection: _Connection,
+                        device_ready: bool = False) -> _RequestFrame:
         msg_id = next(self._next_msg_id)
         place = connection.place_shared if connection.shared_out is not None and not connection.broken else None
         try:
@@ -650,7 +654,7 @@ class UcxTransport:
                 message, msg_id, inline_limit_bytes=self._config.limits.inline_limit_bytes,
                 inline_cuda_limit_bytes=self._config.limits.inline_cuda_limit_bytes,
                 max_header_bytes=self._config.limits.max_header_bytes,
-                place_shared=place)
+                place_shared=place, device_ready=device_ready)
         except BaseException:
             connection.free_new_slots()
             raise

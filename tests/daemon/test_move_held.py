@@ -17,6 +17,7 @@ from infinite_llm.daemon.peers import PeerDirectory, TransportLender, forward_se
 from infinite_llm.engine.block_manager import BlockManager, Segment
 from infinite_llm.transport.errors import PlacementRefused
 from infinite_llm.transport.interface import PeerAddress
+from infinite_llm.transport.kv_packing import KVPacker
 from infinite_llm.transport.memory import InMemoryNetwork
 from infinite_llm.transport.messages import (
     ForwardSegment,
@@ -44,6 +45,7 @@ class Creditor:
 
     def __init__(self, network: InMemoryNetwork, inst_id: int, num_blocks: int) -> None:
         self.pool = torch.zeros(num_blocks, *BLOCK_SHAPE)
+        self.packer = KVPacker()
         free = list(range(num_blocks))
         self.ledger = CreditorLedger(
             allocate=lambda n: [free.pop(0) for _ in range(n)] if n <= len(free) else None,
@@ -69,7 +71,8 @@ class Creditor:
             self.ledger.free_segment(message.home_inst_id, message.req_id, message.segment_id, message.reservation_id)
             return None
         if isinstance(message, ForwardSegment):
-            return await forward_segment(self.transport, self.ledger, self.pool, message, timeout_s=5.0)
+            return await forward_segment(self.transport, self.ledger, self.pool, message, timeout_s=5.0,
+                                         packer=self.packer)
         raise ValueError(f"not served: {message.TYPE}")
 
     def place(self, message):

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 from infinite_llm.transport.block_runs import destination_runs
-from infinite_llm.transport.kv_packing import HostStaging, pack_kv_runs
+from infinite_llm.transport import codec
+from infinite_llm.transport import messages as m
+from infinite_llm.transport.kv_packing import HostStaging, KVPacker, pack_kv_runs, wait_for_event
 from infinite_llm.transport.shared_memory import SharedRegion
 
 
@@ -102,3 +108,48 @@ def test_staging_takes_new_buffers_from_its_allocator_while_it_has_room(tmp_path
         assert staging.take((3, 2, 2, 4, 1, 8), pool.dtype).data_ptr() == gathered[0].data_ptr()
     finally:
         region.close()
+
+
+def test_a_packer_gathers_a_host_pool_into_its_staging_with_nothing_to_wait_for():
+    pool = torch.randn(32, 2, 2, 4, 1, 8)
+    packer = KVPacker()
+    runs, buffers, ready = packer.pack(pool, [7, 2, 30, 31], [0, 1, 2, 3])
+    assert ready is None
+    assert [(r.dst_block_id, r.num_blocks) for r in runs] == [(0, 4)]
+    assert torch.equal(buffers[0], pool[[7, 2, 30, 31]])
+    packer.give_back(buffers)
+    assert packer.staging.num_free == 1
+    asyncio.run(wait_for_event(ready, time.monotonic()))  # None: at once, even past the deadline
+
+
+@pytest.mark.gpu
+def test_a_device_gather_is_ready_after_its_event_behind_the_kernels_that_wrote_the_pool():
+    pool = torch.zeros(64, 4096, device="cuda")
+    torch.cuda._sleep(50_000_000)  # the current stream busy for a while, then the pool written
+    pool.add_(torch.arange(64, device="cuda", dtype=pool.dtype)[:, None])
+    packer = KVPacker()
+    runs, buffers, ready = packer.pack(pool, [5, 40, 9], [0, 1, 2])
+    assert ready is not None and not ready.query()  # queued behind the pool's writer
+
+    async def wait() -> None:
+        await wait_for_event(ready, time.monotonic() + 30)
+
+    asyncio.run(wait())
+    assert buffers[0][:, 0].tolist() == [5.0, 40.0, 9.0]
+    with pytest.raises(TimeoutError):
+        torch.cuda._sleep(50_000_000)
+        _, _, late = packer.pack(pool, [1, 3], [0, 1])
+        asyncio.run(wait_for_event(late, time.monotonic()))  # the deadline passed already
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+def test_device_ready_leaves_the_stream_wait_out_of_the_encode(monkeypatch):
+    waits = []
+    monkeypatch.setattr(codec, "wait_for_producers", waits.append)
+    blocks = torch.zeros(2, 65536, dtype=torch.uint8, device="cuda")  # over the inline limit
+    message = m.KVBlocks(1, 1, (m.BlockRun(0, 2),), (blocks,))
+    codec.encode(message, 1, device_ready=True)
+    assert waits == []
+    codec.encode(message, 2)
+    assert len(waits) == 1 and waits[0][0] is blocks
