@@ -160,13 +160,3 @@ def run(coroutine, timeout_s: float = 30.0):
         async with asyncio.timeout(timeout_s):
             return await coroutine
     return asyncio.run(bounded())
-
-
-async def until(predicate, timeout_s: float, what: str) -> float:
-    """Seconds until ``predicate()`` holds; AssertionError after ``timeout_s``."""
-    started = time.monotonic()
-    while not predicate():
-        if time.monotonic() - started > timeout_s:
-            raise AssertionError(f"{what}: not within {timeout_s} s")
-        await asyncio.sleep(0.05)
-    return time.monotonic() - started

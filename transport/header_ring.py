@@ -50,14 +50,14 @@ import re
 import secrets
 import stat
 import struct
+from collections.abc import Callable
 
 from infinite_llm.transport.errors import ProtocolError
 from infinite_llm.transport.messages import ErrorCode
-# A file under a hidden name is swept only once this old (it is unlocked until its maker locks it).
-from infinite_llm.transport.shared_memory import MAKING_GRACE_S, open_own_file, younger_than
+# A ring's file is offered, checked and swept as a region's is, with a nonce of the same length.
+from infinite_llm.transport.shared_memory import NONCE_BYTES, open_offered_file, open_own_file, stale_files
 
 CONTROL_BYTES = 4096  # the first page: nonce, data size, positions; the data follows
-NONCE_BYTES = 16
 _DATA_SIZE_AT = 16  # u64
 _WRITE_AT = 64  # u64, the producer's; a cache line of its own
 _READ_AT = 128  # u64, the consumer's
@@ -232,17 +232,8 @@ class PeerHeaderRing:
         """Open the ring ``name`` of ``directory`` and its bell, if they are this user's and
         the ring's first bytes are the nonce. Raises HeaderRingUnavailable otherwise.
         ``max_header_bytes``: this receiver's limit (a longer record is refused)."""
-        if not isinstance(name, str) or not _RING_NAME.match(name):
-            raise HeaderRingUnavailable(f"not a ring name: {name!r:.80}")
-        try:
-            nonce = bytes.fromhex(nonce_hex)
-        except (TypeError, ValueError):
-            raise HeaderRingUnavailable("the nonce is not hex") from None
-        if len(nonce) != NONCE_BYTES:
-            raise HeaderRingUnavailable(f"a nonce of {len(nonce)} bytes")
-        fd = open_own_file(os.path.join(directory, name), os.O_RDWR, stat.S_ISREG)
-        if fd is None:
-            raise HeaderRingUnavailable(f"{name}: no ring file of this user there")
+        fd, nonce = open_offered_file(directory, name, nonce_hex, os.O_RDWR, name_form=_RING_NAME,
+                                      what="ring", unavailable=HeaderRingUnavailable)
         try:
             size = os.fstat(fd).st_size
             first = os.pread(fd, NONCE_BYTES + 8, 0)
@@ -370,30 +361,17 @@ def remove_stale_rings(directory: str) -> int:
     """Remove this user's ring and doorbell files in ``directory`` whose maker is gone (no
     process holds their lock); returns how many."""
     removed = 0
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return 0
-    for name in names:
-        match = _STALE_NAME.match(name)
-        if match is None:
-            continue
-        path = os.path.join(directory, name)
-        if name.startswith(".") and younger_than(path, MAKING_GRACE_S):
-            continue  # being made: its maker locks it a moment after it appears
-        fd = open_own_file(path, os.O_RDONLY, stat.S_ISFIFO if match.group(3) == "bell" else stat.S_ISREG)
-        if fd is None:
-            continue
+    for path in stale_files(directory, _ring_file_kind):
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.unlink(path)
+            removed += 1
         except OSError:
-            continue  # its maker lives
-        else:
-            try:
-                os.unlink(path)
-                removed += 1
-            except OSError:
-                pass
-        finally:
-            os.close(fd)
+            pass
     return removed
+
+
+def _ring_file_kind(name: str) -> Callable[[int], bool] | None:
+    match = _STALE_NAME.match(name)
+    if match is None:
+        return None
+    return stat.S_ISFIFO if match.group(3) == "bell" else stat.S_ISREG

@@ -41,6 +41,7 @@ import stat
 import threading
 import time
 import weakref
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -353,17 +354,8 @@ class PeerRegion:
     def open(cls, directory: str, name: str, nonce_hex: str, copy: ParallelCopy | None = None) -> PeerRegion:
         """Map the region ``name`` of ``directory`` if it is a regular file of this user whose
         first bytes are the nonce. Raises SharedMemoryUnavailable otherwise."""
-        if not isinstance(name, str) or not _REGION_NAME.match(name):
-            raise SharedMemoryUnavailable(f"not a region name: {name!r:.80}")
-        try:
-            nonce = bytes.fromhex(nonce_hex)
-        except (TypeError, ValueError):
-            raise SharedMemoryUnavailable("the nonce is not hex") from None
-        if len(nonce) != NONCE_BYTES:
-            raise SharedMemoryUnavailable(f"a nonce of {len(nonce)} bytes")
-        fd = _open_region_file(os.path.join(directory, name))
-        if fd is None:
-            raise SharedMemoryUnavailable(f"{name}: no region file of this user there")
+        fd, nonce = open_offered_file(directory, name, nonce_hex, os.O_RDONLY, name_form=_REGION_NAME,
+                                      what="region", unavailable=SharedMemoryUnavailable)
         try:
             size = os.fstat(fd).st_size
             if size < HEADER_BYTES + SLOT_ALIGNMENT or os.pread(fd, NONCE_BYTES, 0) != nonce:
@@ -416,10 +408,25 @@ class PeerRegion:
             pass  # a view of it lives on; unmapped with it
 
 
-def _open_region_file(path: str) -> int | None:
-    """A read-only descriptor of ``path`` if it is a regular file of this user (never blocking
-    on a FIFO, never following a link), else None."""
-    return open_own_file(path, os.O_RDONLY, stat.S_ISREG)
+def open_offered_file(directory: str, name: str, nonce_hex: str, flags: int, *, name_form: re.Pattern[str],
+                      what: str, unavailable: type[Exception]) -> tuple[int, bytes]:
+    """A descriptor (opened with ``flags``) of the file ``name`` of ``directory`` that a peer
+    offered, and the nonce it offered with it (``nonce_hex``), where ``name`` has the form
+    ``name_form``, the nonce is NONCE_BYTES bytes in hex and the file is a regular file of
+    this user.
+    Raises ``unavailable`` otherwise, its message calling the file a ``what``."""
+    if not isinstance(name, str) or not name_form.match(name):
+        raise unavailable(f"not a {what} name: {name!r:.80}")
+    try:
+        nonce = bytes.fromhex(nonce_hex)
+    except (TypeError, ValueError):
+        raise unavailable("the nonce is not hex") from None
+    if len(nonce) != NONCE_BYTES:
+        raise unavailable(f"a nonce of {len(nonce)} bytes")
+    fd = open_own_file(os.path.join(directory, name), flags, stat.S_ISREG)
+    if fd is None:
+        raise unavailable(f"{name}: no {what} file of this user there")
+    return fd, nonce
 
 
 def open_own_file(path: str, flags: int, is_kind) -> int | None:
@@ -447,33 +454,49 @@ def younger_than(path: str, seconds: float) -> bool:
         return True  # gone already
 
 
-def remove_stale_regions(directory: str) -> int:
-    """Remove the regions of this user in ``directory`` whose owner is gone (no process holds
-    their lock); returns how many. Anything else under a region's name is left alone."""
-    removed = 0
+def stale_files(directory: str, kind_of: Callable[[str], Callable[[int], bool] | None]) -> Iterator[str]:
+    """The paths of this user's files in ``directory`` whose maker is gone (no process holds
+    their lock), each yielded while this holds its lock, for the caller to remove.
+    ``kind_of(name)``: the test of the mode (stat.S_ISREG, S_ISFIFO) a file of that name must
+    pass, or None for a name the caller does not make; a file under such a name that fails it
+    is left alone. A hidden name (a file being made, unlocked until its maker locks it) is
+    passed over until it is MAKING_GRACE_S old."""
     try:
         names = os.listdir(directory)
     except OSError:
-        return 0
+        return
     for name in names:
-        if not (_REGION_NAME.match(name) or _MAKING_NAME.match(name)):
+        is_kind = kind_of(name)
+        if is_kind is None:
             continue
         path = os.path.join(directory, name)
         if name.startswith(".") and younger_than(path, MAKING_GRACE_S):
-            continue  # being made: its owner locks it a moment after it appears
-        fd = _open_region_file(path)
+            continue  # being made: its maker locks it a moment after it appears
+        fd = open_own_file(path, os.O_RDONLY, is_kind)
         if fd is None:
             continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
-            continue  # its owner lives
+            continue  # its maker lives
         else:
-            _unlink_quietly(path)
-            removed += 1
+            yield path
         finally:
             os.close(fd)
+
+
+def remove_stale_regions(directory: str) -> int:
+    """Remove the regions of this user in ``directory`` whose owner is gone (no process holds
+    their lock); returns how many. Anything else under a region's name is left alone."""
+    removed = 0
+    for path in stale_files(directory, _region_file_kind):
+        _unlink_quietly(path)
+        removed += 1
     return removed
+
+
+def _region_file_kind(name: str) -> Callable[[int], bool] | None:
+    return stat.S_ISREG if _REGION_NAME.match(name) or _MAKING_NAME.match(name) else None
 
 
 def _remove_region(path: str, fd: int, owner_pid: int) -> None:

@@ -14,7 +14,8 @@ from typer.testing import CliRunner
 from infinite_llm.cli.client import ClusterClient
 from infinite_llm.cli.main import app
 from infinite_llm.daemon.etcd_discovery import EtcdKeys, EtcdMembership, EtcdUnreachable
-from etcd_testlib import closed_port, etcd, member, run, until  # noqa: F401  (etcd: the fixture)
+from etcd_testlib import closed_port, etcd, member, run  # noqa: F401  (etcd: the fixture)
+from polling_testlib import until
 
 TTL_S = 2
 

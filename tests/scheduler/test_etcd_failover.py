@@ -14,7 +14,8 @@ import pytest
 from infinite_llm.daemon.etcd_discovery import EtcdConnection, EtcdKeys, EtcdMembership, read_cluster
 from infinite_llm.scheduler.etcd_election import EtcdElection
 from etcd_faults_testlib import TcpProxy, etcd_cluster_of
-from etcd_testlib import addresses, etcd, member, run, until  # noqa: F401  (etcd: the fixture)
+from etcd_testlib import addresses, etcd, member, run  # noqa: F401  (etcd: the fixture)
+from polling_testlib import until
 
 
 async def leads_throughout(election: EtcdElection, until_s: float, what: str) -> None:

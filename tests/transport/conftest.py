@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+import tempfile
 from collections.abc import Coroutine, Iterator
 from pathlib import Path
 
@@ -27,6 +28,19 @@ def run_bounded(loop: asyncio.AbstractEventLoop, coroutine: Coroutine, timeout_s
         async with asyncio.timeout(timeout_s):
             return await coroutine
     return loop.run_until_complete(bounded())
+
+
+def shm_temporary_directory() -> tempfile.TemporaryDirectory:
+    """A directory of its own on the host's shared memory (a temporary one without it)."""
+    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+    return tempfile.TemporaryDirectory(dir=base)
+
+
+@pytest.fixture
+def directory() -> Iterator[str]:
+    """A directory of its own on the host's shared memory, for the files of regions and rings."""
+    with shm_temporary_directory() as path:
+        yield path
 
 
 @pytest.fixture(scope="session")

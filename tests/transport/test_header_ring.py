@@ -9,7 +9,6 @@ import select
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 
@@ -18,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from infinite_llm.transport import header_ring
+from infinite_llm.transport import header_ring, shared_memory
 from infinite_llm.transport.errors import ProtocolError
 from infinite_llm.transport.header_ring import (
     CONTROL_BYTES,
@@ -31,16 +30,11 @@ from infinite_llm.transport.header_ring import (
 )
 from infinite_llm.transport.messages import ErrorCode
 
+from conftest import shm_temporary_directory
+
 pytestmark = pytest.mark.skipif(not header_ring.supported(), reason="header rings need x86-64")
 
 LIMIT = 1 << 20  # the consumer's max_header_bytes
-
-
-@pytest.fixture
-def directory() -> Iterator[str]:
-    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-    with tempfile.TemporaryDirectory(dir=base) as path:
-        yield path
 
 
 @pytest.fixture
@@ -73,8 +67,7 @@ def test_headers_come_out_in_order_and_the_ring_is_then_empty(pair):
 def test_records_wrap_around_the_ring_and_room_comes_back_as_they_are_read(sizes, batch):
     """Whatever the sizes, every header written comes out whole and in order; a write finds no
     room only while the consumer holds more than the ring can take beside it."""
-    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-    with tempfile.TemporaryDirectory(dir=base) as directory:
+    with shm_temporary_directory() as directory:
         producer = HeaderRing(directory, MIN_DATA_BYTES)
         consumer = PeerHeaderRing.open(directory, producer.name, producer.nonce.hex(), LIMIT)
         try:
@@ -283,7 +276,7 @@ def test_ring_files_left_half_made_are_removed_once_old(directory):
         f.write(b"\0" * 8192)
     os.mkfifo(bell, 0o600)
     assert remove_stale_rings(directory) == 0 and os.path.exists(ring) and os.path.exists(bell)
-    old = time.time() - header_ring.MAKING_GRACE_S - 1
+    old = time.time() - shared_memory.MAKING_GRACE_S - 1
     for path in (ring, bell):
         os.utime(path, (old, old))
     assert remove_stale_rings(directory) == 2 and os.listdir(directory) == []
@@ -351,8 +344,7 @@ def _take_all_or_refuse(consumer: PeerHeaderRing, count: int | None) -> None:
 
 
 def _fuzz_ring(examples: int) -> None:
-    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-    with tempfile.TemporaryDirectory(dir=base) as directory:
+    with shm_temporary_directory() as directory:
         producer = HeaderRing(directory, MIN_DATA_BYTES)
         path = os.path.join(directory, producer.name)
         control = np.memmap(path, dtype="<u8", mode="r+", shape=(CONTROL_BYTES // 8,))

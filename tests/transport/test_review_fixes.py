@@ -8,9 +8,7 @@ import gc
 import os
 import subprocess
 import sys
-import tempfile
 import textwrap
-from collections.abc import Iterator
 
 import orjson
 import pytest
@@ -422,13 +420,6 @@ def test_a_peer_sending_negative_values_is_refused_on_decode():
 
 
 # --- shared-memory regions: removed when their owner exits without closing --------------------
-
-
-@pytest.fixture
-def directory() -> Iterator[str]:
-    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-    with tempfile.TemporaryDirectory(dir=base) as path:
-        yield path
 
 
 def _python(code: str) -> subprocess.CompletedProcess:

@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -39,14 +38,6 @@ from infinite_llm.transport.shared_memory import (
 )
 
 MiB = 1 << 20
-
-
-@pytest.fixture
-def directory() -> Iterator[str]:
-    """A directory of its own on the host's shared memory (a temporary one without it)."""
-    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-    with tempfile.TemporaryDirectory(dir=base) as path:
-        yield path
 
 
 @pytest.fixture

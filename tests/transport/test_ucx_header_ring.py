@@ -13,7 +13,7 @@ Every wait is bounded.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import functools
 import os
 import re
 import shutil
@@ -21,7 +21,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -33,17 +33,21 @@ from infinite_llm.transport import messages as m
 from infinite_llm.transport.codec import FrameLimits
 from infinite_llm.transport.errors import PeerUnreachable, RemoteError
 from infinite_llm.transport.header_ring import PeerHeaderRing
-from infinite_llm.transport.interface import PeerAddress, TransportConfig
+from infinite_llm.transport.interface import PeerAddress
 
+import polling_testlib
 from conftest import run_bounded
 from test_codec_fuzz import STRATEGIES
 from test_ucx_loopback import Peer
 
 ucxx = pytest.importorskip("ucxx")
 from infinite_llm.transport.ucx import UcxTransport  # noqa: E402  (after the skip)
+from ucx_testlib import started  # noqa: E402
 
 SMALL_RING_BYTES = 64 << 10  # the smallest ring: headers over 16 KiB - 8 bytes go over UCX
 _RING_FILE = re.compile(r"\.?infllm-(\d+)-[0-9a-f]{16}\.(ring|bell)\Z")
+# Looked at every 5 ms: what these tests wait for comes within milliseconds, and they wait often.
+until = functools.partial(polling_testlib.until, poll_s=0.005)
 
 # A peer process beside ucx_peer.py, for what that one does not do:
 #   listen PORT        a listener whose waits sleep at once (spin_s=0); answers Echo
@@ -91,17 +95,6 @@ def handle(message: m.Message):
     return None
 
 
-@contextlib.asynccontextmanager
-async def started(handler=handle, **config) -> AsyncIterator[UcxTransport]:
-    """A transport of this process, listening, closed on the way out."""
-    transport = UcxTransport(TransportConfig(**{"request_timeout_s": 10, **config}))
-    await transport.start(handler)
-    try:
-        yield transport
-    finally:
-        await transport.close()
-
-
 @pytest.fixture
 def shm_dir() -> Iterator[str]:
     """A directory of its own in /dev/shm, for both ends' shared-memory files."""
@@ -141,16 +134,6 @@ def payload_of(seed: int, nbytes: int = 1024) -> torch.Tensor:
     return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=generator)
 
 
-async def until(condition, timeout_s: float, what: str) -> float:
-    """Poll ``condition`` until it holds; returns the seconds it took, fails after ``timeout_s``."""
-    started_at = time.monotonic()
-    while not condition():
-        if time.monotonic() - started_at > timeout_s:
-            raise AssertionError(f"not within {timeout_s} s: {what}")
-        await asyncio.sleep(0.005)
-    return time.monotonic() - started_at
-
-
 async def posted(*connections) -> tuple:
     """The UCX header receives posted on ``connections`` (each reader posts its next one when it
     next loops)."""
@@ -161,6 +144,13 @@ async def posted(*connections) -> tuple:
 def only_inbound(server: UcxTransport):
     assert len(server._inbound) == 1, server._inbound
     return next(iter(server._inbound))
+
+
+async def connected(client: UcxTransport, server: UcxTransport) -> tuple:
+    """Connect ``client`` to ``server``: the client's outbound connection and the server's
+    inbound one."""
+    await client.connect(server.address)
+    return client._outbound[server.address], only_inbound(server)
 
 
 async def echo_checked(client: UcxTransport, peer: PeerAddress, payload: torch.Tensor) -> None:
@@ -175,11 +165,9 @@ def test_after_connect_both_sides_have_rings_and_small_headers_go_only_through_t
     all of it, and the UCX header receive posted on each side is the same request throughout
     (no header came over UCX)."""
     async def scenario():
-        async with started(shared_memory_dir=shm_dir) as server, \
-                started(shared_memory_dir=shm_dir) as client:
-            await client.connect(server.address)
-            outbound = client._outbound[server.address]
-            inbound = only_inbound(server)
+        async with started(handle, shared_memory_dir=shm_dir) as server, \
+                started(handle, shared_memory_dir=shm_dir) as client:
+            outbound, inbound = await connected(client, server)
             assert outbound.ring_out is not None and outbound.ring_in is not None
             assert inbound.ring_in is not None and inbound.ring_out is not None
             assert inbound.ring_offered is None and outbound.ring_offered is None
@@ -211,10 +199,8 @@ def test_headers_too_big_for_the_ring_go_over_ucx_beside_small_ones_through_it(u
                   limits=FrameLimits(inline_limit_bytes=32 << 10))
 
     async def scenario():
-        async with started(**config) as server, started(**config) as client:
-            await client.connect(server.address)
-            outbound = client._outbound[server.address]
-            inbound = only_inbound(server)
+        async with started(handle, **config) as server, started(handle, **config) as client:
+            outbound, inbound = await connected(client, server)
             assert outbound.ring_out.max_header_bytes == (16 << 10) - 8
             await echo_checked(client, server.address, payload_of(0))
 
@@ -256,7 +242,7 @@ def test_headers_the_full_ring_has_no_room_for_go_over_ucx(ucx_loop, shm_dir):
     config = dict(shared_memory_dir=shm_dir, header_ring_bytes=SMALL_RING_BYTES)
 
     async def scenario():
-        async with started(**config) as server, started(**config) as client:
+        async with started(handle, **config) as server, started(handle, **config) as client:
             await client.connect(server.address)
             outbound = client._outbound[server.address]
             await echo_checked(client, server.address, payload_of(0))
@@ -290,7 +276,7 @@ def test_headers_are_handled_in_the_order_they_were_sent_whichever_way_each_went
         return None
 
     async def scenario():
-        async with started(recording, **config) as server, started(**config) as client:
+        async with started(recording, **config) as server, started(handle, **config) as client:
             await client.connect(server.address)
             outbound = client._outbound[server.address]
             for round_ in range(3):
@@ -315,10 +301,9 @@ def test_headers_are_handled_in_the_order_they_were_sent_whichever_way_each_went
 
 def test_a_second_ring_offer_on_a_connection_is_refused_and_the_first_rings_serve_on(ucx_loop, shm_dir):
     async def scenario():
-        async with started(shared_memory_dir=shm_dir) as server, started(shared_memory_dir=shm_dir) as client:
-            await client.connect(server.address)
-            outbound = client._outbound[server.address]
-            inbound = only_inbound(server)
+        async with started(handle, shared_memory_dir=shm_dir) as server, \
+                started(handle, shared_memory_dir=shm_dir) as client:
+            outbound, inbound = await connected(client, server)
             first = (inbound.ring_in.name, inbound.ring_out.name)
             with pytest.raises(RemoteError) as info:
                 await client.request(server.address, m.HeaderRingOffer(ring="infllm-1-0123456789abcdef.ring",
@@ -356,11 +341,10 @@ def test_an_offered_ring_the_requester_cannot_open_loses_its_names_and_replies_s
         return real_open(cls, directory, name, nonce_hex, max_header_bytes)
 
     async def scenario():
-        async with started(shared_memory_dir=shm_dir) as server, started(shared_memory_dir=shm_dir) as client:
+        async with started(handle, shared_memory_dir=shm_dir) as server, \
+                started(handle, shared_memory_dir=shm_dir) as client:
             monkeypatch.setattr(PeerHeaderRing, "open", classmethod(refusing_open))
-            await client.connect(server.address)
-            outbound = client._outbound[server.address]
-            inbound = only_inbound(server)
+            outbound, inbound = await connected(client, server)
             assert outbound.ring_out is not None and outbound.ring_in is None
             assert inbound.ring_in is not None and inbound.ring_out is None and inbound.ring_offered is not None
             assert opened_by_requester == [inbound.ring_offered.name]
@@ -378,11 +362,9 @@ def test_rings_turned_off_on_the_listener_leave_every_header_on_ucx(ucx_loop, sh
     ring (the one it offered is closed and its files removed), neither side has one, and
     requests are answered with their headers over UCX."""
     async def scenario():
-        async with started(shared_memory_dir=shm_dir, header_ring_bytes=0) as server, \
-                started(shared_memory_dir=shm_dir) as client:
-            await client.connect(server.address)
-            outbound = client._outbound[server.address]
-            inbound = only_inbound(server)
+        async with started(handle, shared_memory_dir=shm_dir, header_ring_bytes=0) as server, \
+                started(handle, shared_memory_dir=shm_dir) as client:
+            outbound, inbound = await connected(client, server)
             assert (outbound.ring_out, outbound.ring_in, outbound.ring_offered) == (None, None, None)
             assert (inbound.ring_out, inbound.ring_in, inbound.ring_offered) == (None, None, None)
             assert ring_files(shm_dir) == []
@@ -404,11 +386,9 @@ def test_rings_turned_off_on_the_requester_mean_no_offer(ucx_loop, shm_dir, monk
                         lambda self, connection, offer: offers.append(offer) or accept(self, connection, offer))
 
     async def scenario():
-        async with started(shared_memory_dir=shm_dir) as server, \
-                started(shared_memory_dir=shm_dir, header_ring_bytes=0) as client:
-            await client.connect(server.address)
-            outbound = client._outbound[server.address]
-            inbound = only_inbound(server)
+        async with started(handle, shared_memory_dir=shm_dir) as server, \
+                started(handle, shared_memory_dir=shm_dir, header_ring_bytes=0) as client:
+            outbound, inbound = await connected(client, server)
             assert offers == []
             assert (outbound.ring_out, outbound.ring_in, outbound.ring_offered) == (None, None, None)
             assert (inbound.ring_out, inbound.ring_in, inbound.ring_offered) == (None, None, None)
@@ -427,7 +407,7 @@ def test_a_sleeping_listener_is_woken_by_the_doorbell(ucx_loop, start_peer):
     peer = start_peer("listen", script=True)
 
     async def scenario():
-        async with started() as client:  # the peer's directory: /dev/shm
+        async with started(handle) as client:  # the peer's directory: /dev/shm
             await client.connect(peer.address)
             outbound = client._outbound[peer.address]
             assert outbound.ring_out is not None and outbound.ring_in is not None
@@ -453,11 +433,9 @@ def test_garbage_in_the_ring_is_refused_and_the_next_request_connects_afresh(ucx
     the close, so the request in flight there fails with RemoteError(bad_magic) at once. The
     next request makes a new connection with new rings, and the listener serves it."""
     async def scenario():
-        async with started(shared_memory_dir=shm_dir) as server, \
-                started(shared_memory_dir=shm_dir) as client:
-            await client.connect(server.address)
-            outbound = client._outbound[server.address]
-            old_inbound = only_inbound(server)
+        async with started(handle, shared_memory_dir=shm_dir) as server, \
+                started(handle, shared_memory_dir=shm_dir) as client:
+            outbound, old_inbound = await connected(client, server)
             old_rings = {outbound.ring_out.name, outbound.ring_in.name}
             in_flight = asyncio.ensure_future(client.request(server.address, m.Drain(1, 5000, 1)))
             await until(lambda: old_inbound.handling == 1, 5, "the Drain is being handled")
@@ -494,7 +472,7 @@ def test_a_killed_peer_is_noticed_while_headers_go_through_rings(ucx_loop, start
     pids = (os.getpid(), doomed.process.pid)
 
     async def scenario():
-        async with started() as client:
+        async with started(handle) as client:
             await client.connect(doomed.address)
             outbound = client._outbound[doomed.address]
             assert outbound.ring_out is not None and outbound.ring_in is not None
@@ -530,7 +508,7 @@ def test_a_killed_requester_is_noticed_by_the_listener(ucx_loop, start_peer, shm
     inbound connection (waiting on the ring and on its posted UCX header receive) ends within
     2 s, its rings closed, and the listener serves a new connection."""
     async def scenario():
-        async with started() as server:  # the requester's directory: /dev/shm
+        async with started(handle) as server:  # the requester's directory: /dev/shm
             # Started on a thread: its start waits for its request, which this loop answers.
             requester = await asyncio.get_running_loop().run_in_executor(
                 None, lambda: start_peer("request", server.address.host, str(server.address.port), script=True))
@@ -542,7 +520,7 @@ def test_a_killed_requester_is_noticed_by_the_listener(ucx_loop, start_peer, shm
             await until(lambda: inbound not in server._inbound, 2.0, "the listener noticed the kill")
             assert time.monotonic() - killed_at < 2.0
             assert inbound.broken and inbound.ring_in.closed and inbound.ring_out.closed
-            async with started(shared_memory_dir=shm_dir) as client:
+            async with started(handle, shared_memory_dir=shm_dir) as client:
                 await echo_checked(client, server.address, payload_of(0))
     run_bounded(ucx_loop, scenario(), 60)
 
@@ -562,8 +540,8 @@ def test_ring_files_are_removed_once_the_handshake_ends(ucx_loop, shm_dir, monke
     monkeypatch.setattr(PeerHeaderRing, "open", classmethod(recording_open))
 
     async def scenario():
-        async with started(shared_memory_dir=shm_dir) as server:
-            async with started(shared_memory_dir=shm_dir) as client:
+        async with started(handle, shared_memory_dir=shm_dir) as server:
+            async with started(handle, shared_memory_dir=shm_dir) as client:
                 await client.connect(server.address)
                 outbound = client._outbound[server.address]
                 assert len(seen_at_open) == 2
@@ -584,8 +562,8 @@ def test_many_requests_in_flight_at_once_get_their_own_replies_through_the_rings
     """64 requests at once, each with its own payload, plus slow Drains among them: every
     reply is its own request's, and the headers all went through the rings."""
     async def scenario():
-        async with started(shared_memory_dir=shm_dir) as server, \
-                started(shared_memory_dir=shm_dir) as client:
+        async with started(handle, shared_memory_dir=shm_dir) as server, \
+                started(handle, shared_memory_dir=shm_dir) as client:
             await client.connect(server.address)
             outbound = client._outbound[server.address]
             await echo_checked(client, server.address, payload_of(0))

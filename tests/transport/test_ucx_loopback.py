@@ -7,14 +7,13 @@ Peers are separate processes, killed for real with SIGKILL. Every wait is bounde
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import os
 import select
 import signal
 import subprocess
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -33,6 +32,7 @@ from test_codec_fuzz import STRATEGIES
 
 ucxx = pytest.importorskip("ucxx")
 from infinite_llm.transport.ucx import UcxTransport  # noqa: E402  (after the skip)
+from ucx_testlib import started  # noqa: E402
 
 STARTUP_TIMEOUT_S = 30.0
 
@@ -87,17 +87,6 @@ def start_peer(peer_command) -> Iterator:
 
 async def serve_echo(message: m.Message) -> m.Message | None:
     return m.EchoReply(message.payload) if isinstance(message, m.Echo) else None
-
-
-@contextlib.asynccontextmanager
-async def started(handler=serve_echo, **config) -> AsyncIterator[UcxTransport]:
-    """A transport of this process, listening, closed on the way out."""
-    transport = UcxTransport(TransportConfig(**{"request_timeout_s": 10, **config}))
-    await transport.start(handler)
-    try:
-        yield transport
-    finally:
-        await transport.close()
 
 
 @pytest.fixture
@@ -237,7 +226,7 @@ def test_listeners_whose_clients_were_killed_mid_transfer_are_still_reached(ucx_
     UCX worker outlives its peers' deaths (see docs/transport.md on shared memory)."""
     async def scenario():
         for _ in range(4):
-            async with started() as transport:
+            async with started(serve_echo) as transport:
                 flooder = start_peer("flood", transport.address.host, str(transport.address.port))
                 await asyncio.sleep(0.5)
                 flooder.kill()
@@ -441,7 +430,7 @@ def test_slots_of_requests_to_a_killed_peer_are_freed_a_frame_timeout_later(ucx_
     frame_timeout_s = 0.5
 
     async def scenario():
-        async with started(frame_timeout_s=frame_timeout_s) as sender:
+        async with started(serve_echo, frame_timeout_s=frame_timeout_s) as sender:
             await sender.connect(peer.address)
             region = sender._shared_region
             in_flight = [asyncio.ensure_future(sender.request(peer.address, m.Echo(torch.randn(4 << 20))))
@@ -467,7 +456,7 @@ def test_a_buffer_lent_from_the_region_outlives_a_request_that_timed_out(ucx_loo
         return m.EchoReply(message.payload[:1]) if isinstance(message, m.Echo) else None
 
     async def scenario():
-        async with started(slow_echo) as server, started() as sender:
+        async with started(slow_echo) as server, started(serve_echo) as sender:
             await sender.connect(server.address)
             region = sender._shared_region
             buffer = sender.shared_host_buffer(1 << 20)
@@ -494,7 +483,7 @@ def test_a_peer_that_does_not_know_the_offer_is_reached_without_shared_memory(uc
         raise ProtocolError(m.ErrorCode.UNKNOWN_TYPE, repr(offer.TYPE))
 
     async def scenario():
-        async with started() as server, started() as sender:
+        async with started(serve_echo) as server, started(serve_echo) as sender:
             monkeypatch.setattr(server, "_accept_shared_memory", unknown)
             payload = torch.randn(1 << 18)
             assert torch.equal((await sender.request(server.address, m.Echo(payload))).payload, payload)
@@ -515,7 +504,7 @@ def test_a_frame_whose_connection_breaks_while_it_is_copied_out_is_not_delivered
         return None
 
     async def scenario():
-        async with started(keep) as server, started() as sender:
+        async with started(keep) as server, started(serve_echo) as sender:
             await sender.connect(server.address)
             copy_to = PeerRegion.copy_to
 
@@ -546,7 +535,7 @@ def test_a_reply_that_cannot_be_read_fails_its_request_at_once(ucx_loop, monkeyp
     """An error while reading a reply (here: no memory for its buffer) drops the connection:
     the request fails now rather than at its timeout, and the next one connects again."""
     async def scenario():
-        async with started() as server, started() as sender:
+        async with started(serve_echo) as server, started(serve_echo) as sender:
             payload = torch.randn(1 << 18)  # 1 MiB: its reply's buffer is allocated fresh
             assert torch.equal((await sender.request(server.address, m.Echo(payload))).payload, payload)
 
@@ -564,7 +553,8 @@ def test_a_reply_that_cannot_be_read_fails_its_request_at_once(ucx_loop, monkeyp
 
 def test_with_shared_memory_off_on_either_side_buffers_go_over_ucx(ucx_loop, client):
     async def scenario():
-        async with started(shared_memory_bytes=0) as server, started(shared_memory_bytes=0) as sender:
+        async with started(serve_echo, shared_memory_bytes=0) as server, \
+                started(serve_echo, shared_memory_bytes=0) as sender:
             payload = torch.randn(1 << 20)
             for source, destination in ((client, server.address), (sender, client.address)):
                 reply = await source.request(destination, m.Echo(payload))
@@ -593,7 +583,7 @@ def test_a_frame_in_shared_memory_never_offered_is_refused(ucx_loop, start_peer)
     peer = start_peer("serve")
 
     async def scenario():
-        async with started(shared_memory_bytes=0) as sender:
+        async with started(serve_echo, shared_memory_bytes=0) as sender:
             await sender.connect(peer.address)
             region = SharedRegion(max_bytes=8 << 20)  # never offered to the peer
             try:
@@ -640,7 +630,7 @@ def test_host_buffers_through_shared_memory_land_on_a_gpu_receiver(ucx_loop):
         return None
 
     async def scenario():
-        async with started(keep, receive_device="cuda") as receiver, started() as sender:
+        async with started(keep, receive_device="cuda") as receiver, started(serve_echo) as sender:
             payloads = [torch.randn(1 << 18), torch.randn(5 << 20)]  # 1 MiB, and 20 MiB (a worker thread)
             for payload in payloads:
                 assert await sender.request(receiver.address, m.Echo(payload)) == m.Ack()
@@ -658,7 +648,7 @@ def test_a_request_that_stops_waiting_mid_send_leaves_the_others_on_its_connecti
     peer = start_peer("serve")
 
     async def scenario():
-        async with started(shared_memory_bytes=0) as sender:  # the bytes go over UCX: slow enough
+        async with started(serve_echo, shared_memory_bytes=0) as sender:  # the bytes go over UCX: slow enough
             await sender.connect(peer.address)
             big = torch.randn(16 << 20)  # 64 MiB
             slow = asyncio.ensure_future(sender.request(peer.address, m.Drain(epoch=1, drain_id=300, inst_id=5)))
@@ -688,7 +678,7 @@ def test_a_reply_that_cannot_be_encoded_is_an_error_reply(ucx_loop, answers_at_o
         return reply_of(message)
 
     async def scenario():
-        async with started(reply_of if answers_at_once else later) as server, started() as sender:
+        async with started(reply_of if answers_at_once else later) as server, started(serve_echo) as sender:
             started_at = time.monotonic()
             with pytest.raises(RemoteError) as info:
                 await sender.request(server.address, m.Echo(torch.randn(64)), timeout_s=5)
@@ -726,7 +716,8 @@ def test_a_frame_behind_a_large_transfer_is_served_before_it_lands(ucx_loop):
         return m.EchoReply(message.payload[:1].clone())
 
     async def scenario():
-        async with started(serve, shared_memory_bytes=0) as server, started(shared_memory_bytes=0) as sender:
+        async with started(serve, shared_memory_bytes=0) as server, \
+                started(serve_echo, shared_memory_bytes=0) as sender:
             await sender.request(server.address, m.Echo(torch.ones(1)))  # connected
             large, small = torch.randn(64 << 20), torch.full((4,), 7.0)
             large_reply = asyncio.ensure_future(sender.request(server.address, m.Echo(large)))
@@ -749,7 +740,8 @@ def test_a_reply_behind_a_large_reply_is_delivered_before_it_lands(ucx_loop):
         return m.EchoReply(large if message.payload.numel() == 1 else message.payload)
 
     async def scenario():
-        async with started(serve, shared_memory_bytes=0) as server, started(shared_memory_bytes=0) as sender:
+        async with started(serve, shared_memory_bytes=0) as server, \
+                started(serve_echo, shared_memory_bytes=0) as sender:
             await sender.request(server.address, m.Echo(torch.ones(2)))  # connected
             large_reply = asyncio.ensure_future(sender.request(server.address, m.Echo(torch.ones(1))))
             await asyncio.sleep(0)  # posted first
@@ -781,7 +773,7 @@ def test_an_unexpected_failure_while_a_frame_lands_in_the_background_fails_its_r
 
     async def scenario():
         # The sender's region holds the first run only: the second goes over UCX, in a task.
-        async with started(keep) as server, started(shared_memory_bytes=4096 + run_bytes) as sender:
+        async with started(keep) as server, started(serve_echo, shared_memory_bytes=4096 + run_bytes) as sender:
             await sender.connect(server.address)
             assert sender.uses_shared_memory(server.address)
             runs = (m.BlockRun(0, 16), m.BlockRun(32, 16))
@@ -802,7 +794,7 @@ def test_a_connection_with_work_in_flight_is_not_idle(ucx_loop):
         return m.EchoReply(message.payload)
 
     async def scenario():
-        async with started(slow_echo, idle_timeout_s=1.0) as server, started(idle_timeout_s=1.0) as client:
+        async with started(slow_echo, idle_timeout_s=1.0) as server, started(serve_echo, idle_timeout_s=1.0) as client:
             reply = await client.request(server.address, m.Echo(torch.ones(4)), timeout_s=5)
             assert reply.payload.tolist() == [1.0] * 4
             # Idle now: both ends close within about their timeout.

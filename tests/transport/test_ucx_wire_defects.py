@@ -9,9 +9,7 @@ Every wait is bounded.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections.abc import AsyncIterator
 
 import numpy as np
 import pytest
@@ -21,23 +19,13 @@ from infinite_llm.transport import codec
 from infinite_llm.transport import messages as m
 from infinite_llm.transport.codec import FrameLimits
 from infinite_llm.transport.errors import PeerUnreachable, PlacementRefused, RemoteError, RequestTimeout
-from infinite_llm.transport.interface import PeerAddress, TransportConfig
+from infinite_llm.transport.interface import PeerAddress
 
 from conftest import run_bounded
 
 ucxx = pytest.importorskip("ucxx")
 from infinite_llm.transport import ucx  # noqa: E402  (after the skip)
-from infinite_llm.transport.ucx import UcxTransport  # noqa: E402
-
-
-@contextlib.asynccontextmanager
-async def started(handler, placer=None, **config) -> AsyncIterator[UcxTransport]:
-    transport = UcxTransport(TransportConfig(**{"request_timeout_s": 10, **config}))
-    await transport.start(handler, placer)
-    try:
-        yield transport
-    finally:
-        await transport.close()
+from ucx_testlib import started  # noqa: E402
 
 
 def kv_blocks_without_buffers(msg_id: int) -> bytes:
