@@ -277,7 +277,7 @@ class TransportLender:
         self._relocating_requests: set[str] = set()  # requests with a move_held under way
         # Gathers of scattered home blocks: a host pool's into buffers used again move after
         # move, in the transport's shared memory where it has some (sent to a local peer with no
-        # copy); a device pool's on a stream of their own, so that a move waits for the engine's
+        # copy); a device pool's with an event to poll, so that a move waits for the engine's
         # queued kernels without blocking the event loop.
         self._packer = KVPacker(HostStaging(allocate=transport.shared_host_buffer))
         # Blocks peers keep for a waiting request of this home (request -> peer inst id ->

@@ -4,9 +4,9 @@ A run whose source blocks are consecutive is a view of the pool (no copy); one w
 are scattered is gathered with one ``index_select`` on the pool's device, queued on the
 current stream: the codec waits for it before UCX reads the buffer on its own streams.
 
-``KVPacker`` packs a move as a daemon's mover does: a device pool's gathers on a stream of its
-own, behind what the current stream had queued, with an event the caller polls from its event
-loop (``wait_for_event``) instead of the codec blocking the loop on a stream wait.
+``KVPacker`` packs a move as a daemon's mover does: a device pool's gathers come with an event
+recorded after them, which the caller polls from its event loop (``wait_for_event``) instead
+of the codec blocking the loop on a stream wait.
 
 A gather from a host pool goes into a ``HostStaging`` buffer where the caller keeps one. A
 fresh host buffer of a few MiB is fresh pages, and the gather faults every one of them in:
@@ -97,10 +97,7 @@ def pack_kv_runs(pool: torch.Tensor, src_block_ids: list[int] | tuple[int, ...],
             first = run.src_block_ids[0]
             buffers.append(pool[first:first + run.num_blocks])
             continue
-        # Up to the device without waiting for its stream (a blocking copy would wait for every
-        # kernel queued on it; from pageable memory the bytes are staged before this returns).
-        # Through numpy: torch.tensor of a list of 64 ints takes 8.6 us, this 2.8 us.
-        index = torch.from_numpy(np.array(run.src_block_ids, dtype=np.int64)).to(pool.device, non_blocking=True)
+        index = _block_index(run.src_block_ids, pool.device)
         if staging is not None and pool.device.type == "cpu":
             out = staging.take((run.num_blocks, *pool.shape[1:]), pool.dtype)
             buffers.append(torch.index_select(pool, 0, index, out=out))
@@ -109,15 +106,28 @@ def pack_kv_runs(pool: torch.Tensor, src_block_ids: list[int] | tuple[int, ...],
     return tuple(BlockRun(r.dst_block_id, r.num_blocks) for r in packed), tuple(buffers)
 
 
+def _block_index(block_ids: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """``block_ids`` as an int64 tensor on ``device``, for ``index_select``: up without waiting
+    for the device's queued work (a blocking copy would wait for every kernel queued on the
+    stream; from pageable memory the bytes are staged before this returns). On the H200 this
+    took 35 us with the device idle and 55 us with its stream busy, against 54 and 129 us
+    through torch's pinned allocator. Through numpy: torch.tensor of a list of 64 ints takes
+    8.6 us, this 2.8 us."""
+    ids = torch.from_numpy(np.array(block_ids, dtype=np.int64))
+    return ids if device.type == "cpu" else ids.to(device, non_blocking=True)
+
+
 class KVPacker:
     """Packs moves' buffers (``pack_kv_runs``) for a sender that keeps its event loop turning.
 
     A host pool's gathers go into ``staging`` (give them back once the move is answered). A
-    device pool's are queued on a stream of this packer's, behind the kernels the pool's
-    current stream had queued (those that wrote the blocks), and come with the event after
-    which they are ready: the caller awaits ``wait_for_event`` and then encodes the message
-    with ``device_ready`` (the codec would otherwise wait for the current stream with the
-    event loop blocked, and on a shared stream for every move packed after this one too).
+    device pool's are queued on the pool's current stream, behind the kernels that wrote the
+    blocks, and come with the event recorded after them: the caller awaits ``wait_for_event``
+    and then encodes the message with ``device_ready`` (the codec would otherwise wait for the
+    whole stream with the event loop blocked, a step's kernels queued after the gather too).
+    The gathers are not put on a stream of their own: that stream would wait for the current
+    one all the same, and on the H200 switching to it cost the gather more host time than the
+    batch could spare (``docs/performance.md``).
     """
 
     def __init__(self, staging: HostStaging | None = None) -> None:
@@ -125,9 +135,9 @@ class KVPacker:
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
     def prepare(self, pool: torch.Tensor) -> None:
-        """Make the stream for a device pool now, while nothing is queued: making a CUDA stream
-        waits for the device's queued work (162 ms behind a step's kernels on the H200), which
-        the first move would otherwise do with the event loop blocked."""
+        """Make the encoding stream for a device pool (``on_stream``) now, while nothing is
+        queued: making a CUDA stream waits for the device's queued work (162 ms behind a step's
+        kernels on the H200), which the first move would otherwise do with the loop blocked."""
         if pool.is_cuda and pool.device not in self._streams:
             self._streams[pool.device] = torch.cuda.Stream(pool.device)
 
@@ -138,19 +148,17 @@ class KVPacker:
         if not pool.is_cuda:
             return *pack_kv_runs(pool, src_block_ids, dst_block_ids, self.staging), None
         self.prepare(pool)
-        stream = self._streams[pool.device]
-        stream.wait_stream(torch.cuda.current_stream(pool.device))
-        with torch.cuda.stream(stream):
-            runs, buffers = pack_kv_runs(pool, src_block_ids, dst_block_ids)
-            ready = torch.cuda.Event()
-            ready.record(stream)
+        runs, buffers = pack_kv_runs(pool, src_block_ids, dst_block_ids)
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(pool.device))
         return runs, buffers, ready
 
     def on_stream(self, pool: torch.Tensor) -> contextlib.AbstractContextManager:
-        """The pool's packing stream as the current one, for synchronous code only (a coroutine
-        that awaits inside would hand it to every other task): a small device buffer that
-        travels inline is copied to the host on the current stream, which should not be one
-        with a step's kernels queued on it."""
+        """A stream of this packer's, with nothing queued on it, as the current one while a
+        packed message is encoded, for synchronous code only (a coroutine that awaits inside
+        would hand it to every other task): a small device buffer that travels inline is copied
+        to the host on the current stream, which should not be one with a step's kernels
+        queued on it (the gather is done by then: its event passed)."""
         stream = self._streams.get(pool.device) if pool.is_cuda else None
         return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
 
@@ -160,9 +168,11 @@ class KVPacker:
 
 
 async def wait_for_event(event: torch.cuda.Event | None, deadline: float) -> None:
-    """Until the device has passed ``event`` (None: at once), polled between the event loop's
-    other work rather than waited on with the loop blocked; TimeoutError past ``deadline``
-    (time.monotonic())."""
+    """Until the device has passed ``event`` (None: at once), looked at between the event
+    loop's other work rather than waited on with the loop blocked (a gather queued behind a
+    step's kernels waits for the step); TimeoutError past ``deadline`` (time.monotonic()).
+    Looking at it for 100 us with the loop held before letting it turn moved the H200's
+    gathered blocks no faster, mostly slower (``docs/performance.md``)."""
     if event is None:
         return
     while not event.query():

@@ -125,11 +125,21 @@ def test_a_packer_gathers_a_host_pool_into_its_staging_with_nothing_to_wait_for(
 @pytest.mark.gpu
 def test_a_device_gather_is_ready_after_its_event_behind_the_kernels_that_wrote_the_pool():
     pool = torch.zeros(64, 4096, device="cuda")
-    torch.cuda._sleep(50_000_000)  # the current stream busy for a while, then the pool written
-    pool.add_(torch.arange(64, device="cuda", dtype=pool.dtype)[:, None])
+    offsets = torch.arange(64, device="cuda", dtype=pool.dtype)[:, None]
     packer = KVPacker()
+    # Each once before the device is busy: making a stream, a kernel's first launch (CUDA
+    # loads modules lazily) and a process's first copy up from pageable memory wait for the
+    # device's queued work.
+    pool.add_(offsets)
+    pool.sub_(offsets)
+    packer.pack(pool, [1, 3], [0, 1])
+    torch.cuda.synchronize()
+    torch.cuda._sleep(50_000_000)  # the current stream busy for a while, then the pool written
+    pool.add_(offsets)
     runs, buffers, ready = packer.pack(pool, [5, 40, 9], [0, 1, 2])
-    assert ready is not None and not ready.query()  # queued behind the pool's writer
+    # Queued behind the pool's writer, and the host did not wait for it (the block ids went
+    # up without a stream wait).
+    assert ready is not None and not ready.query()
 
     async def wait() -> None:
         await wait_for_event(ready, time.monotonic() + 30)
@@ -137,7 +147,7 @@ def test_a_device_gather_is_ready_after_its_event_behind_the_kernels_that_wrote_
     asyncio.run(wait())
     assert buffers[0][:, 0].tolist() == [5.0, 40.0, 9.0]
     with pytest.raises(TimeoutError):
-        torch.cuda._sleep(50_000_000)
+        torch.cuda._sleep(50_000_000)  # the packer's stream exists: nothing here waits for it
         _, _, late = packer.pack(pool, [1, 3], [0, 1])
         asyncio.run(wait_for_event(late, time.monotonic()))  # the deadline passed already
     torch.cuda.synchronize()
@@ -153,3 +163,27 @@ def test_device_ready_leaves_the_stream_wait_out_of_the_encode(monkeypatch):
     assert waits == []
     codec.encode(message, 2)
     assert len(waits) == 1 and waits[0][0] is blocks
+
+
+class _FlagEvent:
+    """Stands for a CUDA event: done once ``done`` is set."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+
+def test_waiting_for_an_event_lets_the_loop_turn():
+    async def scenario() -> None:
+        event = _FlagEvent()
+        asyncio.get_running_loop().call_soon(setattr, event, "done", True)  # runs only if the wait yields
+        await wait_for_event(event, time.monotonic() + 5)
+
+    asyncio.run(scenario())
+
+
+def test_waiting_for_an_event_ends_at_its_deadline():
+    with pytest.raises(TimeoutError):
+        asyncio.run(wait_for_event(_FlagEvent(), time.monotonic() + 0.02))
