@@ -51,7 +51,7 @@ from infinite_llm.daemon.config import peer_spin_for  # noqa: E402
 from infinite_llm.transport import messages as m  # noqa: E402
 from infinite_llm.transport.codec import FrameLimits  # noqa: E402
 from infinite_llm.transport.interface import PeerAddress, TransportConfig  # noqa: E402
-from infinite_llm.transport.kv_packing import HostStaging, KVPacker, wait_for_event  # noqa: E402
+from infinite_llm.transport.kv_packing import HostStaging, KVPacker  # noqa: E402
 from infinite_llm.transport.shared_memory import default_copy_threads  # noqa: E402
 from infinite_llm.transport.ucx import UCX_CONTEXT_OPTIONS, UcxTransport  # noqa: E402
 
@@ -265,11 +265,11 @@ def rotation_slots(nbytes: int) -> int:
 
 
 async def send_blocks(transport: UcxTransport, server: PeerAddress, runs_list, data_list,
-                      num_messages: int, window: int, pack=None, packer: KVPacker | None = None) -> float:
+                      num_messages: int, window: int, packed_move=None) -> float:
     """Seconds to send ``num_messages`` KVBlocks (cycling over the given ones), ``window`` at
-    a time in flight. ``pack``: builds each message's (runs, buffers, ready event) instead with
-    ``packer``, sent as a daemon's mover sends a move (its gather is part of the time), the
-    buffers given back once answered."""
+    a time in flight. ``packed_move``: (packer, pool, source block ids, destination block ids)
+    sent instead as a daemon's mover sends a move (``KVPacker.send``: its gather is part of
+    the time)."""
     next_index = 0
 
     async def worker() -> None:
@@ -278,16 +278,12 @@ async def send_blocks(transport: UcxTransport, server: PeerAddress, runs_list, d
             i = next_index
             next_index += 1
             k = i % len(runs_list)
-            if pack is None:
+            if packed_move is None:
                 await transport.request(server, m.KVBlocks(i, 1, runs_list[k], data_list[k]), timeout_s=60)
-                continue
-            runs, data, ready = pack()
-            await wait_for_event(ready, time.monotonic() + 60)
-            with packer.on_stream(data[0]):  # on the pool's device
-                reply = transport.request_soon(server, m.KVBlocks(i, 1, runs, data), timeout_s=60,
-                                               device_ready=True)
-            await reply
-            packer.give_back(data)
+            else:
+                packer, pool, src_block_ids, dst_block_ids = packed_move
+                await packer.send(transport, server, pool, src_block_ids, dst_block_ids,
+                                  lambda runs, data: m.KVBlocks(i, 1, runs, data), 60)
 
     t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(window)))
@@ -329,8 +325,8 @@ def shared_copy(transport: UcxTransport, tensor: torch.Tensor) -> torch.Tensor:
 async def measure_block_batch(transport, server, device, num_blocks: int, block_nbytes: int,
                               window: int) -> dict:
     """N KV blocks scattered over the source pool, moved as a daemon's mover moves them
-    (``KVPacker``: gathered on the sender into one buffer for a contiguous reservation, on a
-    stream of its own for a device pool, its event polled from the event loop), against the
+    (``KVPacker.send``: gathered on the sender into one buffer for a contiguous reservation,
+    a device pool's gather waited for by polling its event from the event loop), against the
     same bytes already contiguous; and the worst case, N runs into N scattered destinations."""
     source_pool = torch.randint(0, 255, (4 * num_blocks, block_nbytes), dtype=torch.uint8, device=device)
     scattered_ids = torch.randperm(4 * num_blocks)[:num_blocks].tolist()
@@ -344,17 +340,15 @@ async def measure_block_batch(transport, server, device, num_blocks: int, block_
 
     packer = KVPacker(HostStaging(allocate=transport.shared_host_buffer))  # as a daemon's mover keeps one
     packer.prepare(source_pool)
-
-    def gather():
-        return packer.pack(source_pool, scattered_ids, list(range(num_blocks)))
+    gathered_move = (packer, source_pool, scattered_ids, list(range(num_blocks)))
 
     num_messages = max(8, min(200, (512 * MiB) // (num_blocks * block_nbytes)))
     results = {}
-    for name, runs, data, pack in (("contiguous", contiguous_runs, contiguous_data, None),
-                                   ("gathered", [None], [None], gather),
-                                   ("scattered", [scattered_runs], [scattered_data], None)):
-        await send_blocks(transport, server, runs, data, 4, window, pack, packer)
-        seconds = await send_blocks(transport, server, runs, data, num_messages, window, pack, packer)
+    for name, runs, data, packed_move in (("contiguous", contiguous_runs, contiguous_data, None),
+                                          ("gathered", [None], [None], gathered_move),
+                                          ("scattered", [scattered_runs], [scattered_data], None)):
+        await send_blocks(transport, server, runs, data, 4, window, packed_move)
+        seconds = await send_blocks(transport, server, runs, data, num_messages, window, packed_move)
         results[name] = num_blocks * block_nbytes * num_messages / seconds
     return {"num_blocks": num_blocks, "block_nbytes": block_nbytes, "messages": num_messages,
             "window": window, "contiguous_bytes_per_s": results["contiguous"],

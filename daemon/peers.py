@@ -33,7 +33,7 @@ from infinite_llm.kernels import AttentionState
 from infinite_llm.transport import wire_trace
 from infinite_llm.transport.errors import RemoteError, TransportError
 from infinite_llm.transport.interface import PeerAddress, Transport
-from infinite_llm.transport.kv_packing import HostStaging, KVPacker, wait_for_event
+from infinite_llm.transport.kv_packing import HostStaging, KVPacker
 from infinite_llm.transport.messages import (
     AttendRequest,
     AttendResult,
@@ -557,17 +557,11 @@ class TransportLender:
             # One buffer per run of consecutive destination blocks (the reservation is contiguous
             # where the peer's pool allows): a view of the home pool, or a gather of its blocks.
             # Committed there with its data: nothing is checked here between the two.
-            runs, data, ready = self._packer.pack(pool, move.src_block_ids, move.dst_block_ids)
-            timeout_s = kv_data_timeout_s(self.timeout_s, num_blocks * block_nbytes)
-            await wait_for_event(ready, time.monotonic() + timeout_s)
-            with self._packer.on_stream(pool):
-                # Ready (the event passed): the codec does not wait for a stream.
-                stored_soon = self.transport.request_soon(
-                    peer.address, KVBlocks(move_id, reply.reservation_id, runs, data, commit_segment_id=segment_id,
-                                           home_inst_id=self.peers.own_inst_id, req_id=int(request_id)),
-                    timeout_s=timeout_s, device_ready=True)
-            stored = await stored_soon
-            self._packer.give_back(data)  # answered: the peer holds the data
+            stored = await self._packer.send(
+                self.transport, peer.address, pool, move.src_block_ids, move.dst_block_ids,
+                lambda runs, data: KVBlocks(move_id, reply.reservation_id, runs, data, commit_segment_id=segment_id,
+                                            home_inst_id=self.peers.own_inst_id, req_id=int(request_id)),
+                kv_data_timeout_s(self.timeout_s, num_blocks * block_nbytes))
             if not isinstance(stored, KVBlocksStored) or stored.num_blocks != num_blocks:
                 raise RuntimeError(f"instance {peer.inst_id} stored {stored!r}")
         except (TransportError, RuntimeError, TimeoutError) as exc:
@@ -578,7 +572,7 @@ class TransportLender:
         return move
 
     def prepare(self, pool: torch.Tensor) -> None:
-        """Make the move stream for a device pool now (``KVPacker.prepare``)."""
+        """Make the packer's stream for a device pool now (``KVPacker.prepare``)."""
         self._packer.prepare(pool)
 
     @property
@@ -818,22 +812,25 @@ async def forward_segment(transport: Transport, ledger: CreditorLedger, pool: to
     The segment stays held here (its home may still attend over it) until the home frees it.
     Lent blocks are full and never written again, so reading them while serving attention is safe.
     ``packer``: gathers the blocks as the home's mover does (the instance's, shared with it).
+    Within the same allowance as the home's wait for this answer (``kv_data_timeout_s`` of the
+    segment's bytes); a send that fails or times out raises ValueError, which the home hears as
+    the reason this answered no acknowledgement.
     """
     segment = ledger.segment(message.home_inst_id, message.req_id, message.segment_id)
     if len(message.dst_block_ids) != len(segment.block_ids):
         raise ValueError(f"segment {message.segment_id} of request {message.req_id} has {len(segment.block_ids)} "
                          f"blocks here, {len(message.dst_block_ids)} were reserved")
-    runs, data, ready = packer.pack(pool, segment.block_ids, message.dst_block_ids)
-    nbytes = sum(d.numel() * d.element_size() for d in data)
-    timeout_s = kv_data_timeout_s(timeout_s, nbytes)
-    await wait_for_event(ready, time.monotonic() + timeout_s)
-    with packer.on_stream(pool):
-        stored_soon = transport.request_soon(PeerAddress(message.dst_host, message.dst_port),
-                                             KVBlocks(message.move_id, message.reservation_id, runs, data,
-                                                      home_inst_id=message.home_inst_id, req_id=message.req_id),
-                                             timeout_s=timeout_s, device_ready=True)
-    stored = await stored_soon
-    packer.give_back(data)  # answered: the peer holds the data
+    nbytes = pool[0].nbytes * len(segment.block_ids)
+    try:
+        stored = await packer.send(
+            transport, PeerAddress(message.dst_host, message.dst_port), pool, segment.block_ids, message.dst_block_ids,
+            lambda runs, data: KVBlocks(message.move_id, message.reservation_id, runs, data,
+                                        home_inst_id=message.home_inst_id, req_id=message.req_id),
+            kv_data_timeout_s(timeout_s, nbytes))
+    except (TransportError, TimeoutError) as exc:
+        # Not this creditor's fault: the home hears why, and this logs a warning, no traceback.
+        raise ValueError(f"segment {message.segment_id} of request {message.req_id} not sent to instance "
+                         f"{message.dst_inst_id}: {exc}") from None
     if not isinstance(stored, KVBlocksStored):
         raise RuntimeError(f"instance {message.dst_inst_id} answered the blocks with {type(stored).__name__}")
     ledger.heard_from(message.home_inst_id, time.monotonic())

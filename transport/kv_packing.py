@@ -21,13 +21,14 @@ import asyncio
 import contextlib
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 import torch
 
 from infinite_llm.transport.block_runs import PackedRun, destination_runs
-from infinite_llm.transport.messages import BlockRun
+from infinite_llm.transport.interface import PeerAddress, Transport
+from infinite_llm.transport.messages import BlockRun, Message
 
 
 class HostStaging:
@@ -165,6 +166,29 @@ class KVPacker:
     def give_back(self, buffers: Iterable[torch.Tensor]) -> None:
         """A finished move's buffers (``HostStaging.give_back``)."""
         self.staging.give_back(buffers)
+
+    async def send(self, transport: Transport, peer: PeerAddress, pool: torch.Tensor,
+                   src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
+                   message_of: Callable[[tuple[BlockRun, ...], tuple[torch.Tensor, ...]], Message],
+                   timeout_s: float) -> Message:
+        """Pack ``src_block_ids`` of ``pool`` for ``dst_block_ids``, wait for the gather with the
+        event loop turning, send ``message_of(runs, buffers)`` to ``peer`` and return its reply;
+        all within ``timeout_s`` (TimeoutError while the gather is not done, the transport's
+        errors after). The buffers are given back once the peer answered, never before: UCX may
+        read them until then, and a failed send's are left to be freed with their last view.
+
+        Encoded where ``request_soon`` posts at once, on ``on_stream``; where no connection is
+        open yet, later, on the current stream: a small inline device buffer is then copied to
+        the host behind whatever that stream holds (correct, only slower)."""
+        deadline = time.monotonic() + timeout_s
+        runs, buffers, ready = self.pack(pool, src_block_ids, dst_block_ids)
+        await wait_for_event(ready, deadline)
+        with self.on_stream(pool):
+            reply_soon = transport.request_soon(peer, message_of(runs, buffers),
+                                                timeout_s=max(0.0, deadline - time.monotonic()), device_ready=True)
+        reply = await reply_soon
+        self.give_back(buffers)
+        return reply
 
 
 async def wait_for_event(event: torch.cuda.Event | None, deadline: float) -> None:

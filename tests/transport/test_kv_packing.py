@@ -13,7 +13,9 @@ from hypothesis import strategies as st
 from infinite_llm.transport.block_runs import destination_runs
 from infinite_llm.transport import codec
 from infinite_llm.transport import messages as m
+from infinite_llm.transport.interface import PeerAddress
 from infinite_llm.transport.kv_packing import HostStaging, KVPacker, pack_kv_runs, wait_for_event
+from infinite_llm.transport.memory import InMemoryNetwork
 from infinite_llm.transport.shared_memory import SharedRegion
 
 
@@ -187,3 +189,65 @@ def test_waiting_for_an_event_lets_the_loop_turn():
 def test_waiting_for_an_event_ends_at_its_deadline():
     with pytest.raises(TimeoutError):
         asyncio.run(wait_for_event(_FlagEvent(), time.monotonic() + 0.02))
+
+
+HOME, CREDITOR = PeerAddress("memory", 1), PeerAddress("memory", 2)
+
+
+def send_scattered_blocks(packer: KVPacker, device: str, timeout_s: float = 5.0):
+    """``packer.send`` of three scattered blocks of a pool into blocks 3-5 of a peer's, over the
+    in-memory network; returns the source pool, the peer's pool, the reply (or the exception)
+    and the network's message types."""
+    async def scenario():
+        network = InMemoryNetwork()
+        home, creditor = network.transport(HOME), network.transport(CREDITOR)
+        received = torch.zeros(8, 4, 16, device=device)
+
+        def handle(message):
+            return m.KVBlocksStored(message.move_id, message.reservation_id, sum(r.num_blocks for r in message.runs))
+
+        def place(message):
+            return [received[r.dst_block_id:r.dst_block_id + r.num_blocks] for r in message.runs]
+
+        await home.start(lambda message: None)
+        await creditor.start(handle, place)
+        pool = torch.randn(16, 4, 16, device=device)
+        try:
+            reply = await packer.send(home, CREDITOR, pool, [9, 2, 14], [3, 4, 5],
+                                      lambda runs, data: m.KVBlocks(7, 70, runs, data), timeout_s)
+        except TimeoutError as exc:
+            reply = exc
+        await network.settle()
+        return pool, received, reply, [t for _, _, t in network.messages()]
+    return asyncio.run(scenario())
+
+
+def test_a_packed_move_lands_in_the_peers_blocks_and_its_staging_comes_back():
+    packer = KVPacker()
+    pool, received, reply, types = send_scattered_blocks(packer, "cpu")
+    assert reply == m.KVBlocksStored(7, 70, 3)
+    assert torch.equal(received[3:6], pool[[9, 2, 14]])
+    assert types == ["kv_blocks", "kv_blocks_stored"]
+    assert packer.staging.num_free == 1  # answered: the gather's buffer is used again
+
+
+class _NeverReadyPacker(KVPacker):
+    """A packer whose gathers never finish on the device."""
+
+    def pack(self, pool, src_block_ids, dst_block_ids):
+        runs, buffers, _ = super().pack(pool, src_block_ids, dst_block_ids)
+        return runs, buffers, _FlagEvent()
+
+
+def test_a_packed_move_whose_gather_does_not_finish_in_time_sends_nothing():
+    packer = _NeverReadyPacker()
+    _, _, reply, types = send_scattered_blocks(packer, "cpu", timeout_s=0.05)
+    assert isinstance(reply, TimeoutError) and types == []
+    assert packer.staging.num_free == 0  # given back only once a peer answered
+
+
+@pytest.mark.gpu
+def test_a_packed_move_of_a_device_pool_lands_in_the_peers_blocks():
+    pool, received, reply, _ = send_scattered_blocks(KVPacker(), "cuda")
+    assert reply == m.KVBlocksStored(7, 70, 3)
+    assert torch.equal(received[3:6], pool[[9, 2, 14]])

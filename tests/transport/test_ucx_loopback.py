@@ -803,3 +803,27 @@ def test_a_connection_with_work_in_flight_is_not_idle(ucx_loop):
                 await asyncio.sleep(0.05)
             assert not server._inbound and not client._outbound
     run_bounded(ucx_loop, scenario(), 30)
+
+
+def test_device_ready_reaches_the_encode_of_every_request_path(ucx_loop, start_peer, client, monkeypatch):
+    """``request``, ``request_soon`` on an open connection and ``request_soon`` that connects
+    first (a task) all hand ``device_ready`` to the codec, which then skips its stream wait."""
+    peer = start_peer("serve")
+    seen: list[bool] = []
+    encode = codec.encode
+
+    def recording_encode(message, msg_id, **kwargs):
+        if isinstance(message, m.Echo):
+            seen.append(kwargs.get("device_ready", False))
+        return encode(message, msg_id, **kwargs)
+
+    monkeypatch.setattr(codec, "encode", recording_encode)
+
+    async def scenario():
+        assert not client._outbound.get(peer.address)  # the first request_soon connects: a task
+        await client.request_soon(peer.address, m.Echo(torch.arange(3)), device_ready=True)
+        await client.request_soon(peer.address, m.Echo(torch.arange(3)), device_ready=True)
+        await client.request(peer.address, m.Echo(torch.arange(3)), device_ready=True)
+        await client.request(peer.address, m.Echo(torch.arange(3)))
+    run_bounded(ucx_loop, scenario(), 30)
+    assert seen == [True, True, True, False]
