@@ -105,6 +105,9 @@ class InstanceConfig:
     http_port: int | None = 8000  # 0: any free port; None: no TCP API
     socket_path: Path = Path("/run/infinite-llm/infinited.sock")  # local admin API
     admin_group: str | None = None  # besides root, members may call mutating local endpoints
+    # The bearer token of the gManager's admin API over TCP (its --admin-token-file), sent when
+    # this instance asks the leader to drain it at a stop; None: none sent.
+    gmanager_token_file: Path | None = None
     etcd_endpoints: tuple[str, ...] = ()  # host:port of etcd; empty: local discovery through state_dir
     etcd_prefix: str = "/infinite-llm"  # the cluster's keys in etcd (one prefix per cluster)
     state_dir: Path = Path("/var/lib/infinite-llm")  # local election and membership files
@@ -183,6 +186,20 @@ class InstanceConfig:
     def discovery(self) -> str:
         """``"etcd"`` when etcd endpoints are set, else ``"local"`` (files in ``state_dir``)."""
         return "etcd" if self.etcd_endpoints else "local"
+
+
+def read_gmanager_token(config: InstanceConfig) -> str | None:
+    """The token in ``config.gmanager_token_file`` (None where none is named). Raises
+    ConfigError where the file cannot be used (``admin_token.read_admin_token``). Apart from
+    the dataclass's checks for the same reason as ``check_device_present``: it reads a file."""
+    if config.gmanager_token_file is None:
+        return None
+    from .admin_token import read_admin_token
+
+    try:
+        return read_admin_token(config.gmanager_token_file)
+    except ValueError as exc:
+        raise ConfigError(f"gmanager_token_file: {exc}") from None
 
 
 def check_device_present(device: str) -> None:

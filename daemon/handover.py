@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Callable
 
 import aiohttp
 
+from .admin_token import bearer_header
 from .ledger import CreditorLedger
 from .membership import process_alive
 
@@ -70,9 +71,11 @@ def leader_admin_local(state_dir: Path) -> LeaderAdmin | None:
     return leader if process_alive(pid) else None
 
 
-async def request_drain(leader: LeaderAdmin, inst_id: int, timeout_s: float) -> DrainAnswer:
+async def request_drain(leader: LeaderAdmin, inst_id: int, timeout_s: float,
+                        token: str | None = None) -> DrainAnswer:
     """``POST /v1/drain {"instance_id": inst_id, "own_blocks": false}`` to the leader: on its Unix socket when that is
-    on this host, else on TCP. Each attempt is bounded by ``timeout_s`` (seconds); never raises."""
+    on this host, else on TCP, with ``token`` as its bearer token (the socket needs none). Each attempt is
+    bounded by ``timeout_s`` (seconds); never raises."""
     # Only what it holds for others: its own requests finish here and free their blocks.
     body = {"instance_id": inst_id, "own_blocks": False}
     errors = []
@@ -90,16 +93,18 @@ async def request_drain(leader: LeaderAdmin, inst_id: int, timeout_s: float) -> 
     if leader.http_port:
         url = f"http://{leader.host}:{leader.http_port}/v1/drain"
         try:
-            return await _post(aiohttp.TCPConnector(), url, body, timeout_s)
+            return await _post(aiohttp.TCPConnector(), url, body, timeout_s,
+                               bearer_header(token) if token is not None else None)
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
             errors.append(f"{url}: {str(exc) or type(exc).__name__}")
     return DrainAnswer("failed", "; ".join(errors) or "the leader record names no admin API")
 
 
-async def _post(connector: aiohttp.BaseConnector, url: str, body: dict, timeout_s: float) -> DrainAnswer:
+async def _post(connector: aiohttp.BaseConnector, url: str, body: dict, timeout_s: float,
+                headers: dict[str, str] | None = None) -> DrainAnswer:
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        async with session.post(url, json=body) as response:
+        async with session.post(url, json=body, headers=headers) as response:
             try:
                 report = await response.json(content_type=None)
             except ValueError:
@@ -140,13 +145,15 @@ class HandOver:
     """
 
     def __init__(self, inst_id: int, find_leader: Callable[[], LeaderAdmin | None],
-                 request_timeout_s: float, retry_s: float) -> None:
+                 request_timeout_s: float, retry_s: float, token: str | None = None) -> None:
         """Args:
             find_leader: the leader's admin addresses now, or None when no leader is known.
             request_timeout_s: bound on one request to the leader, s.
             retry_s: pause between requests that were not accepted, s.
+            token: the bearer token of the leader's admin API over TCP, or None.
         """
         self.inst_id = inst_id
+        self.token = token
         self.find_leader = find_leader
         self.request_timeout_s = request_timeout_s
         self.retry_s = retry_s
@@ -177,7 +184,7 @@ class HandOver:
             self.last_answer = DrainAnswer("failed", "no gManager leader is known")
         else:
             timeout_s = max(0.1, min(self.request_timeout_s, deadline_s - now_s))
-            self.last_answer = await request_drain(leader, self.inst_id, timeout_s)
+            self.last_answer = await request_drain(leader, self.inst_id, timeout_s, self.token)
         answer = self.last_answer
         if answer.outcome == "accepted":
             self.accepted_epoch = leader.epoch

@@ -134,8 +134,11 @@ class MoveNotDone(ValueError):
 class InstanceDaemon:
     """Everything one instance runs. :meth:`run` is its whole life."""
 
-    def __init__(self, config: InstanceConfig, notifier: SystemdNotifier | None = None) -> None:
+    def __init__(self, config: InstanceConfig, notifier: SystemdNotifier | None = None,
+                 gmanager_token: str | None = None) -> None:
+        """``gmanager_token``: sent to the gManager's admin API over TCP (``read_gmanager_token``)."""
         self.config = config
+        self.gmanager_token = gmanager_token
         self.notifier = notifier or SystemdNotifier()
         self.metrics = InstanceMetrics()
         self.peers = PeerDirectory(config.instance_id)
@@ -287,7 +290,7 @@ class InstanceDaemon:
         started = time.monotonic()
         deadline = started + timeouts.drain_s
         handover = HandOver(self.config.instance_id, lambda: find_leader_admin(self.config, self.membership),
-                            request_timeout_s=timeouts.peer_request_s,
+                            request_timeout_s=timeouts.peer_request_s, token=self.gmanager_token,
                             retry_s=max(1.0, 2 * timeouts.heartbeat_interval_s))  # a 404 clears after a heartbeat
         held_at_start = blocks_held_by_home(self.ledger)
         if held_at_start:

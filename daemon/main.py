@@ -10,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-from .config import ConfigError, InstanceConfig, check_device_present, load_config
+from .config import ConfigError, InstanceConfig, check_device_present, load_config, read_gmanager_token
 from .instance import DeviceFailed, InstanceDaemon, StartupError
 
 
@@ -51,6 +51,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict]
     parser.add_argument("--http-port", type=int, dest="http_port")
     parser.add_argument("--socket-path", dest="socket_path")
     parser.add_argument("--admin-group", dest="admin_group")
+    parser.add_argument("--gmanager-token-file", dest="gmanager_token_file",
+                        help="the bearer token of the gManager's admin API over TCP (its --admin-token-file)")
     parser.add_argument("--state-dir", dest="state_dir")
     parser.add_argument("--etcd-endpoints", dest="etcd_endpoints", help="comma-separated host:port list")
     parser.add_argument("--etcd-prefix", dest="etcd_prefix", help="the cluster's keys in etcd (default /infinite-llm)")
@@ -81,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(args.config, overrides)
         check_device_present(config.device)
+        gmanager_token = read_gmanager_token(config)
     except ConfigError as exc:
         print(f"infinited: {exc}", file=sys.stderr)
         return 2
@@ -99,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         import uvloop
     except ImportError:  # uvloop is an optimisation; asyncio's loop serves too
         uvloop = None
-    daemon = InstanceDaemon(config)
+    daemon = InstanceDaemon(config, gmanager_token=gmanager_token)
     # INFLLM_PROFILE_DIR: profile the daemon's thread (cProfile) and write
     # <dir>/infinited-<instance>.prof at a clean stop, to see where a step's time goes in place.
     profile_dir = os.environ.get("INFLLM_PROFILE_DIR")

@@ -29,12 +29,14 @@ import argparse
 import asyncio
 import dataclasses
 import grp
+import ipaddress
 import itertools
 import json
 import logging
 import math
 import os
 import signal
+import socket
 import stat
 import sys
 import time
@@ -52,6 +54,7 @@ from infinite_llm.daemon.etcd_discovery import (
     lease_ttl_seconds,
     parse_endpoints,
 )
+from infinite_llm.daemon.admin_token import bearer_matches, read_admin_token
 from infinite_llm.daemon.membership import LocalMembership
 from infinite_llm.scheduler.drain import (
     DrainEntry,
@@ -259,6 +262,9 @@ class GManagerConfig:
     # The socket's group (mode 0660, for operators in it: the admin group); None: the process's,
     # with its umask's mode.
     socket_gid: int | None = None
+    # A request over TCP must carry ``Authorization: Bearer <admin_token>``; None: TCP is open
+    # to whoever reaches the port (keep http_host on the loopback or a management network).
+    admin_token: str | None = None
     heartbeat_interval_s: float = 1.0  # how often instances send heartbeats, s
     silent_after_heartbeats: int = 5  # heartbeat periods of silence before an instance is left out
     plan_interval_s: float = 2.0  # between policy rounds, s
@@ -500,7 +506,7 @@ class GManager:
         await self._claim_socket_path()
         # No handler_cancellation: a drain or rebalance whose client gave up runs to its end,
         # rather than stop between a Drain sent and its registration, say.
-        runner = web.AppRunner(AdminApp(self).build(), shutdown_timeout=HTTP_SHUTDOWN_S)
+        runner = web.AppRunner(AdminApp(self, self.config.admin_token).build(), shutdown_timeout=HTTP_SHUTDOWN_S)
         await runner.setup()
         await web.UnixSite(runner, str(self.socket_path)).start()
         if self.config.socket_gid is not None:
@@ -512,6 +518,9 @@ class GManager:
         site = web.TCPSite(runner, self.config.http_host, self.config.http_port)
         await site.start()
         self.http_port = site._server.sockets[0].getsockname()[1]
+        if self.config.admin_token is None and not _is_loopback(self.config.http_host):
+            log.warning("the admin API on %s:%d takes drains and rebalances from anyone who reaches it: "
+                        "give --admin-token-file", self.config.http_host, self.http_port)
         return [runner]
 
     async def _claim_socket_path(self) -> None:
@@ -1057,13 +1066,16 @@ def _by_kind(move_results: Counter) -> dict[str, dict[str, int]]:
 # ---- admin HTTP API ---------------------------------------------------------------------------
 class AdminApp:
     """``GET /v1/status``, ``GET /v1/instances/{id}``, ``POST /v1/rebalance``, ``POST /v1/drain``,
-    ``GET /v1/drain/{id}``, ``POST /v1/uncordon``; JSON errors."""
+    ``GET /v1/drain/{id}``, ``POST /v1/uncordon``; JSON errors. With ``admin_token``, a request
+    over TCP without ``Authorization: Bearer <admin_token>`` is answered 401 (the Unix socket is
+    guarded by its mode and group)."""
 
-    def __init__(self, gmanager: GManager) -> None:
+    def __init__(self, gmanager: GManager, admin_token: str | None = None) -> None:
         self.gmanager = gmanager
+        self.admin_token = admin_token
 
     def build(self) -> web.Application:
-        app = web.Application()
+        app = web.Application(middlewares=[self.check_token] if self.admin_token is not None else [])
         app.router.add_get("/v1/status", self.get_status)
         app.router.add_get("/v1/instances/{inst_id}", self.get_instance)
         app.router.add_post("/v1/rebalance", self.post_rebalance)
@@ -1071,6 +1083,17 @@ class AdminApp:
         app.router.add_get("/v1/drain/{inst_id}", self.get_drain)
         app.router.add_post("/v1/uncordon", self.post_uncordon)
         return app
+
+    @web.middleware
+    async def check_token(self, request: web.Request, handler) -> web.StreamResponse:
+        sock = request.transport.get_extra_info("socket") if request.transport is not None else None
+        over_tcp = sock is None or sock.family != socket.AF_UNIX  # unknown: treated as TCP
+        if over_tcp and not bearer_matches(request.headers.get("Authorization"), self.admin_token):
+            response = _error(401, "the admin API over TCP needs the bearer token of --admin-token-file "
+                                   "(Authorization: Bearer <token>)")
+            response.headers["WWW-Authenticate"] = "Bearer"
+            return response
+        return await handler(request)
 
     async def post_drain(self, request: web.Request) -> web.Response:
         body = await _json_object(request, required={"instance_id"}, optional={"dry_run", "own_blocks"})
@@ -1127,6 +1150,16 @@ class AdminApp:
             return _error(409, str(err))
 
 
+def _is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or a name) listens on the loopback only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def _error(status: int, detail: str) -> web.Response:
     return web.json_response({"error": detail}, status=status)
 
@@ -1180,6 +1213,9 @@ def parse_args(argv: list[str] | None = None) -> GManagerConfig:
     p.add_argument("--socket-path", type=Path, default=None)
     p.add_argument("--socket-group", default=None,
                    help="the admin socket's group, e.g. infinite-llm-admin (mode 0660); default: the process's")
+    p.add_argument("--admin-token-file", type=Path, default=None,
+                   help="a file holding the bearer token that requests to the admin API over TCP must carry "
+                        "(the instances' gmanager_token_file names the same); default: TCP takes any caller")
     p.add_argument("--heartbeat-interval-s", type=float, default=1.0)
     p.add_argument("--silent-after-heartbeats", type=int, default=5)
     p.add_argument("--plan-interval-s", type=float, default=2.0)
@@ -1204,7 +1240,13 @@ def parse_args(argv: list[str] | None = None) -> GManagerConfig:
             socket_gid = grp.getgrnam(a.socket_group).gr_gid
         except KeyError:
             p.error(f"--socket-group: no group {a.socket_group!r} on this host")
-    return GManagerConfig(socket_gid=socket_gid, 
+    admin_token = None
+    if a.admin_token_file is not None:
+        try:
+            admin_token = read_admin_token(a.admin_token_file)
+        except ValueError as err:
+            p.error(f"--admin-token-file: {err}")
+    return GManagerConfig(socket_gid=socket_gid, admin_token=admin_token,
         state_dir=a.state_dir, perf_model_path=a.perf_model, peer_host=a.peer_host, peer_port=a.peer_port,
         http_host=a.http_host, http_port=a.http_port, socket_path=a.socket_path,
         heartbeat_interval_s=a.heartbeat_interval_s, silent_after_heartbeats=a.silent_after_heartbeats,

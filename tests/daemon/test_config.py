@@ -193,7 +193,7 @@ def test_the_daemon_runs_on_its_cpus_and_refuses_cpus_it_may_not_use(monkeypatch
     seen: list[set[int]] = []
 
     class Recorder:
-        def __init__(self, config) -> None:
+        def __init__(self, config, gmanager_token=None) -> None:
             pass
 
         async def run(self) -> None:

@@ -33,7 +33,7 @@ def _daemon_failing_with(error: BaseException, engine_built: bool = False):
     class FailingDaemon:
         """Stands in for InstanceDaemon: start-up fails with ``error``."""
 
-        def __init__(self, config) -> None:
+        def __init__(self, config, gmanager_token=None) -> None:
             self.engine = object() if engine_built else None
 
         async def run(self) -> None:
