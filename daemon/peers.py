@@ -710,7 +710,7 @@ class TransportLender:
                 raise
             def switch() -> None:  # the steps after it attend at dst
                 bm.relocate_remote(request_id, segment.token_start, src.engine_id, dst.engine_id,
-                                   reply.dst_block_ids, copy_id=reply.reservation_id)
+                                   reply.dst_block_ids, copy_id=reply.reservation_id, src_copy_id=segment.copy_id)
             if at_step_boundary is None:
                 switch()
             else:

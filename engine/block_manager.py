@@ -323,14 +323,17 @@ class BlockManager:
         return move
 
     def relocate_remote(self, request_id: str, token_start: int, src_instance_id: int, dst_instance_id: int,
-                        dst_block_ids: Sequence[int], *, copy_id: int) -> Segment:
+                        dst_block_ids: Sequence[int], *, copy_id: int, src_copy_id: int) -> Segment:
         """Point a segment held by one peer at the copy another peer now holds; returns it.
 
         The creditor-to-creditor move's switch: the home calls it once ``dst_instance_id``
         committed the copy, between steps. Peer segments are never coalesced (each peer holds a
         segment under its own id, the first block), and no block of this process changes hands.
+        ``src_copy_id``: the copy the move was made from. Another copy at the same place (the
+        request preempted, prefilled again and spilled to the same peer while the move was
+        committed) is not the one moved, and stays.
         Raises KeyError for an unknown request, ValueError when the table has no such segment
-        on ``src_instance_id`` or the block counts differ.
+        on ``src_instance_id``, it is another copy or the block counts differ.
         """
         if self.is_local(src_instance_id) or self.is_local(dst_instance_id):
             raise ValueError(f"instances {src_instance_id} and {dst_instance_id} must both be peers of this process")
@@ -345,6 +348,9 @@ class BlockManager:
         if (request_id, token_start) in self._pending:
             raise ValueError(f"request {request_id}: its segment at token {token_start} is already moving")
         source = table[index]
+        if source.copy_id != src_copy_id:
+            raise ValueError(f"request {request_id}: its segment at token {token_start} on instance {src_instance_id} "
+                             f"is copy {source.copy_id} now, not the moved copy {src_copy_id}")
         if len(dst_block_ids) != len(source.block_ids):
             raise ValueError(f"request {request_id}: {len(dst_block_ids)} blocks for a segment of "
                              f"{len(source.block_ids)}")

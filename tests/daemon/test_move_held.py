@@ -176,6 +176,30 @@ def test_a_failed_forward_leaves_the_table_and_the_reservation_expires() -> None
     assert len(s.x.ledger.release_expired(now=10.0)) == 1 and sorted(s.x.free) == list(range(8))
 
 
+def test_a_new_copy_at_the_segments_place_before_the_switch_is_kept_and_the_moved_one_freed() -> None:
+    """Between X's commit and the step boundary of the switch, the request was preempted,
+    prefilled again and spilled to D once more: the new copy is not the one moved. The table
+    keeps it, and X frees the committed copy nobody counts on."""
+    s = Setup()
+
+    async def respilled_then_switch(switch) -> None:
+        s.bm.free("7")
+        s.bm.allocate("7", 12)
+        s.bm.commit_move(s.bm.lend_to_remote("7", s.src.engine_id, (5, 6), num_written=12, copy_id=99))
+        switch()
+
+    async def scenario() -> bool:
+        await s.start()
+        moved = await s.lender.move_held(s.engine, "7", 2, s.src, s.dst, epoch=4, at_step_boundary=respilled_then_switch)
+        await s.network.settle()
+        return moved
+
+    assert asyncio.run(scenario()) is False
+    assert s.bm.block_table("7")[0] == Segment(s.src.engine_id, (5, 6), 0, 8, 99)
+    assert s.x.ledger.held == {} and sorted(s.x.free) == list(range(8))  # the moved copy freed there
+    assert (H, X, "free_segment") in s.types() and (H, D, "free_segment") not in s.types()
+
+
 def move_held_refusal(s: Setup, num_blocks: int, dst) -> str:
     """Why ``move_held`` of ``num_blocks`` from D to ``dst`` is refused (it must be)."""
     async def scenario() -> None:

@@ -133,11 +133,12 @@ def test_relocate_remote_points_a_peer_segment_at_another_peer():
     bm.commit_move(bm.lend_to_remote("a", 1, (10, 11), num_written=20, copy_id=1))
     bm.commit_move(bm.lend_to_remote("a", 1, (12,), num_written=20, copy_id=2))
     assert bm.block_table("a") == (Segment(1, (10, 11), 0, 8, 1), Segment(1, (12,), 8, 4, 2), Segment(0, (3, 4), 12, 8))
-    moved = bm.relocate_remote("a", 8, src_instance_id=1, dst_instance_id=2, dst_block_ids=(30,), copy_id=3)
+    moved = bm.relocate_remote("a", 8, src_instance_id=1, dst_instance_id=2, dst_block_ids=(30,), copy_id=3,
+                               src_copy_id=2)
     assert moved == Segment(2, (30,), 8, 4, 3)
     assert bm.block_table("a") == (Segment(1, (10, 11), 0, 8, 1), Segment(2, (30,), 8, 4, 3), Segment(0, (3, 4), 12, 8))
     # Peer segments stay apart even when they become neighbours on one peer.
-    bm.relocate_remote("a", 0, 1, 2, (31, 32), copy_id=4)
+    bm.relocate_remote("a", 0, 1, 2, (31, 32), copy_id=4, src_copy_id=1)
     assert bm.block_table("a") == (Segment(2, (31, 32), 0, 8, 4), Segment(2, (30,), 8, 4, 3), Segment(0, (3, 4), 12, 8))
     assert bm.num_free_blocks(0) == 6  # no block of this process changed hands
 
@@ -148,15 +149,30 @@ def test_relocate_remote_refuses_what_does_not_match():
     bm.commit_move(bm.lend_to_remote("a", 1, (10, 11), num_written=12, copy_id=1))
     before = bm.block_table("a")
     with pytest.raises(ValueError, match="no segment at token 4"):
-        bm.relocate_remote("a", 4, 1, 2, (5,), copy_id=2)
+        bm.relocate_remote("a", 4, 1, 2, (5,), copy_id=2, src_copy_id=1)
     with pytest.raises(ValueError, match="no segment at token 0 on instance 3"):
-        bm.relocate_remote("a", 0, 3, 2, (5, 6), copy_id=2)
+        bm.relocate_remote("a", 0, 3, 2, (5, 6), copy_id=2, src_copy_id=1)
     with pytest.raises(ValueError, match="1 blocks for a segment of 2"):
-        bm.relocate_remote("a", 0, 1, 2, (5,), copy_id=2)
+        bm.relocate_remote("a", 0, 1, 2, (5,), copy_id=2, src_copy_id=1)
     with pytest.raises(ValueError, match="must both be peers"):
-        bm.relocate_remote("a", 0, 1, 0, (5, 6), copy_id=2)
+        bm.relocate_remote("a", 0, 1, 0, (5, 6), copy_id=2, src_copy_id=1)
     with pytest.raises(KeyError):
-        bm.relocate_remote("b", 0, 1, 2, (5, 6), copy_id=2)
+        bm.relocate_remote("b", 0, 1, 2, (5, 6), copy_id=2, src_copy_id=1)
+    assert bm.block_table("a") == before
+
+
+def test_relocate_remote_leaves_another_copy_at_the_moved_segments_place():
+    """The request was preempted, prefilled again and spilled to the same peer while a copy of
+    its old segment moved on: the new copy sits where the old one did, and is not switched."""
+    bm = BlockManager(block_size=4, pool_blocks=[8])
+    bm.allocate("a", 12)
+    bm.commit_move(bm.lend_to_remote("a", 1, (10, 11), num_written=12, copy_id=1))
+    bm.free("a")
+    bm.allocate("a", 12)
+    bm.commit_move(bm.lend_to_remote("a", 1, (14, 15), num_written=12, copy_id=9))
+    before = bm.block_table("a")
+    with pytest.raises(ValueError, match="is copy 9 now, not the moved copy 1"):
+        bm.relocate_remote("a", 0, 1, 2, (30, 31), copy_id=3, src_copy_id=1)
     assert bm.block_table("a") == before
 
 
@@ -208,7 +224,7 @@ def test_a_request_counts_on_the_peer_segments_its_table_or_a_pending_move_point
     assert bm.counts_on("a", 8, 2, 7) and not bm.counts_on("a", 8, 2, 6) and not bm.counts_on("a", 8, 1, 7)
     bm.abort_move(pending)
     assert not bm.counts_on("a", 8, 2, 7)
-    moved = bm.relocate_remote("a", 0, 1, 2, (30, 31), copy_id=42)
+    moved = bm.relocate_remote("a", 0, 1, 2, (30, 31), copy_id=42, src_copy_id=41)
     assert moved.copy_id == 42 and bm.counts_on("a", 0, 2, 42) and not bm.counts_on("a", 0, 1, 41)
     bm.free("a")
     assert not bm.counts_on("a", 0, 2, 42)
@@ -223,7 +239,7 @@ def test_a_peers_copy_must_be_named():
             bm.lend_to_remote("a", 1, (10,), num_written=20, copy_id=bad)
     bm.commit_move(bm.lend_to_remote("a", 1, (10,), num_written=20, copy_id=5))
     with pytest.raises(ValueError, match="positive id"):
-        bm.relocate_remote("a", 0, 1, 2, (11,), copy_id=0)
+        bm.relocate_remote("a", 0, 1, 2, (11,), copy_id=0, src_copy_id=5)
     assert bm.block_table("a")[0] == Segment(1, (10,), 0, 4, 5)
 
 
