@@ -136,11 +136,17 @@ class KVPacker:
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
     def prepare(self, pool: torch.Tensor) -> None:
-        """Make the encoding stream for a device pool (``on_stream``) now, while nothing is
-        queued: making a CUDA stream waits for the device's queued work (162 ms behind a step's
-        kernels on the H200), which the first move would otherwise do with the loop blocked."""
-        if pool.is_cuda and pool.device not in self._streams:
-            self._streams[pool.device] = torch.cuda.Stream(pool.device)
+        """Make the encoding stream for a device pool (``on_stream``) and gather two of its
+        blocks once, now, while nothing is queued: making a CUDA stream, a kernel's first launch
+        (CUDA loads modules lazily) and a process's first copy up from pageable memory each wait
+        for the device's queued work (162 ms behind a step's kernels on the H200, for the
+        stream), which the first move would otherwise do with the event loop blocked."""
+        if not pool.is_cuda or pool.device in self._streams:
+            return
+        self._streams[pool.device] = torch.cuda.Stream(pool.device)
+        if len(pool) >= 2:
+            pack_kv_runs(pool, [1, 0], [0, 1])
+            torch.cuda.synchronize(pool.device)
 
     def pack(self, pool: torch.Tensor, src_block_ids, dst_block_ids
              ) -> tuple[tuple[BlockRun, ...], tuple[torch.Tensor, ...], torch.cuda.Event | None]:

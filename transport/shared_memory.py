@@ -490,8 +490,7 @@ def remove_stale_regions(directory: str) -> int:
     their lock); returns how many. Anything else under a region's name is left alone."""
     removed = 0
     for path in stale_files(directory, _region_file_kind):
-        _unlink_quietly(path)
-        removed += 1
+        removed += _unlink_quietly(path)  # as the rings' sweep: only what went is counted
     return removed
 
 
@@ -510,9 +509,12 @@ def _remove_region(path: str, fd: int, owner_pid: int) -> None:
         pass
 
 
-def _unlink_quietly(path: str) -> None:
+def _unlink_quietly(path: str) -> bool:
+    """Whether ``path`` was removed (a failure other than its absence is logged)."""
     try:
         os.unlink(path)
     except OSError as e:
         if not isinstance(e, FileNotFoundError):
             log.warning("cannot remove %s: %s", path, e)
+        return False
+    return True

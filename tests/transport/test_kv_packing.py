@@ -129,12 +129,9 @@ def test_a_device_gather_is_ready_after_its_event_behind_the_kernels_that_wrote_
     pool = torch.zeros(64, 4096, device="cuda")
     offsets = torch.arange(64, device="cuda", dtype=pool.dtype)[:, None]
     packer = KVPacker()
-    # Each once before the device is busy: making a stream, a kernel's first launch (CUDA
-    # loads modules lazily) and a process's first copy up from pageable memory wait for the
-    # device's queued work.
-    pool.add_(offsets)
+    packer.prepare(pool)  # the packer's own first uses, which wait for the device, done now
+    pool.add_(offsets)  # and this test's: a kernel's first launch waits for the device too
     pool.sub_(offsets)
-    packer.pack(pool, [1, 3], [0, 1])
     torch.cuda.synchronize()
     torch.cuda._sleep(50_000_000)  # the current stream busy for a while, then the pool written
     pool.add_(offsets)
