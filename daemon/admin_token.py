@@ -18,19 +18,26 @@ MIN_TOKEN_CHARS = 16
 
 def read_admin_token(path: Path | str) -> str:
     """The token in the file at ``path`` (surrounding whitespace dropped). Raises ValueError, with
-    a message naming the file, where it cannot be read, is readable by every user, is shorter
-    than MIN_TOKEN_CHARS or holds anything but printable ASCII without spaces (the token goes
-    in an HTTP header)."""
+    a message naming the file, where it cannot be read, is no regular file, is readable or
+    writable by every user, is shorter than MIN_TOKEN_CHARS or holds anything but printable
+    ASCII without spaces (the token goes in an HTTP header). Read once, at start: a new token
+    takes a restart of the processes that read it."""
     try:
-        with open(path, "rb") as file:
-            mode = os.fstat(file.fileno()).st_mode
-            raw = file.read(4097)
+        # Not blocking: a FIFO at the path would hold the start for ever.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
         raise ValueError(f"admin token file {path}: {exc.strerror or exc}") from None
-    if not stat.S_ISREG(mode):
-        raise ValueError(f"admin token file {path}: not a regular file")
-    if mode & stat.S_IROTH:
-        raise ValueError(f"admin token file {path}: readable by every user (chmod o-r)")
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise ValueError(f"admin token file {path}: not a regular file")
+        raw = os.read(fd, 4097)
+    except OSError as exc:
+        raise ValueError(f"admin token file {path}: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+    if mode & (stat.S_IROTH | stat.S_IWOTH):
+        raise ValueError(f"admin token file {path}: readable or writable by every user (chmod o-rw)")
     if len(raw) > 4096:
         raise ValueError(f"admin token file {path}: over 4096 bytes")
     token = raw.strip()
@@ -47,10 +54,12 @@ def bearer_header(token: str) -> dict[str, str]:
 
 
 def bearer_matches(authorization: str | None, token: str) -> bool:
-    """Whether an ``Authorization`` header's value carries ``token`` (compared in constant time)."""
-    if authorization is None:
+    """Whether an ``Authorization`` header's value carries ``token`` (compared in constant time;
+    an empty token matches nothing)."""
+    if authorization is None or not token:
         return False
     scheme, _, given = authorization.partition(" ")
     if scheme.lower() != "bearer":
         return False
-    return hmac.compare_digest(given.strip().encode(), token.encode())
+    # Header bytes that are not UTF-8 come as surrogates (aiohttp's decoding): kept as bytes.
+    return hmac.compare_digest(given.strip().encode("utf-8", "surrogateescape"), token.encode())

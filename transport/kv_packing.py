@@ -136,7 +136,7 @@ class KVPacker:
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
     def prepare(self, pool: torch.Tensor) -> None:
-        """Make the encoding stream for a device pool (``on_stream``) and gather two of its
+        """Make the encoding stream for a device pool (``on_stream``) and gather some of its
         blocks once, now, while nothing is queued: making a CUDA stream, a kernel's first launch
         (CUDA loads modules lazily) and a process's first copy up from pageable memory each wait
         for the device's queued work (162 ms behind a step's kernels on the H200, for the
@@ -144,9 +144,11 @@ class KVPacker:
         if not pool.is_cuda or pool.device in self._streams:
             return
         self._streams[pool.device] = torch.cuda.Stream(pool.device)
-        if len(pool) >= 2:
-            pack_kv_runs(pool, [1, 0], [0, 1])
-            torch.cuda.synchronize(pool.device)
+        # Torch gathers up to 16 indices with one kernel and more with another: both, once.
+        for num_blocks in (2, 17):
+            if len(pool) >= num_blocks:
+                pack_kv_runs(pool, list(reversed(range(num_blocks))), list(range(num_blocks)))
+        torch.cuda.synchronize(pool.device)
 
     def pack(self, pool: torch.Tensor, src_block_ids, dst_block_ids
              ) -> tuple[tuple[BlockRun, ...], tuple[torch.Tensor, ...], torch.cuda.Event | None]:

@@ -26,7 +26,8 @@ def test_the_token_is_read_without_its_surrounding_whitespace(tmp_path):
 
 
 @pytest.mark.parametrize("text, mode, reason", [
-    (TOKEN, 0o644, "readable by every user"),
+    (TOKEN, 0o644, "readable or writable by every user"),
+    (TOKEN, 0o602, "readable or writable by every user"),  # anyone could put their own token there
     ("short", 0o600, "at least 16 characters"),
     ("", 0o600, "at least 16 characters"),
     ("0123456789 abcdef0123", 0o600, "printable ASCII with no spaces"),
@@ -40,11 +41,15 @@ def test_a_token_file_that_cannot_keep_or_carry_the_token_is_refused(tmp_path, t
     assert str(path) in str(refused.value)
 
 
-def test_a_missing_file_or_a_folder_is_refused_with_its_path(tmp_path):
+def test_a_missing_file_a_folder_or_a_fifo_is_refused_with_its_path(tmp_path):
     with pytest.raises(ValueError, match="admin token file .*missing: No such file"):
         read_admin_token(tmp_path / "missing")
-    with pytest.raises(ValueError, match="Is a directory|not a regular file"):
+    with pytest.raises(ValueError, match="not a regular file"):
         read_admin_token(tmp_path)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo, 0o600)
+    with pytest.raises(ValueError, match="not a regular file"):  # at once: no writer is waited for
+        read_admin_token(fifo)
 
 
 def test_the_bearer_header_carries_the_token_and_only_it_matches():
@@ -56,6 +61,8 @@ def test_the_bearer_header_carries_the_token_and_only_it_matches():
     assert not bearer_matches(f"Basic {TOKEN}", TOKEN)
     assert not bearer_matches("Bearer", TOKEN)
     assert not bearer_matches(f"Bearer {TOKEN[:-1]}é", TOKEN)
+    assert not bearer_matches("Bearer \udcff\udcfe", TOKEN)  # bytes that are not UTF-8, as aiohttp hands them
+    assert not bearer_matches("Bearer ", "") and not bearer_matches("Bearer", "")  # an empty token opens nothing
 
 
 def test_an_instance_reads_its_gmanager_token_at_start_or_refuses_to_start(tmp_path):
@@ -63,7 +70,7 @@ def test_an_instance_reads_its_gmanager_token_at_start_or_refuses_to_start(tmp_p
     config = InstanceConfig(instance_id=1, gmanager_token_file=token_file(tmp_path, TOKEN))
     assert read_gmanager_token(config) == TOKEN
     os.chmod(config.gmanager_token_file, 0o604)
-    with pytest.raises(ConfigError, match="gmanager_token_file: admin token file .* readable by every user"):
+    with pytest.raises(ConfigError, match="gmanager_token_file: admin token file .* readable or writable by every user"):
         read_gmanager_token(config)
 
 

@@ -68,4 +68,4 @@ def test_a_token_file_every_user_may_read_stops_the_gmanager_at_start(tmp_path):
         assert gmanager.process.wait(timeout=60) == 2
     finally:
         gmanager.kill()
-    assert f"--admin-token-file: admin token file {token_file}: readable by every user" in gmanager.log()
+    assert f"--admin-token-file: admin token file {token_file}: readable or writable by every user" in gmanager.log()
