@@ -55,7 +55,7 @@ from collections.abc import Callable
 from infinite_llm.transport.errors import ProtocolError
 from infinite_llm.transport.messages import ErrorCode
 # A ring's file is offered, checked and swept as a region's is, with a nonce of the same length.
-from infinite_llm.transport.shared_memory import NONCE_BYTES, open_offered_file, open_own_file, stale_files
+from infinite_llm.transport.shared_memory import NONCE_BYTES, open_offered_file, open_own_file, remove_stale_files
 
 CONTROL_BYTES = 4096  # the first page: nonce, data size, positions; the data follows
 _DATA_SIZE_AT = 16  # u64
@@ -360,14 +360,7 @@ def _wake(future) -> None:
 def remove_stale_rings(directory: str) -> int:
     """Remove this user's ring and doorbell files in ``directory`` whose maker is gone (no
     process holds their lock); returns how many."""
-    removed = 0
-    for path in stale_files(directory, _ring_file_kind):
-        try:
-            os.unlink(path)
-            removed += 1
-        except OSError:
-            pass
-    return removed
+    return remove_stale_files(directory, _ring_file_kind)
 
 
 def _ring_file_kind(name: str) -> Callable[[int], bool] | None:

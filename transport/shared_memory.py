@@ -41,7 +41,7 @@ import stat
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -454,9 +454,9 @@ def younger_than(path: str, seconds: float) -> bool:
         return True  # gone already
 
 
-def stale_files(directory: str, kind_of: Callable[[str], Callable[[int], bool] | None]) -> Iterator[str]:
-    """The paths of this user's files in ``directory`` whose maker is gone (no process holds
-    their lock), each yielded while this holds its lock, for the caller to remove.
+def remove_stale_files(directory: str, kind_of: Callable[[str], Callable[[int], bool] | None]) -> int:
+    """Remove this user's files in ``directory`` whose maker is gone (no process holds their
+    lock), each while this holds its lock; returns how many went.
     ``kind_of(name)``: the test of the mode (stat.S_ISREG, S_ISFIFO) a file of that name must
     pass, or None for a name the caller does not make; a file under such a name that fails it
     is left alone. A hidden name (a file being made, unlocked until its maker locks it) is
@@ -464,7 +464,8 @@ def stale_files(directory: str, kind_of: Callable[[str], Callable[[int], bool] |
     try:
         names = os.listdir(directory)
     except OSError:
-        return
+        return 0
+    removed = 0
     for name in names:
         is_kind = kind_of(name)
         if is_kind is None:
@@ -480,18 +481,16 @@ def stale_files(directory: str, kind_of: Callable[[str], Callable[[int], bool] |
         except OSError:
             continue  # its maker lives
         else:
-            yield path
+            removed += _unlink_quietly(path)
         finally:
             os.close(fd)
+    return removed
 
 
 def remove_stale_regions(directory: str) -> int:
     """Remove the regions of this user in ``directory`` whose owner is gone (no process holds
     their lock); returns how many. Anything else under a region's name is left alone."""
-    removed = 0
-    for path in stale_files(directory, _region_file_kind):
-        removed += _unlink_quietly(path)  # as the rings' sweep: only what went is counted
-    return removed
+    return remove_stale_files(directory, _region_file_kind)
 
 
 def _region_file_kind(name: str) -> Callable[[int], bool] | None:
