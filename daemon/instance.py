@@ -355,6 +355,7 @@ class InstanceDaemon:
         self.lender = TransportLender(self.transport, self.peers, self.metrics, c.timeouts.peer_request_s,
                                        share_kv=c.share_kv)
         self.lender.run_id = self.run_id
+        self.lender.hold_renew_s = c.timeouts.kv_hold_s / 3
         engine_config = EngineConfig(block_size=c.block_size, pool_blocks=(pool_blocks,), max_num_seqs=c.max_num_seqs,
                                      queue_bypass_limit=c.queue_bypass_limit,
                                      split_decode_interval=c.split_decode_interval,
@@ -792,6 +793,8 @@ class InstanceDaemon:
                 f"{reservation.home_inst_id}, not request {message.req_id} of instance {message.home_inst_id}")
         if reservation.receiving:
             raise PlacementRefused(f"data for reservation {reservation.reservation_id} is landing already")
+        if reservation.filled:  # sent again: taking it would put the reservation's expiry off
+            raise PlacementRefused(f"the data of reservation {reservation.reservation_id} has landed already")
         # The runs fill every reserved block once: a commit with the data, or one after it, must
         # not make a segment of blocks nobody wrote.
         reserved = set(reservation.block_ids)
@@ -859,6 +862,7 @@ class InstanceDaemon:
             log.warning("instance %d went silent: freed %d blocks held for it", home, freed)
             self.creditor.forget(home)
         self._audit_held(now)
+        self.lender.renew_holds(now)
         self._update_metrics(now)
         self._send_heartbeat()
 

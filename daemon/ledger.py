@@ -32,6 +32,10 @@ class Reservation:
     # Its home gave it up (a free naming it, the request's end, the home gone) while it was
     # receiving: never committed, released once the data has landed or at its expiry.
     cancelled: bool = False
+    # Its data has landed: it waits for its commit and takes no data again. A home that sent
+    # the blocks again and again would otherwise put its expiry off with every copy, keeping
+    # the blocks from everyone without ever committing them.
+    filled: bool = False
 
 
 @dataclass(frozen=True)
@@ -234,6 +238,9 @@ class CreditorLedger:
         reservation = self.reservation(reservation_id)
         if reservation.cancelled:
             raise LedgerError(f"reservation {reservation_id} was given up by instance {reservation.home_inst_id}")
+        if reservation.filled:
+            raise LedgerError(f"the data of reservation {reservation_id} has landed already: it is committed "
+                              "or expires, and takes no data again")
         expires_at = max(reservation.expires_at, until + self.reservation_ttl_s)
         reservation = dataclasses.replace(reservation, expires_at=expires_at, receiving=True)
         self.reservations[reservation_id] = reservation
@@ -250,7 +257,7 @@ class CreditorLedger:
                               "while its data landed")
         if not reservation.receiving:
             raise LedgerError(f"blocks for reservation {reservation_id} came without being placed in it")
-        reservation = dataclasses.replace(reservation, receiving=False)
+        reservation = dataclasses.replace(reservation, receiving=False, filled=True)
         self.reservations[reservation_id] = reservation
         return reservation
 

@@ -288,6 +288,11 @@ class TransportLender:
         # it is granted (``forget`` saw none of it).
         self._ended_while_asking: set[str] = set()
         self._ask_again_at: dict[str, float] = {}  # after holds were refused: not before then
+        # A peer lets a hold go once its time there (``timeouts.kv_hold_s``) has run out: the
+        # holds this home still counts on are set again every ``hold_renew_s`` (the instance
+        # makes it a third of that time), as long as they last.
+        self.hold_renew_s = 100.0
+        self._holds_set_at: dict[str, float] = {}  # request -> when its holds were last set
         self.kept_for_others: Callable[[], int] = lambda: 0  # this pool's blocks other homes hold
         self.wake: Callable[[], None] = lambda: None  # the engine loop, when holds come
 
@@ -311,6 +316,7 @@ class TransportLender:
         """The request is gone: the peers keep nothing more for it."""
         holds = self._holds.pop(request_id, {})
         self._ask_again_at.pop(request_id, None)
+        self._holds_set_at.pop(request_id, None)
         if request_id in self._asking:
             self._ended_while_asking.add(request_id)
         # Every peer asked, whatever this home counts as left there: a move the gManager ordered
@@ -349,11 +355,50 @@ class TransportLender:
                     await self._give_back_holds(request_id, holds)
                     return
                 if short <= 0:
+                    self._holds_set_at[request_id] = time.monotonic()
                     return
             log.info("request %s: peers keep %d of the %d blocks it needs to start; asking again",
                      request_id, sum(holds.values()), wanted)
             await self._give_back_holds(request_id, holds)
             self._ask_again_at[request_id] = time.monotonic() + HOLD_RETRY_S * (0.5 + random.random())
+        finally:
+            self._asking.discard(request_id)
+            self._ended_while_asking.discard(request_id)
+            self.wake()
+
+    def renew_holds(self, now: float) -> None:
+        """Set the holds of each request that still counts on some again (in the background),
+        once ``hold_renew_s`` has passed since they were last set: a request may wait, or run
+        without spilling, for longer than a peer keeps a hold, and would then count on blocks
+        the peer has given to others. A peer that keeps fewer now (it let the hold go and gave
+        the blocks away) says so, and the home counts what it says."""
+        for request_id, holds in self._holds.items():
+            if request_id in self._asking or not any(holds.values()):
+                continue
+            set_at = self._holds_set_at.setdefault(request_id, now)
+            if now - set_at < self.hold_renew_s:
+                continue
+            self._holds_set_at[request_id] = now
+            self._asking.add(request_id)  # no ask of its own meanwhile; ``forget`` leaves a mark
+            task = asyncio.get_running_loop().create_task(self._renew_holds(request_id, holds))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _renew_holds(self, request_id: str, holds: dict[int, int]) -> None:
+        try:
+            for inst_id, num_blocks in list(holds.items()):
+                if num_blocks <= 0 or request_id in self._ended_while_asking:
+                    continue
+                granted = await self._set_hold(inst_id, request_id, num_blocks)
+                if holds.get(inst_id) == num_blocks:  # a spill used none of it meanwhile
+                    holds[inst_id] = granted
+                if granted < num_blocks:
+                    log.info("request %s: instance %d keeps %d of the %d blocks it held for it", request_id,
+                             inst_id, granted, num_blocks)
+            if request_id in self._ended_while_asking:
+                # Ended meanwhile: ``forget`` gave the holds back, and a renewal may have come
+                # after that there: given back once more.
+                await self._give_back_holds(request_id, holds)
         finally:
             self._asking.discard(request_id)
             self._ended_while_asking.discard(request_id)

@@ -6,6 +6,7 @@ whose answer is lost leaves nothing held there."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from types import SimpleNamespace
 
@@ -306,6 +307,25 @@ def test_blocks_must_fill_their_own_requests_reservation_once(tmp_path):
     assert list(creditor.ledger.held) == [(HOME, 7, 0)]
 
 
+def test_blocks_sent_again_before_their_commit_are_refused(tmp_path):
+    """A reservation whose data landed without its commit (a forward: ``MoveCommit`` follows)
+    takes no data again: each copy would put off its expiry, and the creditor would keep the
+    blocks, never committed, for as long as copies came."""
+    network = InMemoryNetwork()
+    creditor = creditor_daemon(tmp_path, network, CREDITOR, 8)
+    ours = creditor.ledger.reserve(HOME, 7, 2, time.monotonic())
+    blocks = KVBlocks(1, ours.reservation_id, (BlockRun(ours.block_ids[0], 2),), (pool_of(2),),
+                      commit_segment_id=-1, home_inst_id=HOME, req_id=7)
+    creditor._place(blocks)
+    assert creditor._handle(blocks).num_blocks == 2  # landed; the commit has not come
+    expires_at = creditor.ledger.reservations[ours.reservation_id].expires_at
+    with pytest.raises(PlacementRefused, match="landed already"):
+        creditor._place(blocks)
+    assert creditor.ledger.reservations[ours.reservation_id].expires_at == expires_at
+    assert creditor.ledger.release_expired(expires_at) and creditor.ledger.reservations == {}
+    assert creditor.engine.block_manager.num_free_blocks(0) == 8
+
+
 def test_an_ordered_move_stops_at_the_next_piece_once_a_newer_leader_spoke(tmp_path, monkeypatch):
     """A gManager's move goes piece by piece; after the first piece the home hears of a newer
     leader (epoch 6): no further piece goes out under the old order (epoch 5)."""
@@ -383,6 +403,63 @@ def test_a_hold_granted_to_a_request_that_ended_is_given_back(tmp_path, ends):
     assert s.creditor.ledger.holds == {}
     assert s.lender._holds == {} and s.lender._ended_while_asking == set()
     assert holds_asked in ([], [4, 0])
+
+
+def test_holds_a_request_still_counts_on_are_set_again_before_the_peer_lets_them_go(tmp_path):
+    """A peer keeps a hold for ``kv_hold_s``; a request that waits longer (or runs without
+    spilling) would count on blocks given to others since. The home sets its holds again every
+    ``hold_renew_s``: the peer's time starts over, and where the peer keeps fewer (it let the
+    hold go and gave the blocks away), the home counts what it says."""
+    s = Setup(tmp_path)
+    holds_asked: list[int] = []
+    serve = s.creditor._handle
+    ledger = s.creditor.ledger
+    key = (HOME, 9)
+
+    def handle(message):
+        if message.TYPE == "hold_kv":
+            holds_asked.append(message.num_blocks)
+        return serve(message)
+
+    async def scenario() -> None:
+        await s.creditor.transport.start(handle, s.creditor._place)
+        assert s.lender.blocks_kept_elsewhere("9", 4) == 0  # asked in the background
+        await turns_until(lambda: not s.lender._asking)
+        assert s.lender.blocks_kept_elsewhere("9", 4) == 4
+        set_at = s.lender._holds_set_at["9"]
+
+        s.lender.renew_holds(set_at + s.lender.hold_renew_s / 2)  # not yet
+        assert not s.lender._asking
+        ledger.holds[key] = dataclasses.replace(ledger.holds[key], expires_at=0.0)  # nearly out
+        s.lender.renew_holds(set_at + s.lender.hold_renew_s)
+        await turns_until(lambda: not s.lender._asking)
+        assert ledger.holds[key].expires_at > time.monotonic()  # its time starts over
+        assert s.lender.blocks_kept_elsewhere("9", 4) == 4
+
+        # The peer let the hold go and gave all but one block to another home meanwhile.
+        ledger.release_expired(float("inf"))
+        assert ledger.holds == {}
+        taken = ledger.reserve(3, 1, 7, time.monotonic())
+        s.lender.renew_holds(set_at + 2 * s.lender.hold_renew_s)
+        await turns_until(lambda: not s.lender._asking)
+        assert s.lender.held_on("9", CREDITOR) == ledger.hold_of(HOME, 9) == 0
+        ledger.cancel(taken.reservation_id)
+        s.peer.num_blocks_free = 8  # as the peer's next publication says
+
+        # A request that ends while its holds are set again leaves none behind.
+        assert s.lender.blocks_kept_elsewhere("9", 4) == 0  # asks again
+        await turns_until(lambda: not s.lender._asking)
+        assert ledger.hold_of(HOME, 9) == 4
+        s.lender.renew_holds(time.monotonic() + 3 * s.lender.hold_renew_s)
+        assert s.lender._asking == {"9"}
+        await turns_until(lambda: len(holds_asked) == 5)  # the peer has the renewal
+        s.lender.forget("9")
+        await turns_until(lambda: not s.lender._asking)
+        await s.network.settle()
+
+    asyncio.run(scenario())
+    assert holds_asked == [4, 4, 4, 4, 4, 0, 0]
+    assert ledger.holds == {} and s.lender._holds == {} and s.lender._holds_set_at == {}
 
 
 def test_a_spill_passes_over_a_request_whose_move_is_in_flight(tmp_path):

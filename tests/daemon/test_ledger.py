@@ -106,6 +106,21 @@ def test_a_reservation_receiving_data_outlives_the_receive() -> None:
         ledger.hold_while_receiving(r.reservation_id, until=40.0)
 
 
+def test_a_reservation_takes_its_data_once() -> None:
+    """Data sent again for a reservation whose data landed (and whose commit has not come) is
+    refused: every copy would put its expiry off once more, keeping the blocks from everyone
+    for as long as the sender kept sending, never committed."""
+    pool, ledger = make(ttl=10.0)
+    r = ledger.reserve(1, 7, 3, now=0.0)
+    ledger.hold_while_receiving(r.reservation_id, until=5.0)
+    assert ledger.landed(r.reservation_id).filled
+    with pytest.raises(LedgerError, match="landed already"):
+        ledger.hold_while_receiving(r.reservation_id, until=14.0)
+    assert ledger.reservations[r.reservation_id].expires_at == 15.0  # as the one receive left it
+    assert [x.reservation_id for x in ledger.release_expired(now=15.0)] == [r.reservation_id]
+    assert pool.free_ids == list(range(8))
+
+
 def test_moves_travel_in_pieces_of_bounded_bytes() -> None:
     from infinite_llm.daemon.peers import MOVE_PIECE_BYTES, move_piece_blocks
 
