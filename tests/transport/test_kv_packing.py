@@ -14,7 +14,13 @@ from infinite_llm.transport.block_runs import destination_runs
 from infinite_llm.transport import codec
 from infinite_llm.transport import messages as m
 from infinite_llm.transport.interface import PeerAddress
-from infinite_llm.transport.kv_packing import HostStaging, KVPacker, pack_kv_runs, wait_for_event
+from infinite_llm.transport.kv_packing import (
+    HostStaging,
+    KVPacker,
+    gather_graph_sizes,
+    pack_kv_runs,
+    wait_for_event,
+)
 from infinite_llm.transport.memory import InMemoryNetwork
 from infinite_llm.transport.shared_memory import SharedRegion
 
@@ -152,6 +158,54 @@ def test_a_device_gather_is_ready_after_its_event_behind_the_kernels_that_wrote_
     torch.cuda.synchronize()
 
 
+def test_gathers_are_captured_for_powers_of_two_that_fit_the_bytes_and_the_pool():
+    assert gather_graph_sizes(1000, 64 << 10, max_bytes=8 << 20) == (2, 4, 8, 16, 32, 64, 128)
+    assert gather_graph_sizes(40, 64 << 10, max_bytes=8 << 20) == (2, 4, 8, 16, 32)
+    assert gather_graph_sizes(1000, 2 << 20, max_bytes=8 << 20) == (2, 4)  # Llama-3-8B's blocks
+    assert gather_graph_sizes(1000, 16 << 20, max_bytes=8 << 20) == ()
+    assert gather_graph_sizes(1, 1024) == ()
+
+
+@pytest.mark.gpu
+def test_captured_gathers_match_a_gather_of_every_size_and_are_used_again_once_given_back():
+    pool = torch.randn(64, 3, 2, 4, 2, 8, device="cuda")
+    packer = KVPacker(graphs_per_size=1)
+    packer.prepare(pool)
+    graphs = packer.graphs_of(pool)
+    assert graphs.sizes == gather_graph_sizes(64, pool[0].nbytes) and graphs.num_free == len(graphs.sizes)
+    generator = torch.Generator().manual_seed(3)
+    for n in (2, 3, 5, 8, 17, 33, 64, 3):  # the last after larger ones: their ids stay in the buffer
+        sources = torch.randperm(64, generator=generator)[:n].tolist()
+        runs, buffers, ready = packer.pack(pool, sources, list(range(n)))
+        ready.synchronize()
+        assert [(r.dst_block_id, r.num_blocks) for r in runs] == [(0, n)]
+        assert torch.equal(buffers[0], pool[sources]) and buffers[0].shape == (n, *pool.shape[1:])
+        assert graphs.num_free == len(graphs.sizes) - 1  # lent out until given back
+        packer.give_back(buffers)
+        packer.give_back(buffers)  # once only
+        assert graphs.num_free == len(graphs.sizes)
+
+
+@pytest.mark.gpu
+def test_gathers_beyond_the_free_graphs_are_launched_as_before():
+    pool = torch.randn(16, 2, 64, device="cuda")
+    packer = KVPacker(graphs_per_size=1)
+    packer.prepare(pool)
+    graphs = packer.graphs_of(pool)
+    assert graphs.sizes == (2, 4, 8, 16)
+    lent = []
+    for _ in range(5):  # sizes 4, 8, 16 (the next free one that holds three), then none
+        _, buffers, ready = packer.pack(pool, [9, 2, 14], [0, 1, 2])
+        ready.synchronize()
+        assert torch.equal(buffers[0], pool[[9, 2, 14]])
+        lent.append(buffers)
+    assert [hasattr(b[0], "_gather_graph") for b in lent] == [True, True, True, False, False]
+    assert graphs.num_free == 1  # the one of two blocks
+    for buffers in lent:
+        packer.give_back(buffers)
+    assert graphs.num_free == 4
+
+
 @pytest.mark.gpu
 def test_device_ready_leaves_the_stream_wait_out_of_the_encode(monkeypatch):
     waits = []
@@ -245,6 +299,9 @@ def test_a_packed_move_whose_gather_does_not_finish_in_time_sends_nothing():
 
 @pytest.mark.gpu
 def test_a_packed_move_of_a_device_pool_lands_in_the_peers_blocks():
-    pool, received, reply, _ = send_scattered_blocks(KVPacker(), "cuda")
+    packer = KVPacker()
+    pool, received, reply, _ = send_scattered_blocks(packer, "cuda")
     assert reply == m.KVBlocksStored(7, 70, 3)
     assert torch.equal(received[3:6], pool[[9, 2, 14]])
+    graphs = packer.graphs_of(pool)  # the gather was a captured one, given back once answered
+    assert graphs.num_free == len(graphs.sizes) * packer.graphs_per_size
