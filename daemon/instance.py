@@ -588,9 +588,14 @@ class InstanceDaemon:
             return self._try_move(message)
         if isinstance(message, HoldKV):
             self._note_home_run(message.home_inst_id, message.home_run)
-            spare = 0 if self.draining else self._free_for_others()
-            held = self.ledger.set_hold(message.home_inst_id, message.req_id, message.num_blocks, spare,
-                                        time.monotonic())
+            now = time.monotonic()
+            if self.draining:  # it takes no spill: blocks kept here would be counted on in vain
+                held = self.ledger.set_hold(message.home_inst_id, message.req_id, 0, 0, now)
+            elif message.renew:
+                held = self.ledger.renew_hold(message.home_inst_id, message.req_id, now)
+            else:
+                held = self.ledger.set_hold(message.home_inst_id, message.req_id, message.num_blocks,
+                                            self._free_for_others(), now)
             return KVHoldReply(held, self._free_for_others())
         if isinstance(message, KVBlocks):
             # The data is already in the reserved blocks (the placer checked the runs against the

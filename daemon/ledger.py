@@ -117,6 +117,17 @@ class CreditorLedger:
         self.last_heard[home_inst_id] = now
         return num_blocks
 
+    def renew_hold(self, home_inst_id: int, req_id: int, now: float) -> int:
+        """Keep the request's hold, as it is, for ``hold_ttl_s`` from ``now``; the blocks held
+        (0: none is kept, and none is made)."""
+        key = (home_inst_id, req_id)
+        hold = self.holds.get(key)
+        if hold is None:
+            return 0
+        self.holds[key] = Hold(hold.num_blocks, now + self.hold_ttl_s)
+        self.last_heard[home_inst_id] = now
+        return hold.num_blocks
+
     @property
     def num_blocks_reserved(self) -> int:
         return sum(len(r.block_ids) for r in self.reservations.values())

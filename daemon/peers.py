@@ -289,10 +289,12 @@ class TransportLender:
         self._ended_while_asking: set[str] = set()
         self._ask_again_at: dict[str, float] = {}  # after holds were refused: not before then
         # A peer lets a hold go once its time there (``timeouts.kv_hold_s``) has run out: the
-        # holds this home still counts on are set again every ``hold_renew_s`` (the instance
-        # makes it a third of that time), as long as they last.
+        # holds this home still counts on are renewed every ``hold_renew_s`` (the instance makes
+        # it a third of that time), as long as they last.
         self.hold_renew_s = 100.0
-        self._holds_set_at: dict[str, float] = {}  # request -> when its holds were last set
+        # request -> peer inst id -> when its hold there was last set or renewed
+        self._holds_set_at: dict[str, dict[int, float]] = {}
+        self._renewing: set[tuple[str, int]] = set()  # (request, peer) renewals under way
         self.kept_for_others: Callable[[], int] = lambda: 0  # this pool's blocks other homes hold
         self.wake: Callable[[], None] = lambda: None  # the engine loop, when holds come
 
@@ -344,6 +346,7 @@ class TransportLender:
                     current = holds.get(peer.inst_id, 0)
                     granted = await self._set_hold(peer.inst_id, request_id, current + take)
                     holds[peer.inst_id] = granted
+                    self._holds_set_at.setdefault(request_id, {})[peer.inst_id] = time.monotonic()
                     if request_id in self._ended_while_asking:
                         break
                     if granted > current:
@@ -355,7 +358,6 @@ class TransportLender:
                     await self._give_back_holds(request_id, holds)
                     return
                 if short <= 0:
-                    self._holds_set_at[request_id] = time.monotonic()
                     return
             log.info("request %s: peers keep %d of the %d blocks it needs to start; asking again",
                      request_id, sum(holds.values()), wanted)
@@ -367,41 +369,50 @@ class TransportLender:
             self.wake()
 
     def renew_holds(self, now: float) -> None:
-        """Set the holds of each request that still counts on some again (in the background),
-        once ``hold_renew_s`` has passed since they were last set: a request may wait, or run
-        without spilling, for longer than a peer keeps a hold, and would then count on blocks
-        the peer has given to others. A peer that keeps fewer now (it let the hold go and gave
-        the blocks away) says so, and the home counts what it says."""
+        """Renew (in the background) each hold a request still counts on, once ``hold_renew_s``
+        has passed since it was set or renewed: a request may wait, or run without spilling, for
+        longer than a peer keeps a hold, and would then count on blocks the peer has given to
+        others. A renewal only keeps what the peer keeps (``HoldKV.renew``): it makes no hold,
+        so one that crosses the request's end, or a spill that uses the hold up, leaves none
+        behind; where the peer keeps fewer than this home counts (it let the hold go, or it
+        drains), the home counts what it says."""
         for request_id, holds in self._holds.items():
-            if request_id in self._asking or not any(holds.values()):
-                continue
-            set_at = self._holds_set_at.setdefault(request_id, now)
-            if now - set_at < self.hold_renew_s:
-                continue
-            self._holds_set_at[request_id] = now
-            self._asking.add(request_id)  # no ask of its own meanwhile; ``forget`` leaves a mark
-            task = asyncio.get_running_loop().create_task(self._renew_holds(request_id, holds))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
-
-    async def _renew_holds(self, request_id: str, holds: dict[int, int]) -> None:
-        try:
-            for inst_id, num_blocks in list(holds.items()):
-                if num_blocks <= 0 or request_id in self._ended_while_asking:
+            set_at = self._holds_set_at.setdefault(request_id, {})
+            for inst_id, num_blocks in holds.items():
+                if num_blocks <= 0 or (request_id, inst_id) in self._renewing:
                     continue
-                granted = await self._set_hold(inst_id, request_id, num_blocks)
-                if holds.get(inst_id) == num_blocks:  # a spill used none of it meanwhile
-                    holds[inst_id] = granted
-                if granted < num_blocks:
-                    log.info("request %s: instance %d keeps %d of the %d blocks it held for it", request_id,
-                             inst_id, granted, num_blocks)
-            if request_id in self._ended_while_asking:
-                # Ended meanwhile: ``forget`` gave the holds back, and a renewal may have come
-                # after that there: given back once more.
-                await self._give_back_holds(request_id, holds)
+                if now - set_at.setdefault(inst_id, now) < self.hold_renew_s:
+                    continue
+                set_at[inst_id] = now
+                self._renewing.add((request_id, inst_id))
+                task = asyncio.get_running_loop().create_task(self._renew_hold(request_id, inst_id, now))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+
+    async def _renew_hold(self, request_id: str, inst_id: int, renewed_at: float) -> None:
+        try:
+            peer = self.peers.by_inst(inst_id)
+            reply = await self.transport.request(
+                peer.address, HoldKV(self.peers.own_inst_id, int(request_id), 0, home_run=self.run_id, renew=True),
+                timeout_s=self.timeout_s)
+        except (KeyError, TransportError) as exc:  # tried again at the next renewal, before it runs out
+            log.warning("renewal of the hold for request %s on instance %d: %s", request_id, inst_id, exc)
+            return
         finally:
-            self._asking.discard(request_id)
-            self._ended_while_asking.discard(request_id)
+            self._renewing.discard((request_id, inst_id))
+        if not isinstance(reply, KVHoldReply):
+            log.error("instance %d answered a hold's renewal with %r", inst_id, reply)
+            return
+        peer.num_blocks_free = reply.num_blocks_free
+        holds = self._holds.get(request_id)
+        # An ask set the hold meanwhile (its own time says so): its figure is the newer one.
+        if (holds is None or inst_id not in holds
+                or self._holds_set_at.get(request_id, {}).get(inst_id) != renewed_at):
+            return
+        if reply.num_blocks_held < holds[inst_id]:
+            log.info("request %s: instance %d keeps %d of the %d blocks this home counted on", request_id,
+                     inst_id, reply.num_blocks_held, holds[inst_id])
+            holds[inst_id] = reply.num_blocks_held
             self.wake()
 
     async def _give_back_holds(self, request_id: str, holds: dict[int, int]) -> None:
@@ -410,6 +421,7 @@ class TransportLender:
         for inst_id in list(holds):
             await self._set_hold(inst_id, request_id, 0)
             holds.pop(inst_id, None)
+            self._holds_set_at.get(request_id, {}).pop(inst_id, None)
 
     async def _set_hold(self, inst_id: int, request_id: str, num_blocks: int) -> int:
         """Ask peer ``inst_id`` to keep ``num_blocks`` for the request; the blocks it keeps."""

@@ -31,6 +31,8 @@ import numpy as np
 import torch
 
 from infinite_llm.transport.block_runs import PackedRun, destination_runs
+from infinite_llm.transport.codec import REFUSAL_CODES
+from infinite_llm.transport.errors import RemoteError
 from infinite_llm.transport.interface import PeerAddress, Transport
 from infinite_llm.transport.messages import BlockRun, Message
 
@@ -197,6 +199,7 @@ class GatherGraphs:
     def __init__(self, pool: torch.Tensor, stream: torch.cuda.Stream, per_size: int = GATHER_GRAPHS_PER_SIZE,
                  max_bytes: int = GATHER_GRAPH_MAX_BYTES) -> None:
         self._free: dict[int, list[GatherGraph]] = {}
+        self.num_retired = 0  # graphs of failed moves, never lent again
         sizes = gather_graph_sizes(len(pool), pool[0].nbytes, max_bytes)
         if not sizes or per_size <= 0:
             return
@@ -240,6 +243,16 @@ class GatherGraphs:
             del buffer._gather_graph  # given back once
             self._free[graph.capacity].append(graph)
 
+    def retire(self, buffer: torch.Tensor) -> GatherGraph | None:
+        """The graph that gathered ``buffer``, never to be lent again (UCX may still read the
+        buffer of a failed send); None for a buffer it did not lend."""
+        owner, graph = getattr(buffer, "_gather_graph", (None, None))
+        if owner is not self:
+            return None
+        del buffer._gather_graph
+        self.num_retired += 1
+        return graph
+
 
 class KVPacker:
     """Packs moves' buffers (``pack_kv_runs``) for a sender that keeps its event loop turning.
@@ -262,6 +275,10 @@ class KVPacker:
         self._graphs: dict[tuple, GatherGraphs | None] = {}
         self.graphs_per_size = graphs_per_size  # 0: none captured
         self.graph_max_bytes = graph_max_bytes
+        # Graphs of failed moves, each kept (its pinned ids with it) until the device has passed
+        # the event after its replay: freed earlier, the pinned memory could be handed to other
+        # code and its ids overwritten before a replay still queued has read them.
+        self._retired: list[tuple[torch.cuda.Event | None, GatherGraph]] = []
 
     def prepare(self, pool: torch.Tensor) -> None:
         """Make the encoding stream for a device pool (``on_stream``) and gather some of its
@@ -303,6 +320,9 @@ class KVPacker:
         after which the buffers hold the blocks (None for a host pool: packed already)."""
         if not pool.is_cuda:
             return *pack_kv_runs(pool, src_block_ids, dst_block_ids, self.staging), None
+        if self._retired:
+            self._retired = [(event, graph) for event, graph in self._retired
+                             if event is not None and not event.query()]
         self.prepare(pool)
         runs, buffers = pack_kv_runs(pool, src_block_ids, dst_block_ids, graphs=self.graphs_of(pool))
         ready = torch.cuda.Event()
@@ -320,14 +340,25 @@ class KVPacker:
 
     def give_back(self, buffers: Iterable[torch.Tensor]) -> None:
         """A finished move's buffers (``HostStaging.give_back``, ``GatherGraphs.give_back``).
-        A failed move's are never given back: a captured gather whose buffer UCX may still read
-        stays out of use (its graph's memory is freed with the buffer's last view)."""
+        A failed move's are never given back (``retire``)."""
         buffers = tuple(buffers)
         self.staging.give_back(buffers)
         for buffer in buffers:
             owner = getattr(buffer, "_gather_graph", None)
             if owner is not None:
                 owner[0].give_back(buffer)
+
+    def retire(self, buffers: Iterable[torch.Tensor], ready: torch.cuda.Event | None) -> None:
+        """A failed move's buffers: their captured gathers are never lent again (UCX may still
+        read a buffer), and each is kept until the device has passed ``ready``."""
+        for buffer in buffers:
+            owner = getattr(buffer, "_gather_graph", None)
+            graph = owner[0].retire(buffer) if owner is not None else None
+            if graph is not None:
+                self._retired.append((ready, graph))
+                log.warning("a captured gather of %d blocks is retired after a failed move (%d retired in all): "
+                            "gathers it would have taken are launched as they come", graph.capacity,
+                            owner[0].num_retired)
 
     async def send(self, transport: Transport, peer: PeerAddress, pool: torch.Tensor,
                    src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
@@ -344,11 +375,21 @@ class KVPacker:
         the host behind whatever that stream holds (correct, only slower)."""
         deadline = time.monotonic() + timeout_s
         runs, buffers, ready = self.pack(pool, src_block_ids, dst_block_ids)
-        await wait_for_event(ready, deadline)
-        with self.on_stream(pool):
-            reply_soon = transport.request_soon(peer, message_of(runs, buffers),
-                                                timeout_s=max(0.0, deadline - time.monotonic()), device_ready=True)
-        reply = await reply_soon
+        try:
+            await wait_for_event(ready, deadline)
+            with self.on_stream(pool):
+                reply_soon = transport.request_soon(peer, message_of(runs, buffers),
+                                                    timeout_s=max(0.0, deadline - time.monotonic()), device_ready=True)
+            reply = await reply_soon
+        except RemoteError as e:
+            if e.code in REFUSAL_CODES:  # the peer closes the connection, maybe before it read them
+                self.retire(buffers, ready)
+            else:  # it answered once every buffer had landed (or was drained, refused)
+                self.give_back(buffers)
+            raise
+        except BaseException:
+            self.retire(buffers, ready)
+            raise
         self.give_back(buffers)
         return reply
 

@@ -311,15 +311,19 @@ class MoveRejected:
 class HoldKV:
     """Home -> creditor: keep ``num_blocks`` of this pool for one request's spills, so that a
     request that needs peer memory starts only on memory no other home counts on. Sets the
-    hold (0 releases it); the creditor takes it first come, first served, all or nothing."""
+    hold (0 releases it); the creditor takes it first come, first served, all or nothing. With
+    ``renew``, the hold is kept as it is for another ``kv_hold_s`` (its size is the creditor's
+    figure, which spills may have used up since; none is made where none is kept). A draining
+    creditor keeps none."""
 
     TYPE: ClassVar[str] = "hold_kv"
-    VERSION: ClassVar[int] = 2  # 2: home_run
+    VERSION: ClassVar[int] = 3  # 2: home_run; 3: renew
 
     home_inst_id: int  # the request's home, the sender
     req_id: int
-    num_blocks: int  # blocks to keep for the request from now on; 0: keep none
+    num_blocks: int  # blocks to keep for the request from now on; 0: keep none (renew: not read)
     home_run: int = 0  # the home's run, as in TryMoveKV
+    renew: bool = False  # keep what is kept for longer, whatever num_blocks says
 
     def __post_init__(self) -> None:
         _require_not_negative("home_inst_id, req_id, num_blocks and home_run", self.home_inst_id, self.req_id,

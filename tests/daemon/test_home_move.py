@@ -405,61 +405,94 @@ def test_a_hold_granted_to_a_request_that_ended_is_given_back(tmp_path, ends):
     assert holds_asked in ([], [4, 0])
 
 
-def test_holds_a_request_still_counts_on_are_set_again_before_the_peer_lets_them_go(tmp_path):
+def test_holds_a_request_still_counts_on_are_renewed_before_the_peer_lets_them_go(tmp_path):
     """A peer keeps a hold for ``kv_hold_s``; a request that waits longer (or runs without
-    spilling) would count on blocks given to others since. The home sets its holds again every
+    spilling) would count on blocks given to others since. The home renews its holds every
     ``hold_renew_s``: the peer's time starts over, and where the peer keeps fewer (it let the
-    hold go and gave the blocks away), the home counts what it says."""
+    hold go and gave the blocks away, a spill used some, it drains), the home counts what it
+    says. A renewal makes no hold: one that crosses the request's end leaves none behind."""
     s = Setup(tmp_path)
-    holds_asked: list[int] = []
+    asked: list[tuple[int, bool]] = []
     serve = s.creditor._handle
     ledger = s.creditor.ledger
     key = (HOME, 9)
+    before_renewal = []  # what happens at the peer just before it takes a renewal
 
     def handle(message):
         if message.TYPE == "hold_kv":
-            holds_asked.append(message.num_blocks)
+            asked.append((message.num_blocks, message.renew))
+            if message.renew and before_renewal:
+                before_renewal.pop()()
         return serve(message)
+
+    async def hold_four() -> None:
+        assert s.lender.blocks_kept_elsewhere("9", 4) < 4  # asked in the background
+        await turns_until(lambda: not s.lender._asking)
+        assert s.lender.blocks_kept_elsewhere("9", 4) == 4 and ledger.hold_of(HOME, 9) == 4
+
+    async def renew_at(now: float) -> None:
+        s.lender.renew_holds(now)
+        await turns_until(lambda: not s.lender._renewing)
+        await s.network.settle()
+
+    def later(periods: float) -> float:
+        return s.lender._holds_set_at["9"][CREDITOR] + periods * s.lender.hold_renew_s
 
     async def scenario() -> None:
         await s.creditor.transport.start(handle, s.creditor._place)
-        assert s.lender.blocks_kept_elsewhere("9", 4) == 0  # asked in the background
-        await turns_until(lambda: not s.lender._asking)
-        assert s.lender.blocks_kept_elsewhere("9", 4) == 4
-        set_at = s.lender._holds_set_at["9"]
-
-        s.lender.renew_holds(set_at + s.lender.hold_renew_s / 2)  # not yet
-        assert not s.lender._asking
+        await hold_four()
+        await renew_at(later(0.5))  # not yet
+        assert asked == [(4, False)]
         ledger.holds[key] = dataclasses.replace(ledger.holds[key], expires_at=0.0)  # nearly out
-        s.lender.renew_holds(set_at + s.lender.hold_renew_s)
-        await turns_until(lambda: not s.lender._asking)
-        assert ledger.holds[key].expires_at > time.monotonic()  # its time starts over
-        assert s.lender.blocks_kept_elsewhere("9", 4) == 4
+        await renew_at(later(1))
+        assert asked[-1] == (0, True) and ledger.holds[key].expires_at > time.monotonic()  # time starts over
+        assert s.lender.held_on("9", CREDITOR) == ledger.hold_of(HOME, 9) == 4
 
-        # The peer let the hold go and gave all but one block to another home meanwhile.
+        # A spill's reservation uses three blocks of the hold just before the peer takes a
+        # renewal: the renewal keeps the one left, and the home counts one.
+        def spill_uses_three() -> None:
+            ledger.reserve(HOME, 9, 3, time.monotonic())
+            assert s.lender._used_hold("9", CREDITOR, 3) == 3
+        before_renewal.append(spill_uses_three)
+        await renew_at(later(1))
+        assert s.lender.held_on("9", CREDITOR) == ledger.hold_of(HOME, 9) == 1
+
+        # The peer let the hold go and gave the blocks to another home: the renewal makes none.
         ledger.release_expired(float("inf"))
-        assert ledger.holds == {}
-        taken = ledger.reserve(3, 1, 7, time.monotonic())
-        s.lender.renew_holds(set_at + 2 * s.lender.hold_renew_s)
-        await turns_until(lambda: not s.lender._asking)
+        ledger.reserve(3, 1, 7, time.monotonic())
+        await renew_at(later(1))
         assert s.lender.held_on("9", CREDITOR) == ledger.hold_of(HOME, 9) == 0
-        ledger.cancel(taken.reservation_id)
-        s.peer.num_blocks_free = 8  # as the peer's next publication says
 
-        # A request that ends while its holds are set again leaves none behind.
-        assert s.lender.blocks_kept_elsewhere("9", 4) == 0  # asks again
-        await turns_until(lambda: not s.lender._asking)
-        assert ledger.hold_of(HOME, 9) == 4
-        s.lender.renew_holds(time.monotonic() + 3 * s.lender.hold_renew_s)
-        assert s.lender._asking == {"9"}
-        await turns_until(lambda: len(holds_asked) == 5)  # the peer has the renewal
+    asyncio.run(scenario())
+    assert asked == [(4, False), (0, True), (0, True), (0, True)]
+
+
+def test_a_renewal_that_crosses_the_requests_end_or_a_drain_leaves_no_hold(tmp_path):
+    s = Setup(tmp_path)
+    ledger = s.creditor.ledger
+
+    async def scenario() -> None:
+        await s.creditor.transport.start(s.creditor._handle, s.creditor._place)
+        for end in ("forget", "drain"):
+            assert s.lender.blocks_kept_elsewhere("9", 4) == 0
+            await turns_until(lambda: not s.lender._asking)
+            assert ledger.hold_of(HOME, 9) == 4
+            s.lender.renew_holds(time.monotonic() + s.lender.hold_renew_s)
+            assert s.lender._renewing == {("9", CREDITOR)}
+            if end == "forget":
+                s.lender.forget("9")  # its release goes out after the renewal
+            else:
+                s.creditor.draining = True  # a draining peer keeps nothing for anyone
+            await turns_until(lambda: not s.lender._renewing)
+            await s.network.settle()
+            assert ledger.holds == {}
+            s.creditor.draining = False
+        assert s.lender.held_on("9", CREDITOR) == 0  # what the draining peer said
         s.lender.forget("9")
-        await turns_until(lambda: not s.lender._asking)
         await s.network.settle()
 
     asyncio.run(scenario())
-    assert holds_asked == [4, 4, 4, 4, 4, 0, 0]
-    assert ledger.holds == {} and s.lender._holds == {} and s.lender._holds_set_at == {}
+    assert s.lender._holds == {} and s.lender._holds_set_at == {} and ledger.holds == {}
 
 
 def test_a_spill_passes_over_a_request_whose_move_is_in_flight(tmp_path):

@@ -162,6 +162,19 @@ def test_holds_are_taken_first_come_all_or_nothing_and_used_up_by_the_requests_s
         ledger.set_hold(1, 7, -1, free_for_others=8, now=0.0)
 
 
+def test_a_renewed_hold_keeps_its_size_for_another_period_and_none_is_made() -> None:
+    _, ledger = make()
+    ledger.hold_ttl_s = 100.0
+    assert ledger.set_hold(1, 7, 4, free_for_others=8, now=0.0) == 4
+    ledger.reserve(1, 7, 3, now=50.0)  # a spill used three
+    assert ledger.renew_hold(1, 7, now=90.0) == 1
+    assert ledger.holds[(1, 7)].expires_at == 190.0 and ledger.last_heard[1] == 90.0
+    ledger.release_expired(now=150.0)  # the spill's reservation, never committed
+    assert ledger.hold_of(1, 7) == 1
+    ledger.release_expired(now=190.0)
+    assert ledger.renew_hold(1, 7, now=191.0) == 0 and ledger.holds == {}
+
+
 def test_holds_end_with_their_request_their_home_or_their_time() -> None:
     _, ledger = make(num_blocks=16, ttl=10.0)
     ledger.hold_ttl_s = 100.0

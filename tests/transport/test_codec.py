@@ -54,6 +54,7 @@ def sample_messages() -> list[m.Message]:
                        expires_in_ms=2000),
         m.MoveRejected(move_id=1, reason=m.MoveRejectReason.NO_SPACE, num_blocks_free=2),
         m.HoldKV(home_inst_id=2, req_id=11, num_blocks=40),
+        m.HoldKV(home_inst_id=2, req_id=11, num_blocks=0, home_run=3, renew=True),
         m.KVHoldReply(num_blocks_held=40, num_blocks_free=12),
         m.KVBlocks(move_id=1, reservation_id=8, runs=(m.BlockRun(5, 2), m.BlockRun(9, 2)),
                    runs_data=(torch.randn(2, 2, 2, 16, 2, 8), torch.randn(2, 2, 2, 16, 2, 8)), commit_segment_id=3),

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from infinite_llm.transport.block_runs import destination_runs
 from infinite_llm.transport import codec
 from infinite_llm.transport import messages as m
+from infinite_llm.transport.errors import RemoteError
 from infinite_llm.transport.interface import PeerAddress
 from infinite_llm.transport.kv_packing import (
     HostStaging,
@@ -245,16 +246,20 @@ def test_waiting_for_an_event_ends_at_its_deadline():
 HOME, CREDITOR = PeerAddress("memory", 1), PeerAddress("memory", 2)
 
 
-def send_scattered_blocks(packer: KVPacker, device: str, timeout_s: float = 5.0):
+def send_scattered_blocks(packer: KVPacker, device: str, timeout_s: float = 5.0, refuse: bool = False,
+                          before=None):
     """``packer.send`` of three scattered blocks of a pool into blocks 3-5 of a peer's, over the
     in-memory network; returns the source pool, the peer's pool, the reply (or the exception)
-    and the network's message types."""
+    and the network's message types. ``refuse``: the peer's handler fails on the landed blocks.
+    ``before(pool)`` runs first."""
     async def scenario():
         network = InMemoryNetwork()
         home, creditor = network.transport(HOME), network.transport(CREDITOR)
         received = torch.zeros(8, 4, 16, device=device)
 
         def handle(message):
+            if refuse:
+                raise ValueError("the reservation is gone")
             return m.KVBlocksStored(message.move_id, message.reservation_id, sum(r.num_blocks for r in message.runs))
 
         def place(message):
@@ -263,10 +268,12 @@ def send_scattered_blocks(packer: KVPacker, device: str, timeout_s: float = 5.0)
         await home.start(lambda message: None)
         await creditor.start(handle, place)
         pool = torch.randn(16, 4, 16, device=device)
+        if before is not None:
+            before(pool)
         try:
             reply = await packer.send(home, CREDITOR, pool, [9, 2, 14], [3, 4, 5],
                                       lambda runs, data: m.KVBlocks(7, 70, runs, data), timeout_s)
-        except TimeoutError as exc:
+        except (TimeoutError, RemoteError) as exc:
             reply = exc
         await network.settle()
         return pool, received, reply, [t for _, _, t in network.messages()]
@@ -280,6 +287,14 @@ def test_a_packed_move_lands_in_the_peers_blocks_and_its_staging_comes_back():
     assert torch.equal(received[3:6], pool[[9, 2, 14]])
     assert types == ["kv_blocks", "kv_blocks_stored"]
     assert packer.staging.num_free == 1  # answered: the gather's buffer is used again
+
+
+def test_a_packed_move_the_peer_answered_with_an_error_gives_its_staging_back():
+    """The peer's handler ran on the landed blocks and failed: it reads them no more."""
+    packer = KVPacker()
+    _, _, reply, types = send_scattered_blocks(packer, "cpu", refuse=True)
+    assert isinstance(reply, RemoteError) and reply.code == m.ErrorCode.HANDLER_FAILED
+    assert types == ["kv_blocks", "error_reply"] and packer.staging.num_free == 1
 
 
 class _NeverReadyPacker(KVPacker):
@@ -305,3 +320,34 @@ def test_a_packed_move_of_a_device_pool_lands_in_the_peers_blocks():
     assert torch.equal(received[3:6], pool[[9, 2, 14]])
     graphs = packer.graphs_of(pool)  # the gather was a captured one, given back once answered
     assert graphs.num_free == len(graphs.sizes) * packer.graphs_per_size
+
+
+@pytest.mark.gpu
+def test_a_device_move_answered_with_an_error_gives_its_captured_gather_back():
+    packer = KVPacker()
+    pool, _, reply, _ = send_scattered_blocks(packer, "cuda", refuse=True)
+    assert isinstance(reply, RemoteError)
+    graphs = packer.graphs_of(pool)
+    assert graphs.num_free == len(graphs.sizes) * packer.graphs_per_size and graphs.num_retired == 0
+
+
+@pytest.mark.gpu
+def test_a_device_move_whose_gather_is_late_retires_its_graph_until_the_device_passed_it():
+    """The gather is queued behind a long kernel and the move gives up first: its graph is lent
+    no more, and kept (its pinned ids with it) until the device has run its replay."""
+    packer = KVPacker()
+
+    def busy(pool):
+        packer.prepare(pool)
+        torch.cuda._sleep(100_000_000)
+
+    pool, _, reply, types = send_scattered_blocks(packer, "cuda", timeout_s=0.01, before=busy)
+    assert isinstance(reply, TimeoutError) and types == []
+    graphs = packer.graphs_of(pool)
+    assert graphs.num_retired == 1 and graphs.num_free == len(graphs.sizes) * packer.graphs_per_size - 1
+    assert len(packer._retired) == 1
+    torch.cuda.synchronize()
+    _, buffers, ready = packer.pack(pool, [9, 2, 14], [3, 4, 5])  # the replay has run: let go
+    assert packer._retired == []
+    ready.synchronize()
+    assert torch.equal(buffers[0], pool[[9, 2, 14]])
