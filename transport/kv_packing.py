@@ -323,8 +323,10 @@ class KVPacker:
         if self._retired:
             self._retired = [(event, graph) for event, graph in self._retired
                              if event is not None and not event.query()]
-        self.prepare(pool)
-        runs, buffers = pack_kv_runs(pool, src_block_ids, dst_block_ids, graphs=self.graphs_of(pool))
+        key = self._graphs_key(pool)
+        if key not in self._graphs:
+            self.prepare(pool)
+        runs, buffers = pack_kv_runs(pool, src_block_ids, dst_block_ids, graphs=self._graphs.get(key))
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(pool.device))
         return runs, buffers, ready

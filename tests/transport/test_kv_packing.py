@@ -351,3 +351,24 @@ def test_a_device_move_whose_gather_is_late_retires_its_graph_until_the_device_p
     assert packer._retired == []
     ready.synchronize()
     assert torch.equal(buffers[0], pool[[9, 2, 14]])
+
+
+def _runs_by_walking(sources, destinations, max_run_blocks):
+    """``destination_runs``'s contract, pair by pair."""
+    runs = []
+    for src, dst in zip(sources, destinations):
+        if runs and dst == runs[-1][0] + len(runs[-1][1]) and (
+                max_run_blocks is None or len(runs[-1][1]) < max_run_blocks):
+            runs[-1][1].append(src)
+        else:
+            runs.append((dst, [src]))
+    return [(dst, tuple(srcs)) for dst, srcs in runs]
+
+
+@given(st.lists(st.integers(0, 500), min_size=1, max_size=40, unique=True), st.integers(0, 100),
+       st.booleans(), st.one_of(st.none(), st.integers(1, 50)))
+def test_destination_runs_of_one_reservation_or_many_follow_the_pairs(sources, start, consecutive, max_run_blocks):
+    destinations = list(range(start, start + len(sources))) if consecutive else sorted(sources, reverse=True)
+    runs = destination_runs(sources, destinations, max_run_blocks)
+    assert [(r.dst_block_id, r.src_block_ids) for r in runs] == _runs_by_walking(sources, destinations,
+                                                                                max_run_blocks)
