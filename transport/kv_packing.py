@@ -21,11 +21,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
-
-import logging
 
 import numpy as np
 import torch
@@ -169,6 +168,7 @@ class GatherGraph:
     def __init__(self, pool: torch.Tensor, capacity: int, stream: torch.cuda.Stream,
                  memory_pool: tuple[int, int]) -> None:
         self.capacity = capacity
+        # The graph reads and writes these by address: kept as long as it is.
         ids_host = torch.zeros(capacity, dtype=torch.int64, pin_memory=True)
         self._ids_host = ids_host
         self._ids = ids_host.numpy()  # written from the host before each replay
@@ -296,8 +296,8 @@ class KVPacker:
             for num_blocks in (2, 17):
                 if len(pool) >= num_blocks:
                     pack_kv_runs(pool, list(reversed(range(num_blocks))), list(range(num_blocks)))
-        try:
-            graphs = GatherGraphs(pool, torch.cuda.Stream(pool.device), self.graphs_per_size, self.graph_max_bytes)
+        try:  # captured on the packer's stream: idle, and making another waits for the device
+            graphs = GatherGraphs(pool, self._streams[pool.device], self.graphs_per_size, self.graph_max_bytes)
         except (RuntimeError, torch.OutOfMemoryError) as e:  # a gather then is an index_select
             log.warning("KV gathers of the pool on %s are not captured (%s): each move launches its own",
                         pool.device, e)
