@@ -7,9 +7,11 @@ Two processes (this one and a server it starts). Measured side by side in one ru
   process (host memcpy, or device-to-device on the GPU), bytes counted once. Host buffers go
   through the transport's shared memory (copied into it); also measured: with the sources in
   it already (as a mover's staging buffers are), and with shared memory off (over UCX);
-- a batch of N KV blocks scattered over the source pool, moved as the daemons move them
-  (gathered into one buffer for a contiguous reservation), against one contiguous run of the
-  same bytes; and N runs into scattered destinations (the worst case);
+- a batch of N KV blocks scattered over the source pool, moved as the daemons move them (on
+  the GPU, as row ids that the server copies out of the client's pool mapped through CUDA IPC;
+  else gathered into one buffer for a contiguous reservation), against one contiguous run of
+  the same bytes sent as one buffer; on the GPU also gathered and sent over UCX, the path to a
+  peer on another host; and N runs into scattered destinations (the worst case);
 - round trip of a 1 KiB ``Echo`` (p50, p99), with the headers through the header ring (the
   default between local processes) and over UCX.
 
@@ -325,9 +327,12 @@ def shared_copy(transport: UcxTransport, tensor: torch.Tensor) -> torch.Tensor:
 async def measure_block_batch(transport, server, device, num_blocks: int, block_nbytes: int,
                               window: int, block_batch_rounds: int = 5) -> dict:
     """N KV blocks scattered over the source pool, moved as a daemon's mover moves them
-    (``KVPacker.send``: gathered on the sender into one buffer for a contiguous reservation,
-    a device pool's gather waited for by polling its event from the event loop), against the
-    same bytes already contiguous; and the worst case, N runs into N scattered destinations."""
+    (``KVPacker.send``: to a local peer that mapped a device pool, as row ids that the peer
+    copies out of the pool; else gathered on the sender into one buffer for a contiguous
+    reservation, a device pool's gather waited for by polling its event from the event loop),
+    against the same bytes already contiguous, sent as one buffer; the same blocks gathered
+    and sent over UCX where the pool is mapped (the path to a peer on another host); and the
+    worst case, N runs into N scattered destinations."""
     source_pool = torch.randint(0, 255, (4 * num_blocks, block_nbytes), dtype=torch.uint8, device=device)
     scattered_ids = torch.randperm(4 * num_blocks)[:num_blocks].tolist()
     # The contiguous anchor rotates over the pool's four contiguous ranges, as the bandwidth
@@ -341,10 +346,17 @@ async def measure_block_batch(transport, server, device, num_blocks: int, block_
     packer = KVPacker(HostStaging(allocate=transport.shared_host_buffer))  # as a daemon's mover keeps one
     packer.prepare(source_pool)
     gathered_move = (packer, source_pool, scattered_ids, list(range(num_blocks)))
+    pulled = await transport.map_device_pool(server, source_pool)
+    # Where the peer maps the pool, the daemons' path above pulls the rows; the gather over UCX
+    # is then measured as well, with a packer that does not offer pools.
+    ucx_packer = KVPacker(HostStaging(allocate=transport.shared_host_buffer), map_pools=False)
+    ucx_packer.prepare(source_pool)
 
     num_messages = max(8, min(200, (512 * MiB) // (num_blocks * block_nbytes)))
     cases = {"contiguous": (contiguous_runs, contiguous_data, None), "gathered": ([None], [None], gathered_move),
+             "gathered_over_ucx": ([None], [None], (ucx_packer, *gathered_move[1:])),
              "scattered": ([scattered_runs], [scattered_data], None)}
+    alternated = ("contiguous", "gathered", "gathered_over_ucx") if pulled else ("contiguous", "gathered")
 
     async def rate(name: str) -> float:
         runs, data, packed_move = cases[name]
@@ -358,19 +370,24 @@ async def measure_block_batch(transport, server, device, num_blocks: int, block_
     # on the H200 with the same code, as the anchor itself wandered between 17 and 38 GB/s.
     rounds = []
     for i in range(block_batch_rounds):
-        order = ("contiguous", "gathered") if i % 2 == 0 else ("gathered", "contiguous")
+        order = alternated if i % 2 == 0 else tuple(reversed(alternated))
         rates = {name: await rate(name) for name in order}
         rounds.append(rates)
     ratios = [r["gathered"] / r["contiguous"] for r in rounds]
     middle = sorted(range(len(ratios)), key=ratios.__getitem__)[len(ratios) // 2]
     scattered = await rate("scattered")
-    return {"num_blocks": num_blocks, "block_nbytes": block_nbytes, "messages": num_messages,
-            "window": window, "rounds": len(rounds),
-            "contiguous_bytes_per_s": rounds[middle]["contiguous"],
-            "gathered_bytes_per_s": rounds[middle]["gathered"],
-            "scattered_bytes_per_s": scattered,
-            "ratio": ratios[middle], "round_ratios": ratios,
-            "scattered_destinations_ratio": scattered / rounds[middle]["contiguous"]}
+    result = {"num_blocks": num_blocks, "block_nbytes": block_nbytes, "messages": num_messages,
+              "window": window, "rounds": len(rounds), "pulled_from_mapped_pool": pulled,
+              "contiguous_bytes_per_s": rounds[middle]["contiguous"],
+              "gathered_bytes_per_s": rounds[middle]["gathered"],
+              "scattered_bytes_per_s": scattered,
+              "ratio": ratios[middle], "round_ratios": ratios,
+              "scattered_destinations_ratio": scattered / rounds[middle]["contiguous"]}
+    if pulled:
+        over_ucx = [r["gathered_over_ucx"] / r["contiguous"] for r in rounds]
+        result["gathered_over_ucx_round_ratios"] = over_ucx
+        result["gathered_over_ucx_ratio"] = sorted(over_ucx)[len(over_ucx) // 2]
+    return result
 
 
 def percentiles(samples: list[float]) -> dict:
@@ -507,7 +524,10 @@ def print_table(results: dict) -> None:
           f"{b['gathered_bytes_per_s'] / 1e9:.2f} GB/s, already contiguous "
           f"{b['contiguous_bytes_per_s'] / 1e9:.2f} GB/s, ratio {b['ratio']:.2f} (median of "
           f"{', '.join(f'{r:.2f}' for r in b['round_ratios'])}); "
-          f"into scattered destinations {b['scattered_destinations_ratio']:.2f}")
+          f"into scattered destinations {b['scattered_destinations_ratio']:.2f}"
+          + (f"; pulled from the mapped pool (gathered over UCX: {b['gathered_over_ucx_ratio']:.2f}, of "
+             f"{', '.join(f'{r:.2f}' for r in b['gathered_over_ucx_round_ratios'])})"
+             if b["pulled_from_mapped_pool"] else ""))
     r = results["round_trip"]
     print(f"1 KiB round trip: layer p50 {r['layer']['p50_us']:.1f} us p99 "
           f"{r['layer']['p99_us']:.1f} us; bare ucxx p50 {r['bare_ucxx']['p50_us']:.1f} us "

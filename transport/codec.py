@@ -7,14 +7,16 @@ No I/O here. Layout of the header bytes:
     json      orjson    {"t": type, "v": type version, "id": msg id, "re": reply-to id or null,
                          "f": {field: value}, "x": {tensor field: [dtype, shape] or a list of
                          them}, "b": [[nbytes, where], ...]}
-              where: 0 a separate UCX message, 1 inside the header, or 2 followed by an
-              offset: in the sender's shared-memory region (``shared_memory``)
+              where: 0 a separate UCX message, 1 inside the header, 2 followed by an
+              offset: in the sender's shared-memory region (``shared_memory``), or 3
+              followed by a pool id and a list of row ids: those rows of a device pool of
+              the sender's that the receiver mapped (``device_pools``)
     inline    bytes     the inline buffers, concatenated in buffer order
 
 Buffers follow the header in order, one per tensor (tuple fields give one per element), each
 the tensor's raw bytes. Small host buffers travel inside the header so that a small message is
 one transfer; a host buffer that the sender placed in its shared-memory region travels as its
-offset there. Nested records are JSON arrays in field order.
+offset there, and rows of a pool that the receiver mapped as their ids. Nested records are JSON arrays in field order.
 
 ``decode_header`` refuses anything malformed with ``ProtocolError``, never another exception:
 the receiver answers with ``ErrorReply`` and closes the connection. It builds the message with
@@ -35,6 +37,7 @@ import orjson
 import torch
 
 from infinite_llm.transport import messages as messages_module
+from infinite_llm.transport.device_pools import PoolRows
 from infinite_llm.transport.errors import ProtocolError
 from infinite_llm.transport.messages import (
     MESSAGE_TYPES,
@@ -107,11 +110,15 @@ class FrameHeader:
     # Per buffer: its offset in the sender's shared-memory region, -1 where it is not there;
     # empty where no buffer of the frame is.
     shared_offsets: tuple[int, ...] = ()
+    # Per buffer: (pool id, row ids) where it is rows of a pool of the sender's that the
+    # receiver mapped, else None; empty where no buffer of the frame is.
+    pool_rows: tuple[tuple[int, tuple[int, ...]] | None, ...] = ()
 
     @property
     def num_wire_buffers(self) -> int:
         """Buffers that arrive as UCX messages of their own."""
-        return len(self.inline) - sum(self.inline) - sum(o >= 0 for o in self.shared_offsets)
+        return (len(self.inline) - sum(self.inline) - sum(o >= 0 for o in self.shared_offsets)
+                - sum(r is not None for r in self.pool_rows))
 
 
 # --- schema: how each field of each message type is encoded -------------------------------
@@ -276,7 +283,7 @@ for _cls in MESSAGE_TYPES.values():  # every type's schema is checked at import
 
 def _spec_entry(array: WireArray) -> list:
     """``[dtype name, shape]`` of a tensor, as the header carries it."""
-    if isinstance(array, torch.Tensor):
+    if isinstance(array, (torch.Tensor, PoolRows)):
         name = TORCH_DTYPE_NAMES.get(array.dtype)
         if name is None:
             raise ValueError(f"dtype {array.dtype} cannot travel on the wire")
@@ -315,6 +322,7 @@ def encode(
     place_shared: typing.Callable[[WireArray], int | None] | None = None,
     max_header_bytes: int = FrameLimits.max_header_bytes,
     device_ready: bool = False,
+    place_rows: typing.Callable[[PoolRows], int | None] | None = None,
 ) -> EncodedFrame:
     """The frame of ``message``. Tensors must be C-contiguous; nothing is copied except the
     small buffers that go inline: host buffers up to ``inline_limit_bytes`` in all, device
@@ -326,6 +334,11 @@ def encode(
 
     ``place_shared``: for a host buffer that is not inline, its offset in the sender's
     shared-memory region (placing it there), or None to send it over UCX.
+
+    ``place_rows``: for a ``PoolRows`` buffer, the id under which the receiver mapped its pool,
+    or None; such rows travel as their ids. Rows whose pool it has not mapped are gathered
+    here, on the current stream, and sent as any device buffer (waited for whatever
+    ``device_ready`` says: the gather is queued now).
 
     Raises ``HeaderTooLarge`` (a ValueError) where the header (preamble, JSON and inline
     buffers) would exceed ``max_header_bytes``, which the receiver refuses: a sender passes its
@@ -345,12 +358,20 @@ def encode(
             tensor_specs[name] = _spec_entry(value)
             arrays.append(value)
 
-    buffer_table: list[list[int]] = []  # [nbytes, where] or [nbytes, 2, offset]
+    buffer_table: list[list] = []  # [nbytes, where], [nbytes, 2, offset] or [nbytes, 3, pool id, rows]
     inline_parts: list[bytes] = []
     wire_buffers: list[object] = []
     inline_total = inline_host = inline_cuda = 0
     posted_device_arrays: list[WireArray] = []
+    gathered_here = False
     for array in arrays:
+        if type(array) is PoolRows:
+            pool_id = place_rows(array) if place_rows is not None else None
+            if pool_id is not None:
+                buffer_table.append([array.nbytes, 3, pool_id, list(array.rows)])
+                continue
+            array = array.gather()
+            gathered_here = gathered_here or array.is_cuda
         if isinstance(array, torch.Tensor):
             nbytes, on_device = array.nbytes, array.is_cuda
         else:
@@ -377,7 +398,7 @@ def encode(
             wire_buffers.append(wire_view(array))
             if on_device:
                 posted_device_arrays.append(array)
-    if posted_device_arrays and not device_ready:
+    if posted_device_arrays and (not device_ready or gathered_here):
         wait_for_producers(posted_device_arrays)
 
     body = orjson.dumps({
@@ -463,7 +484,7 @@ def decode_header(data: bytes | memoryview, limits: FrameLimits) -> FrameHeader:
             kwargs[name] = spec = _decode_spec(tensor_fields[name], limits)
             specs.append(spec)
 
-    inline, shared_offsets = _check_buffer_table(table, specs, inline_len, limits)
+    inline, shared_offsets, pool_rows = _check_buffer_table(table, specs, inline_len, limits)
     try:
         message = cls(**kwargs)
     except (ValueError, TypeError) as e:
@@ -479,6 +500,7 @@ def decode_header(data: bytes | memoryview, limits: FrameLimits) -> FrameHeader:
         specs=tuple(specs),
         inline=inline,
         shared_offsets=shared_offsets,
+        pool_rows=pool_rows,
         # Zero-copy where ``data`` is immutable bytes (the transports pass a fresh copy).
         inline_bytes=(memoryview(data)[PREAMBLE.size + json_len:] if type(data) is bytes
                       else bytes(data[PREAMBLE.size + json_len:])),
@@ -553,8 +575,9 @@ def request_id_of(data: bytes | memoryview) -> int | None:
 
 def _check_buffer_table(
     table: list, specs: list[TensorSpec], inline_len: int, limits: FrameLimits
-) -> tuple[tuple[bool, ...], tuple[int, ...]]:
-    """Per buffer, whether it is inline, and the offsets of those in shared memory."""
+) -> tuple[tuple[bool, ...], tuple[int, ...], tuple]:
+    """Per buffer, whether it is inline, the offsets of those in shared memory, and the pool
+    ids and rows of those that are rows of a mapped pool (``FrameHeader``)."""
     # The common table first: each buffer [nbytes, 0|1], its byte count its tensor's (a spec
     # spans at most max_buffer_bytes, ``_decode_spec``); anything else is checked below.
     if len(table) == len(specs):
@@ -572,26 +595,29 @@ def _check_buffer_table(
             inline.append(where == 1)
         else:
             if inline_total == inline_len and total <= limits.max_total_buffer_bytes:
-                return tuple(inline), ()
+                return tuple(inline), (), ()
     return _check_any_buffer_table(table, specs, inline_len, limits)
 
 
 def _check_any_buffer_table(
     table: list, specs: list[TensorSpec], inline_len: int, limits: FrameLimits
-) -> tuple[tuple[bool, ...], tuple[int, ...]]:
+) -> tuple[tuple[bool, ...], tuple[int, ...], tuple]:
     if len(table) != len(specs):
         raise ProtocolError(ErrorCode.LENGTH_MISMATCH,
                             f"{len(table)} buffers for {len(specs)} tensors")
     inline: list[bool] = []
     shared: list[int] | None = None
+    pool_rows: list | None = None
     total = inline_total = 0
     for i, (entry, spec) in enumerate(zip(table, specs)):
         if not (isinstance(entry, list) and _is_int(entry[0] if entry else None)
                 and ((len(entry) == 2 and entry[1] in (0, 1) and type(entry[1]) is int)
                      or (len(entry) == 3 and entry[1] == 2 and type(entry[1]) is int
-                         and _is_int(entry[2]) and entry[2] >= 0))):
-            raise ProtocolError(ErrorCode.INVALID_FIELDS,
-                                "a buffer entry is [nbytes, 0|1] or [nbytes, 2, offset]")
+                         and _is_int(entry[2]) and entry[2] >= 0)
+                     or (len(entry) == 4 and entry[1] == 3 and type(entry[1]) is int
+                         and _is_int(entry[2]) and entry[2] >= 0 and _are_rows(entry[3])))):
+            raise ProtocolError(ErrorCode.INVALID_FIELDS, "a buffer entry is [nbytes, 0|1], [nbytes, 2, offset] "
+                                "or [nbytes, 3, pool id, [row id, ...]]")
         nbytes, where = entry[0], entry[1]
         if nbytes > limits.max_buffer_bytes:
             raise ProtocolError(ErrorCode.BUFFER_TOO_LARGE, f"buffer of {nbytes} bytes")
@@ -605,13 +631,27 @@ def _check_any_buffer_table(
             if shared is None:
                 shared = [-1] * len(table)
             shared[i] = entry[2]
+        elif where == 3:
+            if nbytes % len(entry[3]):
+                raise ProtocolError(ErrorCode.LENGTH_MISMATCH,
+                                    f"a buffer of {nbytes} bytes in {len(entry[3])} rows of one size")
+            if pool_rows is None:
+                pool_rows = [None] * len(table)
+            pool_rows[i] = (entry[2], tuple(entry[3]))
         inline.append(where == 1)
     if total > limits.max_total_buffer_bytes:
         raise ProtocolError(ErrorCode.BUFFER_TOO_LARGE, f"buffers of {total} bytes")
     if inline_total != inline_len:
         raise ProtocolError(ErrorCode.LENGTH_MISMATCH,
                             f"inline buffers of {inline_total} bytes, {inline_len} carried")
-    return tuple(inline), (() if shared is None else tuple(shared))
+    return (tuple(inline), (() if shared is None else tuple(shared)),
+            (() if pool_rows is None else tuple(pool_rows)))
+
+
+def _are_rows(rows: object) -> bool:
+    """A buffer's row ids: a non-empty list of ints >= 0 (each checked against the pool when
+    the buffer lands)."""
+    return type(rows) is list and len(rows) > 0 and all(type(r) is int and 0 <= r <= _MAX_INT for r in rows)
 
 
 def _is_int(value: object) -> bool:
@@ -685,10 +725,11 @@ def wire_destinations(
 ) -> list[object]:
     """Byte views of the destinations that arrive as separate buffers, in order."""
     shared = header.shared_offsets or (-1,) * len(header.specs)
+    rows = header.pool_rows or (None,) * len(header.specs)
     return [
         wire_view(dest)
-        for dest, spec, inline, offset in zip(destinations, header.specs, header.inline, shared)
-        if not inline and offset < 0 and spec.nbytes > 0
+        for dest, spec, inline, offset, pulled in zip(destinations, header.specs, header.inline, shared, rows)
+        if not inline and offset < 0 and pulled is None and spec.nbytes > 0
     ]
 
 
@@ -702,6 +743,7 @@ def land_inline(header: FrameHeader, destinations: typing.Sequence[WireArray]) -
     separate: list[object] = []
     offset = 0
     shared = header.shared_offsets
+    pulled = header.pool_rows
     for i, (dest, spec, inline) in enumerate(zip(destinations, header.specs, header.inline)):
         if nbytes_of(dest) != spec.nbytes:
             raise ValueError(f"destination of {nbytes_of(dest)} bytes for {spec.nbytes}")
@@ -709,7 +751,7 @@ def land_inline(header: FrameHeader, destinations: typing.Sequence[WireArray]) -
         if spec.nbytes == 0:
             continue
         if not inline:
-            if not shared or shared[i] < 0:
+            if (not shared or shared[i] < 0) and (not pulled or pulled[i] is None):
                 separate.append(view)
             continue
         chunk = header.inline_bytes[offset:offset + spec.nbytes]
@@ -731,6 +773,14 @@ def shared_destinations(
         for dest, spec, offset in zip(destinations, header.specs, header.shared_offsets)
         if offset >= 0 and spec.nbytes > 0
     ]
+
+
+def pool_row_destinations(
+    header: FrameHeader, destinations: typing.Sequence[WireArray]
+) -> list[tuple[WireArray, int, tuple[int, ...]]]:
+    """(destination, pool id, row ids) of each buffer that is rows of a pool the receiver
+    mapped, in order (destinations checked by ``land_inline``)."""
+    return [(dest, *pulled) for dest, pulled in zip(destinations, header.pool_rows) if pulled is not None]
 
 
 def host_tensors_of_inline(header: FrameHeader) -> list[WireArray]:

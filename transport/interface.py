@@ -62,6 +62,10 @@ class TransportConfig:
     # per connection and direction (``header_ring``); its data size in bytes (committed at
     # once). 0, or a machine other than x86-64: over UCX.
     header_ring_bytes: int = 2 << 20
+    # A move's KV blocks from a device pool go to a peer on this host as their row ids, and
+    # the peer copies them out of the pool mapped through CUDA IPC (``device_pools``). False:
+    # gathered and sent over UCX.
+    device_pools: bool = True
     limits: FrameLimits = field(default_factory=FrameLimits)
 
     def landing_device(self, all_inline: bool) -> str:
@@ -113,6 +117,12 @@ class Transport(Protocol):
         """A flat uint8 host tensor of ``nbytes`` that requests to peers on this host carry with
         no copy (it lies in memory they map), or None where there is no such memory. Used
         again once no view of it is left."""
+        ...
+
+    async def map_device_pool(self, peer: PeerAddress, pool: WireArray, timeout_s: float | None = None) -> bool:
+        """Whether ``peer`` reads rows of ``pool`` in place (``device_pools.PoolRows`` buffers
+        travel as their ids), offering the pool on first use. False where it cannot: rows
+        then travel gathered. Raises PeerUnreachable or RequestTimeout."""
         ...
 
     def shared_memory_status(self) -> dict:

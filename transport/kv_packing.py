@@ -4,8 +4,10 @@ A run whose source blocks are consecutive is a view of the pool (no copy); one w
 are scattered is gathered with one ``index_select`` on the pool's device, queued on the
 current stream: the codec waits for it before UCX reads the buffer on its own streams.
 
-``KVPacker`` packs a move as a daemon's mover does: a device pool's gathers come with an event
-recorded after them, which the caller polls from its event loop (``wait_for_event``) instead
+``KVPacker`` sends a move as a daemon's mover does. To a peer that mapped the pool (a local
+peer, ``device_pools``) a move's buffers are its source rows, named by id: the peer copies
+them out of the pool itself, and nothing is gathered here. To any other peer, a device
+pool's gathers come with an event recorded after them, which the caller polls from its event loop (``wait_for_event``) instead
 of the codec blocking the loop on a stream wait. Its gathers of a few blocks replay CUDA graphs
 captured at ``prepare`` (``GatherGraph``): the host's work of a gather, on the thread that also
 drives UCX, is what kept a batch of small blocks well below a contiguous send.
@@ -26,11 +28,11 @@ import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 
-import numpy as np
 import torch
 
 from infinite_llm.transport.block_runs import PackedRun, destination_runs
 from infinite_llm.transport.codec import REFUSAL_CODES
+from infinite_llm.transport.device_pools import PoolRows, row_index
 from infinite_llm.transport.errors import RemoteError
 from infinite_llm.transport.interface import PeerAddress, Transport
 from infinite_llm.transport.messages import BlockRun, Message
@@ -111,24 +113,13 @@ def pack_kv_runs(pool: torch.Tensor, src_block_ids: list[int] | tuple[int, ...],
         if gathered is not None:
             buffers.append(gathered)
             continue
-        index = _block_index(run.src_block_ids, pool.device)
+        index = row_index(run.src_block_ids, pool.device)
         if staging is not None and pool.device.type == "cpu":
             out = staging.take((run.num_blocks, *pool.shape[1:]), pool.dtype)
             buffers.append(torch.index_select(pool, 0, index, out=out))
         else:
             buffers.append(pool.index_select(0, index))
     return tuple(BlockRun(r.dst_block_id, r.num_blocks) for r in packed), tuple(buffers)
-
-
-def _block_index(block_ids: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """``block_ids`` as an int64 tensor on ``device``, for ``index_select``: up without waiting
-    for the device's queued work (a blocking copy would wait for every kernel queued on the
-    stream; from pageable memory the bytes are staged before this returns). On the H200 this
-    took 35 us with the device idle and 55 us with its stream busy, against 54 and 129 us
-    through torch's pinned allocator. Through numpy: torch.tensor of a list of 64 ints takes
-    8.6 us, this 2.8 us."""
-    ids = torch.from_numpy(np.array(block_ids, dtype=np.int64))
-    return ids if device.type == "cpu" else ids.to(device, non_blocking=True)
 
 
 # Captured gathers write into buffers of their own, kept for the daemon's life: at most this
@@ -269,8 +260,10 @@ class KVPacker:
     """
 
     def __init__(self, staging: HostStaging | None = None, graphs_per_size: int = GATHER_GRAPHS_PER_SIZE,
-                 graph_max_bytes: int = GATHER_GRAPH_MAX_BYTES) -> None:
+                 graph_max_bytes: int = GATHER_GRAPH_MAX_BYTES, map_pools: bool = True) -> None:
         self.staging = staging if staging is not None else HostStaging()
+        # Whether moves to a peer that can map the pool go as row ids (``send``).
+        self.map_pools = map_pools
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         # Captured gathers per device pool (by its storage), made at ``prepare``.
         self._graphs: dict[tuple, GatherGraphs | None] = {}
@@ -377,6 +370,8 @@ class KVPacker:
         open yet, later, on the current stream: a small inline device buffer is then copied to
         the host behind whatever that stream holds (correct, only slower)."""
         deadline = time.monotonic() + timeout_s
+        if self.map_pools and await transport.map_device_pool(peer, pool, max(0.0, deadline - time.monotonic())):
+            return await self._send_rows(transport, peer, pool, src_block_ids, dst_block_ids, message_of, deadline)
         runs, buffers, ready = self.pack(pool, src_block_ids, dst_block_ids)
         try:
             await wait_for_event(ready, deadline)
@@ -395,6 +390,28 @@ class KVPacker:
             raise
         self.give_back(buffers)
         return reply
+
+
+    async def _send_rows(self, transport: Transport, peer: PeerAddress, pool: torch.Tensor,
+                         src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
+                         message_of: Callable[[tuple[BlockRun, ...], tuple[PoolRows, ...]], Message],
+                         deadline: float) -> Message:
+        """``send`` to a peer that mapped ``pool``: one ``PoolRows`` buffer per destination run,
+        sent once the kernels queued before have written the blocks (the peer reads them as
+        soon as the header comes). The rows are the caller's blocks: they must not change until
+        this returns, which a move's blocks never do."""
+        packed = destination_runs(src_block_ids, dst_block_ids)
+        runs = tuple(BlockRun(r.dst_block_id, r.num_blocks) for r in packed)
+        buffers = tuple(PoolRows(pool, r.src_block_ids) for r in packed)
+        ready = None
+        if pool.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(pool.device))
+        await wait_for_event(ready, deadline)
+        with self.on_stream(pool):  # rows sent gathered after all (a new connection) are gathered there
+            reply_soon = transport.request_soon(peer, message_of(runs, buffers),
+                                                timeout_s=max(0.0, deadline - time.monotonic()), device_ready=True)
+        return await reply_soon
 
 
 async def wait_for_event(event: torch.cuda.Event | None, deadline: float) -> None:

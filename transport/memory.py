@@ -46,6 +46,7 @@ from infinite_llm.transport.interface import (
     TransportConfig,
 )
 from infinite_llm.transport.messages import Ack, ErrorCode, ErrorReply, Message
+from infinite_llm.transport.device_pools import PoolRows, pull_rows, row_bytes
 from infinite_llm.transport.tensors import allocate, copy_bytes
 
 
@@ -105,8 +106,13 @@ class _PendingRequest:
 class InMemoryNetwork:
     """Connects in-memory transports by address."""
 
-    def __init__(self, clock: FakeClock | None = None) -> None:
+    def __init__(self, clock: FakeClock | None = None, maps_pools: bool = False) -> None:
         self.clock = clock or FakeClock()
+        # Whether a transport's pools are read in place by its peers (``map_device_pool``), as
+        # UCX peers on one GPU read each other's device pools: a move's rows then travel as
+        # their ids, and the receiver copies them out of the sender's pool.
+        self.maps_pools = maps_pools
+        self._pools: dict[tuple[PeerAddress, int], object] = {}  # (owner, pool id) -> row bytes
         self.trace: list[TraceEvent] = []
         self._listeners: dict[PeerAddress, InMemoryTransport] = {}  # started, serving
         self._transports: dict[PeerAddress, InMemoryTransport] = {}  # alive, may await replies
@@ -131,6 +137,12 @@ class InMemoryNetwork:
             transport._fail_all(PeerUnreachable(address, "killed"))
             transport._cancel_tasks()  # as a SIGKILLed process, it finishes nothing it was doing
         self._fail_requests_to(address, PeerUnreachable(address, "connection reset"))
+        self._forget_pools(address)
+
+    def _forget_pools(self, address: PeerAddress) -> None:
+        """A gone transport's pools are read no more (as its CUDA memory is unmapped)."""
+        for key in [key for key in self._pools if key[0] == address]:
+            del self._pools[key]
 
     def _fail_requests_to(self, address: PeerAddress, error: Exception) -> None:
         """Every live transport, serving or only requesting: its requests to ``address`` break."""
@@ -219,10 +231,28 @@ class InMemoryTransport:
         self._next_msg_id = itertools.count(1)
         self._closed = False
         self._tasks: set[asyncio.Task] = set()  # frames being received and handled
+        self._pool_ids: dict[tuple, int] = {}  # pools this transport shares, by key
+        self._mapped_by: set[tuple[PeerAddress, tuple]] = set()  # (peer, pool key) the peer maps
 
     @property
     def address(self) -> PeerAddress:
         return self._address
+
+    async def map_device_pool(self, peer: PeerAddress, pool, timeout_s: float | None = None) -> bool:
+        """Where the network maps pools and both ends allow it: the pool is registered (once)
+        and ``peer`` reads its rows in place from here on. False otherwise."""
+        self._require_open()
+        receiver = self._network._listeners.get(peer)
+        if receiver is None:
+            raise PeerUnreachable(peer, "no listener")
+        if not (self._network.maps_pools and self._config.device_pools and receiver._config.device_pools):
+            return False
+        key = _pool_key(pool)
+        if key not in self._pool_ids:
+            self._pool_ids[key] = len(self._pool_ids)
+            self._network._pools[(self._address, self._pool_ids[key])] = row_bytes(pool)
+        self._mapped_by.add((peer, key))
+        return True
 
     async def start(self, handler: MessageHandler, placer: BufferPlacer | None = None) -> None:
         self._handler = handler
@@ -236,7 +266,8 @@ class InMemoryTransport:
         self._require_open()
         timeout_s = self._config.request_timeout_s if timeout_s is None else timeout_s
         msg_id = next(self._next_msg_id)
-        frame = self._encode(message, msg_id, device_ready=device_ready)  # raises before anything waits on it
+        frame = self._encode(message, msg_id, device_ready=device_ready,  # raises before anything waits on it
+                             place_rows=self._placer_of_rows(peer))
         future = asyncio.get_running_loop().create_future()
         timer_id = self._network.clock.call_later(
             timeout_s, lambda: self._time_out(msg_id, timeout_s))
@@ -281,6 +312,7 @@ class InMemoryTransport:
                 del registry[self._address]
                 registered = True
         self._closed = True  # first: a handler still running answers nothing
+        self._network._forget_pools(self._address)
         self._fail_all(PeerUnreachable(self._address, "transport closed"))
         if registered:  # as UCX drops the connections of a closed listener: requests to it fail
             self._network._fail_requests_to(self._address, PeerUnreachable(self._address, "connection closed"))
@@ -292,11 +324,21 @@ class InMemoryTransport:
         if self._closed:
             raise PeerUnreachable(self._address, "transport closed")
 
+    def _placer_of_rows(self, peer: PeerAddress) -> Callable[[PoolRows], int | None] | None:
+        if not self._mapped_by:
+            return None
+
+        def place(rows: PoolRows) -> int | None:
+            key = _pool_key(rows.pool)
+            return self._pool_ids[key] if (peer, key) in self._mapped_by else None
+        return place
+
     def _encode(self, message: Message, msg_id: int, *, reply_to: int | None = None,
-                wants_reply: bool = True, device_ready: bool = False) -> codec.EncodedFrame:
+                wants_reply: bool = True, device_ready: bool = False,
+                place_rows: Callable[[PoolRows], int | None] | None = None) -> codec.EncodedFrame:
         limits = self._config.limits
         return codec.encode(message, msg_id, reply_to=reply_to, wants_reply=wants_reply,
-                            device_ready=device_ready,
+                            device_ready=device_ready, place_rows=place_rows,
                             inline_limit_bytes=limits.inline_limit_bytes,
                             inline_cuda_limit_bytes=limits.inline_cuda_limit_bytes,
                             max_header_bytes=limits.max_header_bytes)
@@ -320,7 +362,8 @@ class InMemoryTransport:
             if header.reply_to is not None:
                 raise ProtocolError(ErrorCode.INVALID_FIELDS, "a reply on a request path")
             destinations = self._placer(header.message) if self._placer else None
-            message = _carry(header, frame, destinations, self._config)
+            message = _carry(header, frame, destinations, self._config,
+                             lambda pool_id: self._network._pools.get((sender.address, pool_id)))
         except ProtocolError as e:  # as UCX refuses a frame whose buffers disagree with it
             self._refuse(sender, e, header.msg_id if header.reply_to is None else None)
             return
@@ -374,7 +417,7 @@ class InMemoryTransport:
                     return
                 raise ProtocolError(ErrorCode.INVALID_FIELDS, "a request on a reply path")
             pending = self._pending.get(header.reply_to)
-            reply = _carry(header, frame, None, self._config) if pending is not None and pending.peer == peer else None
+            reply = _carry(header, frame, None, self._config, _no_pool) if pending is not None and pending.peer == peer else None
         except ProtocolError as e:
             self._fail_requests_to(peer, PeerUnreachable(peer, f"a reply could not be read: {e}"))
             return
@@ -417,12 +460,29 @@ class InMemoryTransport:
             self._finish(msg_id, error)
 
 
-def _carry(header: codec.FrameHeader, frame: codec.EncodedFrame,
-           destinations: list | None, config: TransportConfig) -> Message:
-    """Move a frame's buffers into their destinations, as the wire would."""
+def _carry(header: codec.FrameHeader, frame: codec.EncodedFrame, destinations: list | None,
+           config: TransportConfig, pool_of: Callable[[int], object]) -> Message:
+    """Move a frame's buffers into their destinations, as the wire would; rows of the
+    sender's pools copied out of them (``pool_of``: a pool id's row bytes, None if unknown),
+    refused as the UCX receiver refuses them."""
     if destinations is None:
         device = config.landing_device(all(header.inline))
         destinations = [allocate(spec, device) for spec in header.specs]
     for dest, src in zip(codec.land_inline(header, destinations), frame.buffers, strict=True):
         copy_bytes(dest, src)
+    for dest, pool_id, rows in codec.pool_row_destinations(header, destinations) if header.pool_rows else ():
+        source = pool_of(pool_id)
+        if source is None:
+            raise ProtocolError(ErrorCode.INVALID_FIELDS, f"rows of pool {pool_id}, never mapped here")
+        if max(rows) >= len(source) or len(rows) * source.shape[1] != dest.nbytes:
+            raise ProtocolError(ErrorCode.LENGTH_MISMATCH, f"rows {rows} of pool {pool_id} do not fit their buffer")
+        pull_rows(source, rows, dest)
     return codec.assemble(header, destinations)
+
+
+def _no_pool(_pool_id: int) -> None:
+    return None  # replies name no pools
+
+
+def _pool_key(pool) -> tuple:
+    return pool.data_ptr(), pool.device, tuple(pool.shape), pool.dtype

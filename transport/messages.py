@@ -61,6 +61,7 @@ class ErrorCode(StrEnum):
     NO_HANDLER = "no_handler"
     STALE_EPOCH = "stale_epoch"
     SHARED_MEMORY_UNAVAILABLE = "shared_memory_unavailable"
+    DEVICE_POOL_UNAVAILABLE = "device_pool_unavailable"
 
 
 class MoveRejectReason(StrEnum):
@@ -630,6 +631,40 @@ class HeaderRingOpened:
 
 
 @dataclass(frozen=True)
+class DevicePoolOffer:
+    """A transport's request on a connection, before its first move from a device pool: rows of
+    this pool may come as their ids (``device_pools``), which the receiver copies out of the
+    pool mapped through CUDA IPC. Ack: mapped. ErrorReply (device_pool_unavailable): not
+    (another host, no peer access, turned off, a receiver on the host); the rows then travel
+    gathered, over UCX. The fields are those of ``torch.multiprocessing``'s CUDA sharing."""
+
+    TYPE: ClassVar[str] = "device_pool_offer"
+    VERSION: ClassVar[int] = 1
+
+    pool_id: int  # the sender's id for the pool on this connection, which frames name
+    device: int  # the sender's CUDA device index
+    handle: str  # hex: the CUDA IPC handle of the allocation the pool lies in
+    storage_bytes: int  # the pool's storage, bytes
+    storage_offset_bytes: int  # where the storage starts in the allocation, bytes
+    ref_counter: str  # hex: the shared file of torch's count of the storage's users
+    ref_counter_offset: int  # the count's place in it
+    event: str  # hex: a CUDA IPC event after the pool's last writes when it was shared, or ""
+    event_sync_required: bool  # whether the receiver waits for that event
+    dtype: str  # the pool's dtype name
+    shape: tuple[int, ...]  # [num_rows, *row_shape], elements
+    offset: int  # the pool's first element in its storage, elements
+
+    def __post_init__(self) -> None:
+        _require(self.pool_id >= 0 and self.device >= 0, "pool_id and device are >= 0")
+        _require(all(len(h) <= 512 for h in (self.handle, self.ref_counter, self.event)), "handles are short")
+        _require(min(self.storage_bytes, self.storage_offset_bytes, self.ref_counter_offset, self.offset) >= 0,
+                 "sizes and offsets are >= 0")
+        _require(1 <= len(self.shape) <= 8 and all(d >= 0 for d in self.shape) and self.shape[0] > 0,
+                 "a pool has 1 to 8 dimensions and rows")
+        _require(len(self.dtype) <= 16, "dtype is a short name")
+
+
+@dataclass(frozen=True)
 class Ack:
     """The request was carried out; for requests whose success has nothing more to say."""
 
@@ -661,7 +696,7 @@ MESSAGE_TYPES: dict[str, type] = {
         Heartbeat, HeartbeatReply, AttendRequest, AttendResult, TryMoveKV, MoveReserved,
         MoveRejected, HoldKV, KVHoldReply, KVBlocks, KVBlocksStored, MoveCommit, FreeSegment, AuditHeld, AuditHeldReply, ForwardSegment, MoveKV,
         Drain, Uncordon, Echo, EchoReply, SharedMemoryOffer, HeaderRingOffer, HeaderRingAccepted,
-        HeaderRingOpened, Ack, ErrorReply,
+        HeaderRingOpened, DevicePoolOffer, Ack, ErrorReply,
     )
 }
 

@@ -18,7 +18,9 @@ Buffers are received straight into their destinations (``BufferPlacer``), host o
 UCX picks the path (TCP, CUDA IPC, NVLink, InfiniBand) from ``UCX_TLS``. Between processes of
 one host, a request's host buffers go through the sender's shared-memory region instead
 (``shared_memory``; offered on each new connection, the receiver copies them out): UCX would
-carry them over TCP loopback.
+carry them over TCP loopback. A move's KV blocks from a device pool that the peer mapped
+(``device_pools``; offered before the connection's first move) travel as their row ids, and
+the receiver copies them straight out of the sender's pool: no gather, no bytes through UCX.
 Requests are awaited through ``UcxProgress`` (spin briefly, then sleep on the worker's event
 fd): ucxx's own await busy-loops the event loop while a receive is posted, which is always.
 
@@ -51,6 +53,14 @@ from ucxx.exceptions import UCXCloseError, UCXError, UCXMessageTruncatedError
 from ucxx.types import Tag, TagMaskFull
 
 from infinite_llm.transport import codec, header_ring, wire_trace
+from infinite_llm.transport.device_pools import (
+    DevicePoolUnavailable,
+    PoolRows,
+    export_pool,
+    open_pool,
+    pull_rows,
+    row_bytes,
+)
 from infinite_llm.transport.errors import (
     PeerUnreachable,
     PlacementRefused,
@@ -67,6 +77,7 @@ from infinite_llm.transport.interface import (
 )
 from infinite_llm.transport.messages import (
     Ack,
+    DevicePoolOffer,
     ErrorCode,
     ErrorReply,
     HeaderRingAccepted,
@@ -83,7 +94,7 @@ from infinite_llm.transport.shared_memory import (
     default_copy_threads,
     remove_stale_regions,
 )
-from infinite_llm.transport.tensors import allocate
+from infinite_llm.transport.tensors import allocate, nbytes_of
 from infinite_llm.transport.ucx_progress import UcxProgress
 
 log = logging.getLogger(__name__)
@@ -152,6 +163,15 @@ class _Connection:
     # its producer's count, and is taken only once as many have come (header_ring).
     ucx_headers_sent: int = 0
     ucx_headers_taken: int = 0
+    # Outbound: the device pools the peer mapped (``map_device_pool``), by the pool's key, with
+    # the id frames name them by; each pool's offer while it is under way; the pools it would
+    # not map. Inbound: the peer's pools mapped here, by id, as ``[num_rows, row_nbytes]``
+    # bytes, and the stream their rows are copied out on.
+    pools_out: dict[tuple, int] = field(default_factory=dict)
+    pool_offers: dict[tuple, asyncio.Future] = field(default_factory=dict)
+    pools_declined: set[tuple] = field(default_factory=set)
+    pools_in: dict[int, torch.Tensor] = field(default_factory=dict)
+    pull_stream: object | None = None
 
     def __post_init__(self) -> None:
         self.header_buffer = np.zeros(self.config.limits.max_header_bytes, dtype=np.uint8)
@@ -177,6 +197,10 @@ class _Connection:
         if offset is not None:
             self.new_slots.append(offset)
         return offset
+
+    def place_rows(self, rows: PoolRows) -> int | None:
+        """The id under which the peer mapped ``rows``' pool, None where it did not."""
+        return self.pools_out.get(pool_key(rows.pool))
 
     def claim_slots(self, msg_id: int) -> None:
         """The slots of the frame just encoded belong to request ``msg_id``."""
@@ -382,8 +406,10 @@ class _Connection:
         Returns the scratch views, to be kept until the receives ended (UCX writes into them),
         and the receives."""
         shared = header.shared_offsets
+        pulled = header.pool_rows
         sizes = [spec.nbytes for i, (spec, inline) in enumerate(zip(header.specs, header.inline))
-                 if not inline and spec.nbytes > 0 and (not shared or shared[i] < 0)]
+                 if not inline and spec.nbytes > 0 and (not shared or shared[i] < 0)
+                 and (not pulled or pulled[i] is None)]
         if not sizes:
             return [], []
         scratch = np.empty(max(sizes), dtype=np.uint8)
@@ -405,9 +431,12 @@ class _Connection:
                            land_shared: bool = True) -> None:
         """The rest of a frame's receive after ``post_buffer_recvs``: its buffers in the peer's
         shared memory copied out (unless ``land_shared`` is False: a refused frame has nothing of
-        them to drain), and its UCX ``requests`` complete, within the frame timeout."""
+        them to drain), its rows of the peer's mapped pools copied out (nor those), and its UCX
+        ``requests`` complete, within the frame timeout."""
         if header.shared_offsets and land_shared:
             await self._copy_shared(codec.shared_destinations(header, destinations))
+        if header.pool_rows and land_shared:
+            await self._pull_rows(codec.pool_row_destinations(header, destinations))
         if not requests:
             return
         try:
@@ -425,14 +454,46 @@ class _Connection:
             self.abort()
             raise ConnectionBroken(f"{self.label}: receive failed: {e!r}") from e
 
-    def lands_in_background(self, requests: list) -> bool:
+    async def _pull_rows(self, pulls: list) -> None:
+        """Copy a frame's rows out of the peer's mapped pools into their destinations, on this
+        connection's pull stream, and wait for the copies with the event loop turning (within
+        the frame timeout). Rows of a pool never mapped, past its end, or of another size than
+        their destination are refused as a malformed frame."""
+        keep = []
+        stream = self.pull_stream
+        with torch.cuda.stream(stream):
+            for destination, pool_id, rows in pulls:
+                source = self.pools_in.get(pool_id)
+                if source is None:
+                    raise ProtocolError(ErrorCode.INVALID_FIELDS, f"rows of pool {pool_id}, never mapped here")
+                if max(rows) >= len(source):
+                    raise ProtocolError(ErrorCode.INVALID_FIELDS,
+                                        f"row {max(rows)} of pool {pool_id}, which has {len(source)}")
+                nbytes = len(rows) * source.shape[1]
+                if nbytes != nbytes_of(destination):
+                    raise ProtocolError(ErrorCode.LENGTH_MISMATCH,
+                                        f"{len(rows)} rows of {source.shape[1]} bytes for a "
+                                        f"{nbytes_of(destination)}-byte buffer")
+                keep.append(pull_rows(source, rows, destination))
+            copied = torch.cuda.Event()
+            copied.record(stream)
+        deadline = time.monotonic() + self.config.frame_timeout_s
+        while not copied.query():
+            if time.monotonic() >= deadline:
+                raise ProtocolError(ErrorCode.TRUNCATED_FRAME,
+                                    f"rows not copied within {self.config.frame_timeout_s} s")
+            await asyncio.sleep(0)
+        del keep  # the device's row ids, alive until the copies ran
+        self._ensure_open()
+
+    def lands_in_background(self, requests: list, header: codec.FrameHeader) -> bool:
         """Whether a frame whose UCX receives are ``requests`` lands in a task rather than in the
         connection's loop, so that the frames behind it are not held up by its transfer; if so,
-        it is counted until the task ends (``landed_in_background``). A frame with nothing over
-        UCX lands in the loop (its copies run on this thread either way), and so does one beyond
-        ``MAX_FRAMES_RECEIVING``: the bound keeps a peer from having more of its frames' buffers
-        allocated at once."""
-        if requests and self.receiving < MAX_FRAMES_RECEIVING:
+        it is counted until the task ends (``landed_in_background``). A frame with nothing to
+        receive over UCX nor to copy out of a mapped pool lands in the loop (its copies run on
+        this thread either way), and so does one beyond ``MAX_FRAMES_RECEIVING``: the bound
+        keeps a peer from having more of its frames' buffers allocated at once."""
+        if (requests or header.pool_rows) and self.receiving < MAX_FRAMES_RECEIVING:
             self.receiving += 1
             return True
         return False
@@ -484,6 +545,9 @@ class _Connection:
             for ring in (self.ring_in, self.ring_out, self.ring_offered):
                 if ring is not None:
                     ring.close()
+            self.pools_in.clear()  # the peer's pools are unmapped with their last view
+            for offer in self.pool_offers.values():
+                offer.cancel()
             self.endpoint.abort()
             # The aborted endpoint cancels it; let it go with the reader's wait rather than
             # with this connection, which may be collected only after UCX's worker at exit.
@@ -520,6 +584,10 @@ class UcxTransport:
         self._shared_region_failed = False
         self._shared_copy: ParallelCopy | None = None  # made with the first region, ours or a peer's
         self._offer_refused: set[PeerAddress] = set()  # peers that do not know SharedMemoryOffer
+        self._pool_offer_refused: set[PeerAddress] = set()  # peers that do not know DevicePoolOffer
+        self._pool_ids = itertools.count()
+        self._exported: dict[tuple, DevicePoolOffer | None] = {}  # device pools shared, by key
+        self._pull_streams: dict[torch.device, object] = {}
         self._ring_offer_refused: set[PeerAddress] = set()  # peers that do not know HeaderRingOffer
 
     @property
@@ -557,6 +625,61 @@ class UcxTransport:
         open connection's peer mapped this transport's region)."""
         connection = self._outbound.get(peer)
         return connection is not None and not connection.broken and connection.shared_out is not None
+
+    async def map_device_pool(self, peer: PeerAddress, pool: torch.Tensor, timeout_s: float | None = None) -> bool:
+        """Whether ``peer`` reads rows of ``pool`` (a contiguous device tensor of this process)
+        in place, offering it on the connection first if it was not: the first call per
+        connection and pool waits for the peer to map it. False where it cannot (another host,
+        GPUs without peer access, memory CUDA does not share, turned off): rows then travel
+        gathered. Raises as ``request`` does where the peer cannot be reached."""
+        if not self._config.device_pools or not pool.is_cuda or peer in self._pool_offer_refused:
+            return False
+        timeout_s = self._config.request_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        try:
+            connection = await self._connection_by(peer, deadline)
+        except ConnectionBroken as e:
+            raise PeerUnreachable(peer, str(e)) from None
+        except TimeoutError:
+            raise RequestTimeout(peer, DevicePoolOffer.TYPE, timeout_s) from None
+        key = pool_key(pool)
+        if key in connection.pools_out:
+            return True
+        if key in connection.pools_declined:
+            return False
+        offer = connection.pool_offers.get(key)
+        if offer is None:
+            offer = connection.pool_offers[key] = asyncio.ensure_future(
+                self._offer_device_pool(peer, connection, pool, key, deadline, timeout_s))
+            offer.add_done_callback(lambda _done: connection.pool_offers.pop(key, None))
+        return await asyncio.shield(offer)
+
+    async def _offer_device_pool(self, peer: PeerAddress, connection: _Connection, pool: torch.Tensor, key: tuple,
+                                 deadline: float, timeout_s: float) -> bool:
+        if key not in self._exported:
+            try:
+                self._exported[key] = export_pool(pool, next(self._pool_ids))
+            except DevicePoolUnavailable as e:
+                log.warning("the device pool on %s is not shared with local peers (%s): its blocks travel "
+                            "gathered", pool.device, e)
+                self._exported[key] = None
+        offer = self._exported[key]
+        if offer is None:
+            connection.pools_declined.add(key)
+            return False
+        try:
+            await self._exchange(peer, connection, self._encode_request(offer, connection), offer.TYPE,
+                                 deadline, timeout_s)
+        except RemoteError as e:
+            log.info("%s does not map the device pool (%s): its blocks travel gathered", peer, e)
+            if e.code == ErrorCode.UNKNOWN_TYPE:
+                self._pool_offer_refused.add(peer)  # a peer that predates the offer closed the connection
+            connection.pools_declined.add(key)
+            return False
+        if connection.broken:
+            return False
+        connection.pools_out[key] = offer.pool_id
+        return True
 
     def set_spin(self, spin_s: float) -> None:
         """Change how long waits spin before they sleep, s. It holds for every transport of this
@@ -654,7 +777,8 @@ class UcxTransport:
                 message, msg_id, inline_limit_bytes=self._config.limits.inline_limit_bytes,
                 inline_cuda_limit_bytes=self._config.limits.inline_cuda_limit_bytes,
                 max_header_bytes=self._config.limits.max_header_bytes,
-                place_shared=place, device_ready=device_ready)
+                place_shared=place, device_ready=device_ready,
+                place_rows=connection.place_rows if connection.pools_out and not connection.broken else None)
         except BaseException:
             connection.free_new_slots()
             raise
@@ -932,7 +1056,7 @@ class UcxTransport:
                 else:
                     destinations = self._fresh_destinations(header)
                     requests = connection.post_buffer_recvs(header, destinations)
-                    if connection.lands_in_background(requests):
+                    if connection.lands_in_background(requests, header):
                         self._spawn(self._land_reply(peer, connection, header, destinations, requests))
                         continue
                     await connection.land_buffers(header, destinations, requests)
@@ -1039,7 +1163,7 @@ class UcxTransport:
                 destinations = self._fresh_destinations(header)
             requests = connection.post_buffer_recvs(header, destinations)
         if requests is not None:
-            if connection.lands_in_background(requests):  # e.g. a move's KV blocks, ahead of attend requests
+            if connection.lands_in_background(requests, header):  # e.g. a move's KV blocks, ahead of attend requests
                 self._spawn(self._land_and_dispatch(connection, header, destinations, requests, refusal))
                 return
             await connection.land_buffers(header, destinations, requests, land_shared=refusal is None)
@@ -1083,6 +1207,8 @@ class UcxTransport:
         elif type(message) is HeaderRingOpened:
             self._open_reply_ring(connection, header)
             return
+        elif type(message) is DevicePoolOffer:
+            outcome = self._accept_device_pool(connection, message)
         elif self._handler is None:
             outcome = ErrorReply(ErrorCode.NO_HANDLER, "transport not started")
         else:
@@ -1120,6 +1246,25 @@ class UcxTransport:
         if connection.shared_in is not None:
             connection.shared_in.close()
         connection.shared_in = region
+        return Ack()
+
+    def _accept_device_pool(self, connection: _Connection, offer: DevicePoolOffer) -> Message:
+        """Map the device pool a peer offers, if this process receives on a GPU that can read it
+        (the same one, or one of the same host with peer access)."""
+        if not self._config.device_pools:
+            return ErrorReply(ErrorCode.DEVICE_POOL_UNAVAILABLE, "device pools are turned off here")
+        if offer.pool_id in connection.pools_in:
+            return ErrorReply(ErrorCode.DEVICE_POOL_UNAVAILABLE, f"pool {offer.pool_id} is mapped already")
+        device = torch.device(self._config.receive_device)
+        try:
+            pool = open_pool(offer, device)
+        except DevicePoolUnavailable as e:
+            return ErrorReply(ErrorCode.DEVICE_POOL_UNAVAILABLE, str(e))
+        if device not in self._pull_streams:
+            # Made once: making a stream waits for the device's queued work.
+            self._pull_streams[device] = torch.cuda.Stream(device)
+        connection.pull_stream = self._pull_streams[device]
+        connection.pools_in[offer.pool_id] = row_bytes(pool)
         return Ack()
 
     def _accept_header_ring(self, connection: _Connection, offer: HeaderRingOffer) -> Message:
@@ -1230,6 +1375,11 @@ class UcxTransport:
         task = asyncio.get_running_loop().create_task(coroutine)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+
+def pool_key(pool: torch.Tensor) -> tuple:
+    """What tells one shared pool from another: its memory and layout."""
+    return pool.data_ptr(), pool.device, tuple(pool.shape), pool.dtype
 
 
 @dataclass(frozen=True)

@@ -75,6 +75,9 @@ def sample_messages() -> list[m.Message]:
         m.HeaderRingOffer(ring="infllm-123-0123456789abcdef.ring", nonce="ab" * 16),
         m.HeaderRingAccepted(ring="infllm-124-0123456789abcdef.ring", nonce="cd" * 16),
         m.HeaderRingOpened(),
+        m.DevicePoolOffer(pool_id=0, device=0, handle="ab" * 64, storage_bytes=1 << 30, storage_offset_bytes=512,
+                          ref_counter="2f746f726368", ref_counter_offset=8, event="cd" * 64, event_sync_required=True,
+                          dtype="bfloat16", shape=(1024, 16, 2, 16, 8, 128), offset=0),
         m.Ack(),
         m.ErrorReply(code=m.ErrorCode.STALE_EPOCH, detail="epoch 16 < 17"),
     ]

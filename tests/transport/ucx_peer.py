@@ -1,6 +1,9 @@
 """A peer process for the UCX tests: a real instance's transport, killable with SIGKILL.
 
-    ucx_peer.py serve [PORT]        listen; print "PORT <n>"; answer Echo, KVBlocks, Drain and Ack
+    ucx_peer.py serve [PORT] [--cuda] [--no-device-pools]
+                                    listen; print "PORT <n>"; answer Echo, KVBlocks, Drain and Ack
+                                    (--cuda: the pool and the received tensors on the GPU;
+                                    --no-device-pools: it maps no peer's device pool)
     ucx_peer.py flood HOST PORT     send large Echo requests to HOST:PORT until killed
 
 ``serve`` places KVBlocks for reservation 7 straight into a pool of its own, checks the bytes
@@ -23,8 +26,8 @@ NUM_POOL_BLOCKS = 64
 BLOCK_SHAPE = (2, 2, 16, 2, 8)  # [num_layers, 2, block_size, num_kv_heads, head_dim]
 
 
-async def serve(port: int) -> None:
-    pool = torch.zeros((NUM_POOL_BLOCKS, *BLOCK_SHAPE), dtype=torch.float32)
+async def serve(port: int, device: str = "cpu", device_pools: bool = True) -> None:
+    pool = torch.zeros((NUM_POOL_BLOCKS, *BLOCK_SHAPE), dtype=torch.float32, device=device)
 
     def place(message: m.Message):
         if not isinstance(message, m.KVBlocks):
@@ -55,7 +58,7 @@ async def serve(port: int) -> None:
             return None
         raise ValueError(f"unexpected {message.TYPE}")
 
-    transport = UcxTransport(TransportConfig(port=port))
+    transport = UcxTransport(TransportConfig(port=port, receive_device=device, device_pools=device_pools))
     await transport.start(handle, place)
     print(f"PORT {transport.address.port}", flush=True)
     await asyncio.sleep(3600)
@@ -74,6 +77,8 @@ async def flood(host: str, port: int) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1] == "serve":
-        asyncio.run(serve(int(sys.argv[2]) if len(sys.argv) > 2 else 0))
+        numbers = [a for a in sys.argv[2:] if not a.startswith("--")]
+        asyncio.run(serve(int(numbers[0]) if numbers else 0, "cuda" if "--cuda" in sys.argv else "cpu",
+                          "--no-device-pools" not in sys.argv))
     else:
         asyncio.run(flood(sys.argv[2], int(sys.argv[3])))

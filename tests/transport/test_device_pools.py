@@ -1,0 +1,330 @@
+"""Pools a local peer reads in place: rows of a pool as a buffer (``PoolRows``), their place in
+the frame (where 3), copying them out (``pull_rows``), the in-memory network that maps pools,
+and on a GPU two processes whose moves go as row ids through CUDA IPC."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from infinite_llm.transport import codec
+from infinite_llm.transport import messages as m
+from infinite_llm.transport.device_pools import (
+    DevicePoolUnavailable,
+    PoolRows,
+    open_pool,
+    pull_rows,
+    row_bytes,
+)
+from infinite_llm.transport.errors import ProtocolError, RemoteError
+from infinite_llm.transport.interface import TransportConfig
+from infinite_llm.transport.kv_packing import HostStaging, KVPacker
+from infinite_llm.transport.memory import InMemoryNetwork
+from infinite_llm.transport.tensors import TensorSpec
+
+from conftest import run_bounded
+
+LIMITS = codec.FrameLimits()
+BLOCK_SHAPE = (2, 2, 16, 2, 8)  # as ucx_peer.py's pool: [num_layers, 2, block_size, num_kv_heads, head_dim]
+
+
+def numbered_pool(num_blocks: int = 16, device: str = "cpu") -> torch.Tensor:
+    """Block b holds the value b + 1 throughout."""
+    values = torch.arange(1, num_blocks + 1, dtype=torch.float32, device=device)
+    return values.view(-1, *([1] * len(BLOCK_SHAPE))).expand(num_blocks, *BLOCK_SHAPE).contiguous()
+
+
+def blocks_message(rows: tuple[PoolRows | torch.Tensor, ...], dst_first: tuple[int, ...]) -> m.KVBlocks:
+    runs = tuple(m.BlockRun(d, r.shape[0]) for d, r in zip(dst_first, rows))
+    return m.KVBlocks(move_id=1, reservation_id=7, runs=runs, runs_data=rows)
+
+
+# --- PoolRows and pull_rows ----------------------------------------------------------------
+
+
+def test_pool_rows_have_the_shape_of_their_gather_and_gather_to_it():
+    pool = numbered_pool()
+    scattered, consecutive = PoolRows(pool, [5, 2, 9]), PoolRows(pool, [3, 4, 5])
+    assert scattered.shape == (3, *BLOCK_SHAPE) and scattered.dtype == torch.float32
+    assert scattered.nbytes == 3 * pool[0].nbytes
+    assert torch.equal(scattered.gather(), pool[[5, 2, 9]])
+    gathered = consecutive.gather()
+    assert gathered.data_ptr() == pool[3].data_ptr() and torch.equal(gathered, pool[3:6])  # a view
+
+
+@pytest.mark.parametrize("rows", [[], [-1], [16], [0, 16]])
+def test_pool_rows_outside_the_pool_are_refused(rows):
+    with pytest.raises(ValueError):
+        PoolRows(numbered_pool(), rows)
+
+
+def test_a_pool_that_is_not_contiguous_makes_no_rows():
+    with pytest.raises(ValueError):
+        PoolRows(numbered_pool().transpose(0, 1), [0])
+
+
+@pytest.mark.parametrize("rows", [[4, 5, 6], [9, 0, 3, 3]])
+def test_pull_rows_copies_the_rows_into_a_view_of_another_pool(rows):
+    source, destination = numbered_pool(), torch.zeros(20, *BLOCK_SHAPE)
+    pull_rows(row_bytes(source), rows, destination[10:10 + len(rows)])
+    assert torch.equal(destination[10:10 + len(rows)], source[rows])
+    assert not destination[:10].any() and not destination[10 + len(rows):].any()
+
+
+def test_a_bfloat16_pool_is_copied_bit_for_bit():
+    source = torch.randn(8, 4, 3).to(torch.bfloat16)
+    destination = torch.empty(2, 4, 3, dtype=torch.bfloat16)
+    pull_rows(row_bytes(source), [6, 1], destination)
+    assert torch.equal(destination.view(torch.int16), source[[6, 1]].view(torch.int16))
+
+
+def test_a_process_that_receives_into_host_memory_maps_no_pool():
+    offer = m.DevicePoolOffer(pool_id=0, device=0, handle="00" * 64, storage_bytes=1 << 20, storage_offset_bytes=0,
+                              ref_counter="00", ref_counter_offset=0, event="", event_sync_required=False,
+                              dtype="float32", shape=(16, 4), offset=0)
+    with pytest.raises(DevicePoolUnavailable, match="host memory"):
+        open_pool(offer, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("fields", [
+    {"pool_id": -1}, {"shape": ()}, {"shape": (0, 4)}, {"storage_bytes": -1}, {"handle": "ab" * 300},
+])
+def test_malformed_offers_are_refused(fields):
+    base = dict(pool_id=0, device=0, handle="00" * 64, storage_bytes=1 << 20, storage_offset_bytes=0,
+                ref_counter="00", ref_counter_offset=0, event="", event_sync_required=False, dtype="float32",
+                shape=(16, 4), offset=0)
+    with pytest.raises(ValueError):
+        m.DevicePoolOffer(**{**base, **fields})
+
+
+# --- the frame: rows as their ids ----------------------------------------------------------
+
+
+def test_rows_of_a_mapped_pool_travel_as_their_ids():
+    pool = numbered_pool()
+    message = blocks_message((PoolRows(pool, [7, 1]), PoolRows(pool, [3])), (0, 4))
+    frame = codec.encode(message, msg_id=3, place_rows=lambda rows: 5)
+    assert frame.buffers == ()  # nothing but the header
+    header = codec.decode_header(frame.header, LIMITS)
+    assert header.pool_rows == ((5, (7, 1)), (5, (3,)))
+    assert header.num_wire_buffers == 0 and header.inline == (False, False)
+    assert header.message.runs_data == (TensorSpec("float32", (2, *BLOCK_SHAPE)), TensorSpec("float32", (1, *BLOCK_SHAPE)))
+    destinations = [torch.zeros(2, *BLOCK_SHAPE), torch.zeros(1, *BLOCK_SHAPE)]
+    assert codec.land_inline(header, destinations) == []  # none to receive over UCX
+    assert [(p, r) for _d, p, r in codec.pool_row_destinations(header, destinations)] == [(5, (7, 1)), (5, (3,))]
+
+
+def test_rows_of_a_pool_the_peer_did_not_map_travel_gathered():
+    pool = numbered_pool()
+    message = blocks_message((PoolRows(pool, [7, 1]),), (0,))
+    for place_rows in (None, lambda rows: None):
+        frame = codec.encode(message, msg_id=3, place_rows=place_rows, inline_limit_bytes=0)
+        header = codec.decode_header(frame.header, LIMITS)
+        assert header.pool_rows == () and len(frame.buffers) == 1
+        assert np.array_equal(np.asarray(frame.buffers[0]), pool[[7, 1]].reshape(-1).view(torch.uint8).numpy())
+
+
+def kv_rows_frame(table: list, runs_data: list | None = None) -> bytes:
+    body = {"t": "kv_blocks", "v": 3, "id": 1, "re": None,
+            "f": {"move_id": 1, "reservation_id": 7, "runs": [[0, 2]], "commit_segment_id": -1,
+                  "home_inst_id": -1, "req_id": -1},
+            "x": {"runs_data": runs_data or [["float32", [2, 4]]]}, "b": table}
+    import orjson
+    data = orjson.dumps(body)
+    return codec.PREAMBLE.pack(codec.MAGIC, m.PROTOCOL_VERSION, codec.FLAG_WANTS_REPLY, len(data), 0) + data
+
+
+def test_a_hand_made_rows_entry_decodes():
+    header = codec.decode_header(kv_rows_frame([[32, 3, 2, [9, 4]]]), LIMITS)
+    assert header.pool_rows == ((2, (9, 4)),) and header.num_wire_buffers == 0
+
+
+@pytest.mark.parametrize("entry, code", [
+    ([32, 3, 2, []], m.ErrorCode.INVALID_FIELDS),  # no rows
+    ([32, 3, 2, [1, -1]], m.ErrorCode.INVALID_FIELDS),
+    ([32, 3, 2, [1, 2.0]], m.ErrorCode.INVALID_FIELDS),
+    ([32, 3, 2, [1, True]], m.ErrorCode.INVALID_FIELDS),
+    ([32, 3, -2, [1, 2]], m.ErrorCode.INVALID_FIELDS),
+    ([32, 3, 2, 5], m.ErrorCode.INVALID_FIELDS),
+    ([32, 3, 2], m.ErrorCode.INVALID_FIELDS),
+    ([32, 3, 2, [1, 2], 0], m.ErrorCode.INVALID_FIELDS),
+    ([32, 3, 2, [1, 2, 3]], m.ErrorCode.LENGTH_MISMATCH),  # 32 bytes are not 3 rows of one size
+    ([16, 3, 2, [1, 2]], m.ErrorCode.LENGTH_MISMATCH),  # not the tensor's bytes
+])
+def test_malformed_rows_entries_are_refused(entry, code):
+    with pytest.raises(ProtocolError) as info:
+        codec.decode_header(kv_rows_frame([entry]), LIMITS)
+    assert info.value.code == code
+
+
+# --- in memory: a network whose transports map each other's pools --------------------------
+
+
+def in_memory_pair(maps_pools: bool = True, receiver_pools: bool = True):
+    network = InMemoryNetwork(maps_pools=maps_pools)
+    sender = network.transport()
+    receiver = network.transport(config=TransportConfig(device_pools=receiver_pools))
+    destination_pool = torch.zeros(16, *BLOCK_SHAPE)
+    seen: list[m.KVBlocks] = []
+
+    def place(message):
+        return [destination_pool[r.dst_block_id:r.dst_block_id + r.num_blocks] for r in message.runs] \
+            if isinstance(message, m.KVBlocks) else None
+
+    def handle(message):
+        seen.append(message)
+        return m.KVBlocksStored(message.move_id, message.reservation_id, sum(r.num_blocks for r in message.runs))
+    return network, sender, receiver, destination_pool, seen, (handle, place)
+
+
+@pytest.mark.parametrize("maps_pools, receiver_pools", [(True, True), (False, True), (True, False)])
+def test_a_move_lands_the_same_whether_its_rows_are_pulled_or_gathered(maps_pools, receiver_pools):
+    network, sender, receiver, destination_pool, seen, (handle, place) = in_memory_pair(maps_pools, receiver_pools)
+    source = numbered_pool()
+    staging = HostStaging()
+    packer = KVPacker(staging)
+    src, dst = [9, 2, 3, 4, 15], [0, 1, 2, 6, 7]
+
+    async def scenario():
+        await receiver.start(handle, place)
+        await sender.start(lambda message: None)
+        return await packer.send(sender, receiver.address, source, src, dst,
+                                 lambda runs, data: m.KVBlocks(1, 7, runs, data), 5.0)
+    stored = asyncio.run(scenario())
+    assert stored == m.KVBlocksStored(1, 7, 5)
+    assert torch.equal(destination_pool[dst], source[src])
+    assert not destination_pool[[5, 8, 9]].any()
+    # Pulled: nothing was gathered here (no staging buffer taken); gathered: one a run, given back.
+    assert staging.num_free == (0 if maps_pools and receiver_pools else 2)
+    assert [r.num_blocks for r in seen[0].runs] == [3, 2]
+
+
+def test_rows_of_a_pool_the_receiver_never_mapped_are_refused():
+    network, sender, receiver, _destination_pool, _seen, (handle, place) = in_memory_pair()
+    source = numbered_pool()
+
+    async def scenario():
+        await receiver.start(handle, place)
+        await sender.start(lambda message: None)
+        assert await sender.map_device_pool(receiver.address, source)
+        network._forget_pools(sender.address)  # as a sender whose memory is gone
+        return await sender.request(receiver.address, blocks_message((PoolRows(source, [1, 2]),), (0,)))
+    with pytest.raises(RemoteError) as info:
+        asyncio.run(scenario())
+    assert info.value.code == m.ErrorCode.INVALID_FIELDS and "never mapped" in info.value.detail
+
+
+def test_a_closed_transports_pools_are_read_no_more():
+    network, sender, receiver, _destination_pool, _seen, (handle, place) = in_memory_pair()
+
+    async def scenario():
+        await receiver.start(handle, place)
+        await sender.start(lambda message: None)
+        assert await sender.map_device_pool(receiver.address, numbered_pool())
+        assert network._pools
+        await sender.close()
+    asyncio.run(scenario())
+    assert network._pools == {}
+
+
+# --- UCX ------------------------------------------------------------------------------------
+
+
+def test_ucx_maps_no_host_pool(ucx_loop):
+    pytest.importorskip("ucxx")
+    from ucx_testlib import started
+
+    async def scenario():
+        async with started(lambda message: None) as receiver, started(lambda message: None) as sender:
+            return await sender.map_device_pool(receiver.address, numbered_pool())
+    assert run_bounded(ucx_loop, scenario(), 30) is False
+
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+
+
+@pytest.fixture
+def cuda_peer(peer_command):
+    from test_ucx_loopback import Peer
+    peers = []
+
+    def start(*args: str):
+        peers.append(Peer(peer_command, "serve", "0", "--cuda", *args))
+        return peers[-1]
+    yield start
+    for peer in peers:
+        peer.kill()
+
+
+def send_numbered_move(ucx_loop, peer, src: list[int], dst: list[int], **config):
+    """Move blocks ``src`` of a pool whose block b holds dst's value + 1 (ucx_peer.py checks
+    each destination block d holds d + 1) to reservation 7 of ``peer``; returns the reply and
+    the ids of the pools the peer mapped."""
+    from infinite_llm.transport.ucx import UcxTransport
+    pool = torch.zeros(64, *BLOCK_SHAPE, device="cuda")
+    for s, d in zip(src, dst):
+        pool[s] = d + 1
+    transport = UcxTransport(TransportConfig(request_timeout_s=10, receive_device="cuda", **config))
+    packer = KVPacker(graphs_per_size=0)
+
+    async def scenario():
+        await transport.start(lambda message: None)
+        try:
+            reply = await packer.send(transport, peer.address, pool, src, dst,
+                                      lambda runs, data: m.KVBlocks(1, 7, runs, data), 10.0)
+            mapped = dict(transport._outbound[peer.address].pools_out)
+            return reply, mapped
+        finally:
+            await transport.close()
+    return run_bounded(ucx_loop, scenario(), 60)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_a_local_peer_copies_a_moves_rows_out_of_the_mapped_pool(ucx_loop, cuda_peer):
+    peer = cuda_peer()
+    src, dst = [40, 3, 17, 18, 19, 5], [8, 9, 10, 11, 30, 31]
+    reply, mapped = send_numbered_move(ucx_loop, peer, src, dst)
+    assert reply == m.KVBlocksStored(1, 7, 6)
+    assert list(mapped.values()) == [0]  # the pool went as its id: mapped over CUDA IPC
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_a_peer_that_maps_no_pools_gets_the_rows_gathered(ucx_loop, cuda_peer):
+    peer = cuda_peer("--no-device-pools")
+    reply, mapped = send_numbered_move(ucx_loop, peer, [40, 3, 17], [8, 9, 30])
+    assert reply == m.KVBlocksStored(1, 7, 3) and mapped == {}
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_a_sender_with_pools_turned_off_gathers(ucx_loop, cuda_peer):
+    peer = cuda_peer()
+    reply, mapped = send_numbered_move(ucx_loop, peer, [40, 3, 17], [8, 9, 30], device_pools=False)
+    assert reply == m.KVBlocksStored(1, 7, 3) and mapped == {}
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_rows_of_a_pool_id_the_peer_never_mapped_are_refused(ucx_loop, cuda_peer):
+    from infinite_llm.transport.ucx import UcxTransport, pool_key
+    peer = cuda_peer()
+    pool = torch.zeros(64, *BLOCK_SHAPE, device="cuda")
+    transport = UcxTransport(TransportConfig(request_timeout_s=10, receive_device="cuda"))
+
+    async def scenario():
+        await transport.start(lambda message: None)
+        try:
+            assert await transport.map_device_pool(peer.address, pool)
+            transport._outbound[peer.address].pools_out[pool_key(pool)] = 99  # a forged id
+            torch.cuda.synchronize()
+            return await transport.request(peer.address, blocks_message((PoolRows(pool, [1, 2]),), (0,)))
+        finally:
+            await transport.close()
+    with pytest.raises(RemoteError) as info:
+        run_bounded(ucx_loop, scenario(), 60)
+    assert info.value.code == m.ErrorCode.INVALID_FIELDS and "pool 99" in info.value.detail
