@@ -151,7 +151,11 @@ def pull_rows(source_rows: torch.Tensor, rows: Sequence[int], destination: torch
     if tuple(rows) == tuple(range(first, first + count)):
         out.copy_(source_rows[first:first + count], non_blocking=True)
         return None
-    ids = row_index(rows, source_rows.device)
+    ids = torch.from_numpy(np.array(rows, dtype=np.int64))
+    if source_rows.is_cuda:
+        # From pinned memory: from pageable memory the copy returns only once it ran, which on a
+        # GPU that takes turns with the sender's process holds the event loop for that turn.
+        ids = ids.pin_memory().to(source_rows.device, non_blocking=True)
     if out.device == source_rows.device:
         torch.index_select(source_rows, 0, ids, out=out)
     else:

@@ -403,11 +403,13 @@ class KVPacker:
         packed = destination_runs(src_block_ids, dst_block_ids)
         runs = tuple(BlockRun(r.dst_block_id, r.num_blocks) for r in packed)
         buffers = tuple(PoolRows(pool, r.src_block_ids) for r in packed)
-        ready = None
-        if pool.is_cuda:
+        stream = torch.cuda.current_stream(pool.device) if pool.is_cuda else None
+        # An idle stream has written the blocks already: no event is recorded, which on one GPU
+        # shared with the peer's process would be work of this process's for the GPU to turn to.
+        if stream is not None and not stream.query():
             ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(pool.device))
-        await wait_for_event(ready, deadline)
+            ready.record(stream)
+            await wait_for_event(ready, deadline)
         with self.on_stream(pool):  # rows sent gathered after all (a new connection) are gathered there
             reply_soon = transport.request_soon(peer, message_of(runs, buffers),
                                                 timeout_s=max(0.0, deadline - time.monotonic()), device_ready=True)

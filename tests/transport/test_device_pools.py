@@ -292,20 +292,32 @@ def test_a_local_peer_copies_a_moves_rows_out_of_the_mapped_pool(ucx_loop, cuda_
     assert list(mapped.values()) == [0]  # the pool went as its id: mapped over CUDA IPC
 
 
-@pytest.mark.gpu
-@needs_gpu
-def test_a_peer_that_maps_no_pools_gets_the_rows_gathered(ucx_loop, cuda_peer):
-    peer = cuda_peer("--no-device-pools")
-    reply, mapped = send_numbered_move(ucx_loop, peer, [40, 3, 17], [8, 9, 30])
-    assert reply == m.KVBlocksStored(1, 7, 3) and mapped == {}
+def maps(ucx_loop, peer, **config) -> bool:
+    from infinite_llm.transport.ucx import UcxTransport
+    transport = UcxTransport(TransportConfig(request_timeout_s=10, receive_device="cuda", **config))
+
+    async def scenario():
+        await transport.start(lambda message: None)
+        try:
+            return await transport.map_device_pool(peer.address, torch.zeros(64, *BLOCK_SHAPE, device="cuda"))
+        finally:
+            await transport.close()
+    return run_bounded(ucx_loop, scenario(), 60)
 
 
 @pytest.mark.gpu
 @needs_gpu
-def test_a_sender_with_pools_turned_off_gathers(ucx_loop, cuda_peer):
+def test_a_peer_that_maps_no_pools_declines_the_offer(ucx_loop, cuda_peer):
+    # Its moves then go gathered, over UCX (tested in memory: these tests' UCX has no CUDA).
+    assert maps(ucx_loop, cuda_peer("--no-device-pools")) is False
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_a_sender_with_pools_turned_off_offers_none(ucx_loop, cuda_peer):
     peer = cuda_peer()
-    reply, mapped = send_numbered_move(ucx_loop, peer, [40, 3, 17], [8, 9, 30], device_pools=False)
-    assert reply == m.KVBlocksStored(1, 7, 3) and mapped == {}
+    assert maps(ucx_loop, peer, device_pools=False) is False
+    assert maps(ucx_loop, peer) is True
 
 
 @pytest.mark.gpu
