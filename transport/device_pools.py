@@ -135,18 +135,37 @@ def open_pool(offer: DevicePoolOffer, device: torch.device) -> torch.Tensor:
     return pool
 
 
-def row_bytes(pool: torch.Tensor) -> torch.Tensor:
-    """``pool`` as ``[num_rows, row_nbytes]`` uint8 (a view)."""
-    return pool.view(torch.uint8).view(len(pool), -1)
+_WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)
+
+
+def row_words(pool: torch.Tensor) -> torch.Tensor:
+    """``pool`` as ``[num_rows, words]`` of the widest integer type that divides a row (a view):
+    a gather moves one element a thread, and on rows of bytes it took eight times the threads
+    of rows of 8-byte words."""
+    flat = pool.view(torch.uint8).view(len(pool), -1)
+    for word in _WORDS:
+        if flat.shape[1] % word.itemsize == 0 and flat.data_ptr() % word.itemsize == 0:
+            return flat.view(word)
+    return flat
+
+
+def row_nbytes(source_rows: torch.Tensor) -> int:
+    """Bytes in a row of ``row_words``."""
+    return source_rows.shape[1] * source_rows.element_size()
 
 
 def pull_rows(source_rows: torch.Tensor, rows: Sequence[int], destination: torch.Tensor) -> torch.Tensor | None:
-    """Copy rows ``rows`` of ``source_rows`` (``[num_rows, row_nbytes]`` uint8, ``row_bytes``)
-    into ``destination`` (a contiguous tensor of ``len(rows) * row_nbytes`` bytes), queued on
-    the current stream. Returns what must live until the copy has run (the device's row ids),
+    """Copy rows ``rows`` of ``source_rows`` (``[num_rows, words]``, ``row_words``) into
+    ``destination`` (a contiguous tensor of ``len(rows) * row_nbytes`` bytes), queued on the
+    current stream. Returns what must live until the copy has run (the device's row ids),
     None where nothing must. Consecutive rows are one copy, others one gather."""
     count = len(rows)
-    out = destination.reshape(-1).view(torch.uint8).view(count, source_rows.shape[1])
+    out = destination.reshape(-1).view(torch.uint8)
+    if out.data_ptr() % source_rows.element_size() == 0:
+        out = out.view(source_rows.dtype).view(count, source_rows.shape[1])
+    else:  # a destination off the words' alignment: both as bytes
+        source_rows = source_rows.view(torch.uint8)
+        out = out.view(count, source_rows.shape[1])
     first = rows[0]
     if tuple(rows) == tuple(range(first, first + count)):
         out.copy_(source_rows[first:first + count], non_blocking=True)

@@ -46,7 +46,7 @@ from infinite_llm.transport.interface import (
     TransportConfig,
 )
 from infinite_llm.transport.messages import Ack, ErrorCode, ErrorReply, Message
-from infinite_llm.transport.device_pools import PoolRows, pull_rows, row_bytes
+from infinite_llm.transport.device_pools import PoolRows, pull_rows, row_nbytes, row_words
 from infinite_llm.transport.tensors import allocate, copy_bytes
 
 
@@ -250,7 +250,7 @@ class InMemoryTransport:
         key = _pool_key(pool)
         if key not in self._pool_ids:
             self._pool_ids[key] = len(self._pool_ids)
-            self._network._pools[(self._address, self._pool_ids[key])] = row_bytes(pool)
+            self._network._pools[(self._address, self._pool_ids[key])] = row_words(pool)
         self._mapped_by.add((peer, key))
         return True
 
@@ -474,7 +474,7 @@ def _carry(header: codec.FrameHeader, frame: codec.EncodedFrame, destinations: l
         source = pool_of(pool_id)
         if source is None:
             raise ProtocolError(ErrorCode.INVALID_FIELDS, f"rows of pool {pool_id}, never mapped here")
-        if max(rows) >= len(source) or len(rows) * source.shape[1] != dest.nbytes:
+        if max(rows) >= len(source) or len(rows) * row_nbytes(source) != dest.nbytes:
             raise ProtocolError(ErrorCode.LENGTH_MISMATCH, f"rows {rows} of pool {pool_id} do not fit their buffer")
         pull_rows(source, rows, dest)
     return codec.assemble(header, destinations)

@@ -59,7 +59,8 @@ from infinite_llm.transport.device_pools import (
     export_pool,
     open_pool,
     pull_rows,
-    row_bytes,
+    row_nbytes,
+    row_words,
 )
 from infinite_llm.transport.errors import (
     PeerUnreachable,
@@ -165,7 +166,7 @@ class _Connection:
     ucx_headers_taken: int = 0
     # Outbound: the device pools the peer mapped (``map_device_pool``), by the pool's key, with
     # the id frames name them by; each pool's offer while it is under way; the pools it would
-    # not map. Inbound: the peer's pools mapped here, by id, as ``[num_rows, row_nbytes]``
+    # not map. Inbound: the peer's pools mapped here, by id, as ``[num_rows, words]``
     # bytes, and the stream their rows are copied out on.
     pools_out: dict[tuple, int] = field(default_factory=dict)
     pool_offers: dict[tuple, asyncio.Future] = field(default_factory=dict)
@@ -469,10 +470,10 @@ class _Connection:
                 if max(rows) >= len(source):
                     raise ProtocolError(ErrorCode.INVALID_FIELDS,
                                         f"row {max(rows)} of pool {pool_id}, which has {len(source)}")
-                nbytes = len(rows) * source.shape[1]
+                nbytes = len(rows) * row_nbytes(source)
                 if nbytes != nbytes_of(destination):
                     raise ProtocolError(ErrorCode.LENGTH_MISMATCH,
-                                        f"{len(rows)} rows of {source.shape[1]} bytes for a "
+                                        f"{len(rows)} rows of {row_nbytes(source)} bytes for a "
                                         f"{nbytes_of(destination)}-byte buffer")
                 keep.append(pull_rows(source, rows, destination))
             copied = torch.cuda.Event()
@@ -1264,7 +1265,7 @@ class UcxTransport:
             # Made once: making a stream waits for the device's queued work.
             self._pull_streams[device] = torch.cuda.Stream(device)
         connection.pull_stream = self._pull_streams[device]
-        connection.pools_in[offer.pool_id] = row_bytes(pool)
+        connection.pools_in[offer.pool_id] = row_words(pool)
         return Ack()
 
     def _accept_header_ring(self, connection: _Connection, offer: HeaderRingOffer) -> Message:

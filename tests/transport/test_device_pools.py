@@ -17,7 +17,8 @@ from infinite_llm.transport.device_pools import (
     PoolRows,
     open_pool,
     pull_rows,
-    row_bytes,
+    row_nbytes,
+    row_words,
 )
 from infinite_llm.transport.errors import ProtocolError, RemoteError
 from infinite_llm.transport.interface import TransportConfig
@@ -69,7 +70,7 @@ def test_a_pool_that_is_not_contiguous_makes_no_rows():
 @pytest.mark.parametrize("rows", [[4, 5, 6], [9, 0, 3, 3]])
 def test_pull_rows_copies_the_rows_into_a_view_of_another_pool(rows):
     source, destination = numbered_pool(), torch.zeros(20, *BLOCK_SHAPE)
-    pull_rows(row_bytes(source), rows, destination[10:10 + len(rows)])
+    pull_rows(row_words(source), rows, destination[10:10 + len(rows)])
     assert torch.equal(destination[10:10 + len(rows)], source[rows])
     assert not destination[:10].any() and not destination[10 + len(rows):].any()
 
@@ -77,8 +78,27 @@ def test_pull_rows_copies_the_rows_into_a_view_of_another_pool(rows):
 def test_a_bfloat16_pool_is_copied_bit_for_bit():
     source = torch.randn(8, 4, 3).to(torch.bfloat16)
     destination = torch.empty(2, 4, 3, dtype=torch.bfloat16)
-    pull_rows(row_bytes(source), [6, 1], destination)
+    pull_rows(row_words(source), [6, 1], destination)
     assert torch.equal(destination.view(torch.int16), source[[6, 1]].view(torch.int16))
+
+
+@pytest.mark.parametrize("nbytes, word", [(24, torch.int64), (12, torch.int32), (6, torch.int16), (5, torch.uint8)])
+def test_rows_are_gathered_as_the_widest_words_that_divide_them(nbytes, word):
+    source = torch.randint(0, 255, (6, nbytes), dtype=torch.uint8)
+    words = row_words(source)
+    assert words.dtype == word and row_nbytes(words) == nbytes
+    destination = torch.zeros(2, nbytes, dtype=torch.uint8)
+    pull_rows(words, [5, 0], destination)
+    assert torch.equal(destination, source[[5, 0]])
+
+
+def test_a_destination_off_the_words_alignment_gets_the_rows_as_bytes():
+    source = torch.randint(0, 255, (6, 16), dtype=torch.uint8)
+    words = row_words(source)
+    assert words.dtype == torch.int64
+    buffer = torch.zeros(1 + 2 * 16, dtype=torch.uint8)
+    pull_rows(words, [4, 1], buffer[1:])  # one byte in: no 8-byte word starts there
+    assert torch.equal(buffer[1:].view(2, 16), source[[4, 1]]) and buffer[0] == 0
 
 
 def test_a_process_that_receives_into_host_memory_maps_no_pool():
