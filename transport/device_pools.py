@@ -18,7 +18,7 @@ transport's peers, and tests without a GPU).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -154,11 +154,13 @@ def row_nbytes(source_rows: torch.Tensor) -> int:
     return source_rows.shape[1] * source_rows.element_size()
 
 
-def pull_rows(source_rows: torch.Tensor, rows: Sequence[int], destination: torch.Tensor) -> torch.Tensor | None:
+def pull_rows(source_rows: torch.Tensor, rows: Sequence[int], destination: torch.Tensor,
+              index: Callable[[Sequence[int]], torch.Tensor] | None = None) -> torch.Tensor | None:
     """Copy rows ``rows`` of ``source_rows`` (``[num_rows, words]``, ``row_words``) into
     ``destination`` (a contiguous tensor of ``len(rows) * row_nbytes`` bytes), queued on the
     current stream. Returns what must live until the copy has run (the device's row ids),
-    None where nothing must. Consecutive rows are one copy, others one gather."""
+    None where nothing must. Consecutive rows are one copy, others one gather, whose ids on
+    the source's device ``index`` makes (``PullSlot.index``; by default from pinned memory)."""
     count = len(rows)
     out = destination.reshape(-1).view(torch.uint8)
     if out.data_ptr() % source_rows.element_size() == 0:
@@ -170,13 +172,63 @@ def pull_rows(source_rows: torch.Tensor, rows: Sequence[int], destination: torch
     if tuple(rows) == tuple(range(first, first + count)):
         out.copy_(source_rows[first:first + count], non_blocking=True)
         return None
-    ids = torch.from_numpy(np.array(rows, dtype=np.int64))
-    if source_rows.is_cuda:
-        # From pinned memory: from pageable memory the copy returns only once it ran, which on a
-        # GPU that takes turns with the sender's process holds the event loop for that turn.
-        ids = ids.pin_memory().to(source_rows.device, non_blocking=True)
+    if index is not None:
+        ids = index(rows)
+    else:
+        ids = torch.from_numpy(np.array(rows, dtype=np.int64))
+        if source_rows.is_cuda:
+            # From pinned memory: from pageable memory the copy returns only once it ran, which on
+            # a GPU that takes turns with the sender's process holds the event loop for that turn.
+            ids = ids.pin_memory().to(source_rows.device, non_blocking=True)
     if out.device == source_rows.device:
         torch.index_select(source_rows, 0, ids, out=out)
     else:
         out.copy_(torch.index_select(source_rows, 0, ids), non_blocking=True)
     return ids
+
+
+class PullSlot:
+    """What one frame's pulls on a device use, made once and used again: row ids in pinned
+    host memory and on the device (copied up without the host waiting), and the event after
+    the frame's copies. Torch's pinned allocator and a fresh event cost each pull several
+    driver calls more."""
+
+    def __init__(self, device: torch.device, capacity: int) -> None:
+        self.capacity = capacity
+        self._pinned = torch.empty(capacity, dtype=torch.int64, pin_memory=True)
+        self._pinned_numpy = self._pinned.numpy()
+        self._ids = torch.empty(capacity, dtype=torch.int64, device=device)
+        self._used = 0
+        self.event = torch.cuda.Event()
+
+    def index(self, rows: Sequence[int]) -> torch.Tensor:
+        """``rows`` on the device, queued on the current stream (``pull_rows``' ``index``)."""
+        start, stop = self._used, self._used + len(rows)
+        self._pinned_numpy[start:stop] = rows
+        ids = self._ids[start:stop]
+        ids.copy_(self._pinned[start:stop], non_blocking=True)
+        self._used = stop
+        return ids
+
+
+class PullSlots:
+    """A device's ``PullSlot``s: one is taken per frame, and given back once the device has
+    passed its event (never, where the frame failed: its copies may still be queued)."""
+
+    def __init__(self, device: torch.device, max_free: int = 8) -> None:
+        self.device = device
+        self.max_free = max_free
+        self._free: list[PullSlot] = []
+
+    def take(self, num_rows: int) -> PullSlot:
+        fits = [slot for slot in self._free if slot.capacity >= num_rows]
+        if fits:
+            slot = min(fits, key=lambda s: s.capacity)
+            self._free.remove(slot)
+            slot._used = 0
+            return slot
+        return PullSlot(self.device, max(1024, 1 << (num_rows - 1).bit_length()))
+
+    def give_back(self, slot: PullSlot) -> None:
+        if len(self._free) < self.max_free:
+            self._free.append(slot)

@@ -56,6 +56,7 @@ from infinite_llm.transport import codec, header_ring, wire_trace
 from infinite_llm.transport.device_pools import (
     DevicePoolUnavailable,
     PoolRows,
+    PullSlots,
     export_pool,
     open_pool,
     pull_rows,
@@ -173,6 +174,7 @@ class _Connection:
     pools_declined: set[tuple] = field(default_factory=set)
     pools_in: dict[int, torch.Tensor] = field(default_factory=dict)
     pull_stream: object | None = None
+    pull_slots: PullSlots | None = None
 
     def __post_init__(self) -> None:
         self.header_buffer = np.zeros(self.config.limits.max_header_bytes, dtype=np.uint8)
@@ -460,31 +462,32 @@ class _Connection:
         connection's pull stream, and wait for the copies with the event loop turning (within
         the frame timeout). Rows of a pool never mapped, past its end, or of another size than
         their destination are refused as a malformed frame."""
-        keep = []
+        sources = []
+        for destination, pool_id, rows in pulls:  # all checked before any copy is queued
+            source = self.pools_in.get(pool_id)
+            if source is None:
+                raise ProtocolError(ErrorCode.INVALID_FIELDS, f"rows of pool {pool_id}, never mapped here")
+            if max(rows) >= len(source):
+                raise ProtocolError(ErrorCode.INVALID_FIELDS,
+                                    f"row {max(rows)} of pool {pool_id}, which has {len(source)}")
+            if len(rows) * row_nbytes(source) != nbytes_of(destination):
+                raise ProtocolError(ErrorCode.LENGTH_MISMATCH,
+                                    f"{len(rows)} rows of {row_nbytes(source)} bytes for a "
+                                    f"{nbytes_of(destination)}-byte buffer")
+            sources.append(source)
         stream = self.pull_stream
+        slot = self.pull_slots.take(sum(len(rows) for _destination, _pool_id, rows in pulls))
         with torch.cuda.stream(stream):
-            for destination, pool_id, rows in pulls:
-                source = self.pools_in.get(pool_id)
-                if source is None:
-                    raise ProtocolError(ErrorCode.INVALID_FIELDS, f"rows of pool {pool_id}, never mapped here")
-                if max(rows) >= len(source):
-                    raise ProtocolError(ErrorCode.INVALID_FIELDS,
-                                        f"row {max(rows)} of pool {pool_id}, which has {len(source)}")
-                nbytes = len(rows) * row_nbytes(source)
-                if nbytes != nbytes_of(destination):
-                    raise ProtocolError(ErrorCode.LENGTH_MISMATCH,
-                                        f"{len(rows)} rows of {row_nbytes(source)} bytes for a "
-                                        f"{nbytes_of(destination)}-byte buffer")
-                keep.append(pull_rows(source, rows, destination))
-            copied = torch.cuda.Event()
-            copied.record(stream)
+            for source, (destination, _pool_id, rows) in zip(sources, pulls):
+                pull_rows(source, rows, destination, slot.index)
+            slot.event.record(stream)
         deadline = time.monotonic() + self.config.frame_timeout_s
-        while not copied.query():
-            if time.monotonic() >= deadline:
+        while not slot.event.query():
+            if time.monotonic() >= deadline:  # the slot is never used again: its copies may be queued still
                 raise ProtocolError(ErrorCode.TRUNCATED_FRAME,
                                     f"rows not copied within {self.config.frame_timeout_s} s")
             await asyncio.sleep(0)
-        del keep  # the device's row ids, alive until the copies ran
+        self.pull_slots.give_back(slot)
         self._ensure_open()
 
     def lands_in_background(self, requests: list, header: codec.FrameHeader) -> bool:
@@ -588,7 +591,7 @@ class UcxTransport:
         self._pool_offer_refused: set[PeerAddress] = set()  # peers that do not know DevicePoolOffer
         self._pool_ids = itertools.count()
         self._exported: dict[tuple, DevicePoolOffer | None] = {}  # device pools shared, by key
-        self._pull_streams: dict[torch.device, object] = {}
+        self._pull_streams: dict[torch.device, tuple[object, PullSlots]] = {}
         self._ring_offer_refused: set[PeerAddress] = set()  # peers that do not know HeaderRingOffer
 
     @property
@@ -1263,8 +1266,8 @@ class UcxTransport:
             return ErrorReply(ErrorCode.DEVICE_POOL_UNAVAILABLE, str(e))
         if device not in self._pull_streams:
             # Made once: making a stream waits for the device's queued work.
-            self._pull_streams[device] = torch.cuda.Stream(device)
-        connection.pull_stream = self._pull_streams[device]
+            self._pull_streams[device] = torch.cuda.Stream(device), PullSlots(device)
+        connection.pull_stream, connection.pull_slots = self._pull_streams[device]
         connection.pools_in[offer.pool_id] = row_words(pool)
         return Ack()
 

@@ -360,3 +360,26 @@ def test_rows_of_a_pool_id_the_peer_never_mapped_are_refused(ucx_loop, cuda_peer
     with pytest.raises(RemoteError) as info:
         run_bounded(ucx_loop, scenario(), 60)
     assert info.value.code == m.ErrorCode.INVALID_FIELDS and "pool 99" in info.value.detail
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_a_frames_pulls_share_one_slot_that_is_used_again():
+    from infinite_llm.transport.device_pools import PullSlots
+    source = numbered_pool(16, "cuda")
+    words = row_words(source)
+    slots = PullSlots(torch.device("cuda"))
+    for attempt in range(2):
+        slot = slots.take(5)
+        destination = torch.zeros(5, *BLOCK_SHAPE, device="cuda")
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            pull_rows(words, [9, 2, 7], destination[:3], slot.index)
+            pull_rows(words, [15, 0], destination[3:], slot.index)
+            slot.event.record(stream)
+        slot.event.synchronize()
+        assert torch.equal(destination, source[[9, 2, 7, 15, 0]])
+        slots.give_back(slot)
+        if attempt:
+            assert slot is first  # the same pinned and device ids, and event
+        first = slot
