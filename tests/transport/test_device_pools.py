@@ -369,7 +369,8 @@ def test_a_frames_pulls_share_one_slot_that_is_used_again():
     source = numbered_pool(16, "cuda")
     words = row_words(source)
     slots = PullSlots(torch.device("cuda"))
-    for attempt in range(2):
+    taken = []
+    for _attempt in range(2):
         slot = slots.take(5)
         destination = torch.zeros(5, *BLOCK_SHAPE, device="cuda")
         stream = torch.cuda.Stream()
@@ -380,6 +381,5 @@ def test_a_frames_pulls_share_one_slot_that_is_used_again():
         slot.event.synchronize()
         assert torch.equal(destination, source[[9, 2, 7, 15, 0]])
         slots.give_back(slot)
-        if attempt:
-            assert slot is first  # the same pinned and device ids, and event
-        first = slot
+        taken.append(slot)
+    assert taken[0] is taken[1]  # the same pinned and device ids, and event
