@@ -91,6 +91,10 @@ class InstanceConfig:
     # peer_shared_memory_dir, one per connection and direction (a daemon's decode step sends
     # one per layer and creditor), not TCP loopback; 0: over UCX. x86-64 only (elsewhere UCX).
     peer_header_ring_bytes: int = 2 << 20
+    # On a GPU, KV moves to instances on this host go as block ids: the receiver maps this
+    # instance's pool through CUDA IPC and copies the blocks out of it (transport/device_pools).
+    # False, or where the two GPUs cannot reach each other: gathered and sent over UCX.
+    peer_device_pools: bool = True
     # False: a static instance (vLLM-style): it admits only what its own pool holds, never
     # spills its requests' KV to peers, lends them nothing and refuses moves.
     share_kv: bool = True
@@ -146,7 +150,7 @@ class InstanceConfig:
                               f"got {self.peer_header_ring_bytes}")
         if any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in self.cpu_affinity):
             raise ConfigError(f"cpu_affinity must list CPU ids >= 0, got {self.cpu_affinity!r}")
-        for name in ("share_kv", "creditor_cuda_graphs"):
+        for name in ("share_kv", "creditor_cuda_graphs", "peer_device_pools"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.peer_spin_s is not None and (isinstance(self.peer_spin_s, bool) or not isinstance(self.peer_spin_s, (int, float))

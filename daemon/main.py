@@ -41,6 +41,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict]
     parser.add_argument("--peer-header-ring-bytes", type=int, dest="peer_header_ring_bytes",
                         help="frame headers to instances on this host go through a ring of this many bytes "
                              "in shared memory (default 2 MiB; 0: over UCX)")
+    parser.add_argument("--peer-device-pools", action=argparse.BooleanOptionalAction, dest="peer_device_pools",
+                        help="on a GPU, KV moves to instances on this host go as block ids that the receiver copies "
+                             "out of this instance's pool mapped through CUDA IPC (default); --no-peer-device-pools: "
+                             "gathered and sent over UCX")
     parser.add_argument("--share-kv", action=argparse.BooleanOptionalAction, dest="share_kv",
                         help="spill KV to peers and lend them blocks (default); --no-share-kv: a static instance")
     parser.add_argument("--cpu-affinity", dest="cpu_affinity",

@@ -108,9 +108,10 @@ def open_pool(offer: DevicePoolOffer, device: torch.device) -> torch.Tensor:
     memory the offer names."""
     if device.type != "cuda" or not torch.cuda.is_available():
         raise DevicePoolUnavailable("this process receives into host memory")
+    # Opened under this process's own device, whichever GPU the pool is on: CUDA maps another
+    # GPU's memory into this device's context where the two have peer access (NVLink), and the
+    # copies then run here, reading it; it refuses where they have none.
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if offer.device != index:
-        raise DevicePoolUnavailable(f"the pool is on the peer's device {offer.device}, this process's is {index}")
     dtype = _TORCH_DTYPES.get(offer.dtype)
     if dtype is None:
         raise DevicePoolUnavailable(f"dtype {offer.dtype!r} is not one of {sorted(_TORCH_DTYPES)}")

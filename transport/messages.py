@@ -642,7 +642,7 @@ class DevicePoolOffer:
     VERSION: ClassVar[int] = 1
 
     pool_id: int  # the sender's id for the pool on this connection, which frames name
-    device: int  # the sender's CUDA device index
+    device: int  # the sender's CUDA device index (for its logs: the receiver opens the pool under its own)
     handle: str  # hex: the CUDA IPC handle of the allocation the pool lies in
     storage_bytes: int  # the pool's storage, bytes
     storage_offset_bytes: int  # where the storage starts in the allocation, bytes
