@@ -31,8 +31,11 @@ $(STAMP): pyproject.toml Makefile
 	@touch $(STAMP)
 
 # pytest exits 5 when it collects nothing: that is a failure here, never a pass.
+# -P: the checkout's folders (kernels/, daemon/, ...) are not put on sys.path, where they would
+# hide packages of the same top-level name (Hugging Face's `kernels`, which transformers
+# imports); the project is imported as infinite_llm.* from its install.
 test: setup
-	@$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	@$(PY) -P -m pytest $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 # The main job: a local cluster (a gManager, three instances with SmolLM2-135M, on the GPU when
@@ -40,14 +43,14 @@ test: setup
 # instance, shows where it lives, drains an instance under load and stops.
 # RUN_ARGS=--short runs the same steps on a shorter prompt (as CI does).
 run: setup
-	@$(PY) -m infinite_llm.cli.demo $(RUN_ARGS)
+	@$(PY) -P -m infinite_llm.cli.demo $(RUN_ARGS)
 
 # One process: the engine with its KV spread over in-process pools.
 run-engine: setup
-	@$(PY) -m infinite_llm.engine.demo $(RUN_ARGS)
+	@$(PY) -P -m infinite_llm.engine.demo $(RUN_ARGS)
 
 test-slow: setup
-	@$(PY) -m pytest -m slow $(PYTEST_ARGS)
+	@$(PY) -P -m pytest -m slow $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .hypothesis

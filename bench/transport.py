@@ -387,7 +387,24 @@ async def measure_block_batch(transport, server, device, num_blocks: int, block_
         over_ucx = [r["gathered_over_ucx"] / r["contiguous"] for r in rounds]
         result["gathered_over_ucx_round_ratios"] = over_ucx
         result["gathered_over_ucx_ratio"] = sorted(over_ucx)[len(over_ucx) // 2]
+    result["move_latency_window1"] = await move_latencies(transport, server, cases, alternated)
     return result
+
+
+async def move_latencies(transport, server, cases: dict, names: tuple[str, ...], rounds: int = 4,
+                         moves_per_round: int = 25) -> dict:
+    """p50 and p90 of one move at a time (window 1), us, for each case, alternated over rounds:
+    a batch's rate with several in flight hides where a move's time goes."""
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for i in range(rounds):
+        for name in (names if i % 2 == 0 else tuple(reversed(names))):
+            runs, data, packed_move = cases[name]
+            for _ in range(moves_per_round):
+                t0 = time.perf_counter()
+                await send_blocks(transport, server, runs, data, 1, 1, packed_move)
+                samples[name].append(time.perf_counter() - t0)
+    return {name: {"p50_us": float(np.percentile(v, 50) * 1e6), "p90_us": float(np.percentile(v, 90) * 1e6)}
+            for name, v in samples.items()}
 
 
 def percentiles(samples: list[float]) -> dict:
@@ -528,6 +545,8 @@ def print_table(results: dict) -> None:
           + (f"; pulled from the mapped pool (gathered over UCX: {b['gathered_over_ucx_ratio']:.2f}, of "
              f"{', '.join(f'{r:.2f}' for r in b['gathered_over_ucx_round_ratios'])})"
              if b["pulled_from_mapped_pool"] else ""))
+    print("one move at a time, p50: " + ", ".join(f"{name} {v['p50_us']:.1f} us"
+                                                  for name, v in b["move_latency_window1"].items()))
     r = results["round_trip"]
     print(f"1 KiB round trip: layer p50 {r['layer']['p50_us']:.1f} us p99 "
           f"{r['layer']['p99_us']:.1f} us; bare ucxx p50 {r['bare_ucxx']['p50_us']:.1f} us "
