@@ -164,10 +164,10 @@ def pull_rows(source_rows: torch.Tensor, rows: Sequence[int], destination: torch
     the source's device ``index`` makes (``PullSlot.index``; by default from pinned memory)."""
     count = len(rows)
     out = destination.reshape(-1).view(torch.uint8)
-    if out.data_ptr() % source_rows.element_size() == 0:
+    try:
         out = out.view(source_rows.dtype).view(count, source_rows.shape[1])
-    else:  # a destination off the words' alignment: both as bytes
-        source_rows = source_rows.view(torch.uint8)
+    except RuntimeError:  # a destination off the words' alignment: both as bytes
+        source_rows = source_rows.view(torch.uint8).view(len(source_rows), -1)
         out = out.view(count, source_rows.shape[1])
     first = rows[0]
     if tuple(rows) == tuple(range(first, first + count)):
@@ -214,14 +214,29 @@ class PullSlot:
 
 class PullSlots:
     """A device's ``PullSlot``s: one is taken per frame, and given back once the device has
-    passed its event (never, where the frame failed: its copies may still be queued)."""
+    passed its event. A failed frame's slot is retired instead, with what its copies read and
+    write (the peer's mapped pool, the destinations), until the device has passed its event:
+    freed or unmapped earlier, that memory could be handed out while its copies are queued."""
 
     def __init__(self, device: torch.device, max_free: int = 8) -> None:
         self.device = device
         self.max_free = max_free
         self._free: list[PullSlot] = []
+        self._retired: list[tuple[PullSlot, object]] = []
+
+    def retire(self, slot: PullSlot, keep: object) -> None:
+        self._retired.append((slot, keep))
+
+    @property
+    def num_retired(self) -> int:
+        return len(self._retired)
 
     def take(self, num_rows: int) -> PullSlot:
+        """A slot for ``num_rows`` row ids. Call it with the stream the copies run on as the
+        current one: a new slot's device ids are allocated there, so that their memory goes
+        back to that stream's pool."""
+        if self._retired:
+            self._retired = [(slot, keep) for slot, keep in self._retired if not slot.event.query()]
         fits = [slot for slot in self._free if slot.capacity >= num_rows]
         if fits:
             slot = min(fits, key=lambda s: s.capacity)

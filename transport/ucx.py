@@ -173,6 +173,7 @@ class _Connection:
     pool_offers: dict[tuple, asyncio.Future] = field(default_factory=dict)
     pools_declined: set[tuple] = field(default_factory=set)
     pools_in: dict[int, torch.Tensor] = field(default_factory=dict)
+    pool_handles_in: dict[int, str] = field(default_factory=dict)
     pull_stream: object | None = None
     pull_slots: PullSlots | None = None
 
@@ -462,6 +463,7 @@ class _Connection:
         connection's pull stream, and wait for the copies with the event loop turning (within
         the frame timeout). Rows of a pool never mapped, past its end, or of another size than
         their destination are refused as a malformed frame."""
+        self._ensure_open()  # a frame landing while its connection aborts: not a malformed one
         sources = []
         for destination, pool_id, rows in pulls:  # all checked before any copy is queued
             source = self.pools_in.get(pool_id)
@@ -476,17 +478,26 @@ class _Connection:
                                     f"{nbytes_of(destination)}-byte buffer")
             sources.append(source)
         stream = self.pull_stream
-        slot = self.pull_slots.take(sum(len(rows) for _destination, _pool_id, rows in pulls))
         with torch.cuda.stream(stream):
-            for source, (destination, _pool_id, rows) in zip(sources, pulls):
-                pull_rows(source, rows, destination, slot.index)
+            slot = self.pull_slots.take(sum(len(rows) for _destination, _pool_id, rows in pulls))
+            try:
+                for source, (destination, _pool_id, rows) in zip(sources, pulls):
+                    pull_rows(source, rows, destination, slot.index)
+            except BaseException:  # what was queued keeps what it touches till it ran
+                slot.event.record(stream)
+                self.pull_slots.retire(slot, (sources, pulls))
+                raise
             slot.event.record(stream)
         deadline = time.monotonic() + self.config.frame_timeout_s
-        while not slot.event.query():
-            if time.monotonic() >= deadline:  # the slot is never used again: its copies may be queued still
-                raise ProtocolError(ErrorCode.TRUNCATED_FRAME,
-                                    f"rows not copied within {self.config.frame_timeout_s} s")
-            await asyncio.sleep(0)
+        try:
+            while not slot.event.query():
+                if time.monotonic() >= deadline:
+                    raise ProtocolError(ErrorCode.TRUNCATED_FRAME,
+                                        f"rows not copied within {self.config.frame_timeout_s} s")
+                await asyncio.sleep(0)
+        except BaseException:  # its copies may be queued still: what they touch is kept till they ran
+            self.pull_slots.retire(slot, (sources, pulls))
+            raise
         self.pull_slots.give_back(slot)
         self._ensure_open()
 
@@ -549,9 +560,9 @@ class _Connection:
             for ring in (self.ring_in, self.ring_out, self.ring_offered):
                 if ring is not None:
                     ring.close()
-            self.pools_in.clear()  # the peer's pools are unmapped with their last view
-            for offer in self.pool_offers.values():
-                offer.cancel()
+            # The peer's pools are unmapped with their last view; a pull still queued keeps
+            # its own (``PullSlots.retire``). Offers under way fail with the pending requests.
+            self.pools_in.clear()
             self.endpoint.abort()
             # The aborted endpoint cancels it; let it go with the reader's wait rather than
             # with this connection, which may be collected only after UCX's worker at exit.
@@ -1164,7 +1175,7 @@ class UcxTransport:
             requests = None
         else:
             if destinations is None:
-                destinations = self._fresh_destinations(header)
+                destinations = self._fresh_destinations(header, connection)
             requests = connection.post_buffer_recvs(header, destinations)
         if requests is not None:
             if connection.lands_in_background(requests, header):  # e.g. a move's KV blocks, ahead of attend requests
@@ -1258,17 +1269,25 @@ class UcxTransport:
         if not self._config.device_pools:
             return ErrorReply(ErrorCode.DEVICE_POOL_UNAVAILABLE, "device pools are turned off here")
         if offer.pool_id in connection.pools_in:
+            # The same offer again (the first one's answer came after its requester gave up):
+            # mapped already. Another pool under a taken id is refused.
+            if connection.pool_handles_in.get(offer.pool_id) == offer.handle:
+                return Ack()
             return ErrorReply(ErrorCode.DEVICE_POOL_UNAVAILABLE, f"pool {offer.pool_id} is mapped already")
         device = torch.device(self._config.receive_device)
         try:
             pool = open_pool(offer, device)
+            rows = row_words(pool)
         except DevicePoolUnavailable as e:
             return ErrorReply(ErrorCode.DEVICE_POOL_UNAVAILABLE, str(e))
+        except (RuntimeError, ValueError) as e:  # a layout that makes no rows (a dimension of 0)
+            return ErrorReply(ErrorCode.DEVICE_POOL_UNAVAILABLE, f"the pool's layout makes no rows: {e}")
         if device not in self._pull_streams:
             # Made once: making a stream waits for the device's queued work.
             self._pull_streams[device] = torch.cuda.Stream(device), PullSlots(device)
         connection.pull_stream, connection.pull_slots = self._pull_streams[device]
-        connection.pools_in[offer.pool_id] = row_words(pool)
+        connection.pools_in[offer.pool_id] = rows
+        connection.pool_handles_in[offer.pool_id] = offer.handle
         return Ack()
 
     def _accept_header_ring(self, connection: _Connection, offer: HeaderRingOffer) -> Message:
@@ -1318,8 +1337,13 @@ class UcxTransport:
         from the header's bytes (``codec.host_tensors_of_inline``), with nothing to receive."""
         return self._inline_lands_on_host and all(header.inline)
 
-    def _fresh_destinations(self, header: codec.FrameHeader) -> list[object]:
+    def _fresh_destinations(self, header: codec.FrameHeader, connection: _Connection | None = None) -> list[object]:
         device = self._config.landing_device(all(header.inline))
+        if header.pool_rows and connection is not None and connection.pull_stream is not None:
+            # Allocated on the stream that writes them: memory from another stream's pool could
+            # still be read there by kernels queued before.
+            with torch.cuda.stream(connection.pull_stream):
+                return [allocate(s, device) for s in header.specs]
         return [allocate(s, device) for s in header.specs]
 
     def _encode_reply(self, msg_id: int, reply: Message) -> tuple[int, codec.EncodedFrame]:

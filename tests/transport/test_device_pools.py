@@ -383,3 +383,118 @@ def test_a_frames_pulls_share_one_slot_that_is_used_again():
         slots.give_back(slot)
         taken.append(slot)
     assert taken[0] is taken[1]  # the same pinned and device ids, and event
+
+
+OLD_PEER_SCRIPT = """
+import asyncio
+from infinite_llm.transport import messages as m
+from infinite_llm.transport.interface import TransportConfig
+from infinite_llm.transport.ucx import UcxTransport
+del m.MESSAGE_TYPES["device_pool_offer"]  # a peer that predates device pools
+
+async def main():
+    transport = UcxTransport(TransportConfig())
+    await transport.start(lambda message: m.EchoReply(message.payload) if isinstance(message, m.Echo) else None)
+    print(f"PORT {transport.address.port}", flush=True)
+    await asyncio.sleep(3600)
+
+asyncio.run(main())
+"""
+
+
+class OfferedPool:
+    """A host tensor passed off as a device pool, to drive the offer over UCX without a GPU:
+    the offer is made (``export_pool`` replaced), and a receiver on the CPU declines it."""
+
+    def __init__(self) -> None:
+        self.tensor = numbered_pool()
+        self.is_cuda = True
+        self.device, self.shape, self.dtype = self.tensor.device, self.tensor.shape, self.tensor.dtype
+
+    def data_ptr(self) -> int:
+        return self.tensor.data_ptr()
+
+
+def fake_offer(pool, pool_id: int) -> m.DevicePoolOffer:
+    return m.DevicePoolOffer(pool_id=pool_id, device=0, handle="00" * 64, storage_bytes=pool.tensor.nbytes,
+                             storage_offset_bytes=0, ref_counter="00", ref_counter_offset=0, event="",
+                             event_sync_required=False, dtype="float32", shape=tuple(pool.shape), offset=0)
+
+
+def test_a_peer_that_predates_device_pools_is_not_offered_one_again(ucx_loop, peer_command, monkeypatch):
+    """It closes the connection on the unknown offer: the sender hears no, remembers the peer,
+    and its next request connects afresh."""
+    import sys
+
+    from test_ucx_loopback import Peer
+
+    from infinite_llm.transport import ucx
+    monkeypatch.setattr(ucx, "export_pool", fake_offer)
+    peer = Peer([sys.executable, "-c", OLD_PEER_SCRIPT])
+    transport = ucx.UcxTransport(TransportConfig(request_timeout_s=10))
+    pool = OfferedPool()
+
+    async def scenario():
+        await transport.start(lambda message: None)
+        try:
+            first = await transport.map_device_pool(peer.address, pool)
+            second = await transport.map_device_pool(peer.address, pool)
+            echo = await transport.request(peer.address, m.Echo(torch.arange(4)))
+            return first, second, echo
+        finally:
+            await transport.close()
+    try:
+        first, second, echo = run_bounded(ucx_loop, scenario(), 60)
+    finally:
+        peer.kill()
+    assert first is False and second is False and torch.equal(echo.payload, torch.arange(4))
+
+
+def test_a_receiver_on_the_host_declines_a_device_pool(ucx_loop, peer_command, monkeypatch):
+    from test_ucx_loopback import Peer
+
+    from infinite_llm.transport import ucx
+    monkeypatch.setattr(ucx, "export_pool", fake_offer)
+    peer = Peer(peer_command, "serve")
+    transport = ucx.UcxTransport(TransportConfig(request_timeout_s=10))
+    pool = OfferedPool()
+
+    async def scenario():
+        await transport.start(lambda message: None)
+        try:
+            mapped = await transport.map_device_pool(peer.address, pool)
+            connection = transport._outbound[peer.address]
+            return mapped, connection.broken, dict(connection.pools_out), set(connection.pools_declined)
+        finally:
+            await transport.close()
+    try:
+        mapped, broken, pools_out, declined = run_bounded(ucx_loop, scenario(), 60)
+    finally:
+        peer.kill()
+    assert mapped is False and not broken and pools_out == {} and len(declined) == 1
+
+
+def test_a_destination_whose_words_do_not_line_up_gets_the_rows_as_bytes():
+    source = torch.randint(0, 255, (6, 16), dtype=torch.uint8)
+    backing = bytearray(40)
+    destination = torch.frombuffer(memoryview(backing)[1:33], dtype=torch.uint8)  # off any word
+    pull_rows(row_words(source), [5, 2], destination)
+    assert torch.equal(destination.view(2, 16), source[[5, 2]]) and backing[0] == 0
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_a_failed_frames_slot_is_kept_until_the_device_passed_its_copies():
+    from infinite_llm.transport.device_pools import PullSlots
+    slots = PullSlots(torch.device("cuda"))
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        slot = slots.take(4)
+        torch.cuda._sleep(200_000_000)  # copies still queued behind this
+        slot.event.record(stream)
+    slots.retire(slot, object())
+    slots.take(1)
+    assert slots.num_retired == 1
+    slot.event.synchronize()
+    slots.take(1)
+    assert slots.num_retired == 0
