@@ -23,7 +23,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from infinite_llm.transport.messages import DevicePoolOffer
+from infinite_llm.transport.errors import ProtocolError
+from infinite_llm.transport.messages import DevicePoolOffer, ErrorCode
 from infinite_llm.transport.tensors import _TORCH_DTYPES, TORCH_DTYPE_NAMES
 
 
@@ -155,13 +156,33 @@ def row_nbytes(source_rows: torch.Tensor) -> int:
     return source_rows.shape[1] * source_rows.element_size()
 
 
+def pool_key(pool) -> tuple:
+    """What tells one shared pool from another: its memory and layout."""
+    return pool.data_ptr(), pool.device, tuple(pool.shape), pool.dtype
+
+
+def check_rows(source_rows: torch.Tensor | None, pool_id: int, rows: Sequence[int], destination_nbytes: int) -> None:
+    """Refuse (ProtocolError, as a malformed frame) rows of a pool never mapped (``source_rows``
+    None), past its end, or of another size than their destination, before any copy."""
+    if source_rows is None:
+        raise ProtocolError(ErrorCode.INVALID_FIELDS, f"rows of pool {pool_id}, never mapped here")
+    if max(rows) >= len(source_rows):
+        raise ProtocolError(ErrorCode.INVALID_FIELDS,
+                            f"row {max(rows)} of pool {pool_id}, which has {len(source_rows)}")
+    if len(rows) * row_nbytes(source_rows) != destination_nbytes:
+        raise ProtocolError(ErrorCode.LENGTH_MISMATCH, f"{len(rows)} rows of {row_nbytes(source_rows)} bytes "
+                                                       f"for a {destination_nbytes}-byte buffer")
+
+
 def pull_rows(source_rows: torch.Tensor, rows: Sequence[int], destination: torch.Tensor,
               index: Callable[[Sequence[int]], torch.Tensor] | None = None) -> torch.Tensor | None:
     """Copy rows ``rows`` of ``source_rows`` (``[num_rows, words]``, ``row_words``) into
     ``destination`` (a contiguous tensor of ``len(rows) * row_nbytes`` bytes), queued on the
     current stream. Returns what must live until the copy has run (the device's row ids),
     None where nothing must. Consecutive rows are one copy, others one gather, whose ids on
-    the source's device ``index`` makes (``PullSlot.index``; by default from pinned memory)."""
+    the source's device ``index`` makes (``PullSlot.index``, from pinned memory: from pageable
+    memory the copy returns only once it ran, which on a GPU that takes turns with the sender's
+    process holds the event loop for that turn; by default ``row_index``)."""
     count = len(rows)
     out = destination.reshape(-1).view(torch.uint8)
     try:
@@ -173,14 +194,7 @@ def pull_rows(source_rows: torch.Tensor, rows: Sequence[int], destination: torch
     if tuple(rows) == tuple(range(first, first + count)):
         out.copy_(source_rows[first:first + count], non_blocking=True)
         return None
-    if index is not None:
-        ids = index(rows)
-    else:
-        ids = torch.from_numpy(np.array(rows, dtype=np.int64))
-        if source_rows.is_cuda:
-            # From pinned memory: from pageable memory the copy returns only once it ran, which on
-            # a GPU that takes turns with the sender's process holds the event loop for that turn.
-            ids = ids.pin_memory().to(source_rows.device, non_blocking=True)
+    ids = index(rows) if index is not None else row_index(rows, source_rows.device)
     if out.device == source_rows.device:
         torch.index_select(source_rows, 0, ids, out=out)
     else:

@@ -46,7 +46,7 @@ from infinite_llm.transport.interface import (
     TransportConfig,
 )
 from infinite_llm.transport.messages import Ack, ErrorCode, ErrorReply, Message
-from infinite_llm.transport.device_pools import PoolRows, pull_rows, row_nbytes, row_words
+from infinite_llm.transport.device_pools import PoolRows, check_rows, pool_key, pull_rows, row_words
 from infinite_llm.transport.tensors import allocate, copy_bytes
 
 
@@ -247,7 +247,7 @@ class InMemoryTransport:
             raise PeerUnreachable(peer, "no listener")
         if not (self._network.maps_pools and self._config.device_pools and receiver._config.device_pools):
             return False
-        key = _pool_key(pool)
+        key = pool_key(pool)
         if key not in self._pool_ids:
             self._pool_ids[key] = len(self._pool_ids)
             self._network._pools[(self._address, self._pool_ids[key])] = row_words(pool)
@@ -329,7 +329,7 @@ class InMemoryTransport:
             return None
 
         def place(rows: PoolRows) -> int | None:
-            key = _pool_key(rows.pool)
+            key = pool_key(rows.pool)
             return self._pool_ids[key] if (peer, key) in self._mapped_by else None
         return place
 
@@ -470,12 +470,11 @@ def _carry(header: codec.FrameHeader, frame: codec.EncodedFrame, destinations: l
         destinations = [allocate(spec, device) for spec in header.specs]
     for dest, src in zip(codec.land_inline(header, destinations), frame.buffers, strict=True):
         copy_bytes(dest, src)
-    for dest, pool_id, rows in codec.pool_row_destinations(header, destinations) if header.pool_rows else ():
-        source = pool_of(pool_id)
-        if source is None:
-            raise ProtocolError(ErrorCode.INVALID_FIELDS, f"rows of pool {pool_id}, never mapped here")
-        if max(rows) >= len(source) or len(rows) * row_nbytes(source) != dest.nbytes:
-            raise ProtocolError(ErrorCode.LENGTH_MISMATCH, f"rows {rows} of pool {pool_id} do not fit their buffer")
+    pulls = codec.pool_row_destinations(header, destinations) if header.pool_rows else []
+    sources = [pool_of(pool_id) for _dest, pool_id, _rows in pulls]
+    for source, (dest, pool_id, rows) in zip(sources, pulls):  # all before any copy
+        check_rows(source, pool_id, rows, dest.nbytes)
+    for source, (dest, _pool_id, rows) in zip(sources, pulls):
         pull_rows(source, rows, dest)
     return codec.assemble(header, destinations)
 
@@ -484,5 +483,3 @@ def _no_pool(_pool_id: int) -> None:
     return None  # replies name no pools
 
 
-def _pool_key(pool) -> tuple:
-    return pool.data_ptr(), pool.device, tuple(pool.shape), pool.dtype

@@ -38,6 +38,7 @@ peer shows as RequestTimeout; the daemons' heartbeats decide when it is dead.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import itertools
 import logging
@@ -57,10 +58,11 @@ from infinite_llm.transport.device_pools import (
     DevicePoolUnavailable,
     PoolRows,
     PullSlots,
+    check_rows,
     export_pool,
     open_pool,
+    pool_key,
     pull_rows,
-    row_nbytes,
     row_words,
 )
 from infinite_llm.transport.errors import (
@@ -464,19 +466,9 @@ class _Connection:
         the frame timeout). Rows of a pool never mapped, past its end, or of another size than
         their destination are refused as a malformed frame."""
         self._ensure_open()  # a frame landing while its connection aborts: not a malformed one
-        sources = []
-        for destination, pool_id, rows in pulls:  # all checked before any copy is queued
-            source = self.pools_in.get(pool_id)
-            if source is None:
-                raise ProtocolError(ErrorCode.INVALID_FIELDS, f"rows of pool {pool_id}, never mapped here")
-            if max(rows) >= len(source):
-                raise ProtocolError(ErrorCode.INVALID_FIELDS,
-                                    f"row {max(rows)} of pool {pool_id}, which has {len(source)}")
-            if len(rows) * row_nbytes(source) != nbytes_of(destination):
-                raise ProtocolError(ErrorCode.LENGTH_MISMATCH,
-                                    f"{len(rows)} rows of {row_nbytes(source)} bytes for a "
-                                    f"{nbytes_of(destination)}-byte buffer")
-            sources.append(source)
+        sources = [self.pools_in.get(pool_id) for _destination, pool_id, _rows in pulls]
+        for source, (destination, pool_id, rows) in zip(sources, pulls):  # all before any copy is queued
+            check_rows(source, pool_id, rows, nbytes_of(destination))
         stream = self.pull_stream
         with torch.cuda.stream(stream):
             slot = self.pull_slots.take(sum(len(rows) for _destination, _pool_id, rows in pulls))
@@ -650,13 +642,7 @@ class UcxTransport:
         if not self._config.device_pools or not pool.is_cuda or peer in self._pool_offer_refused:
             return False
         timeout_s = self._config.request_timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + timeout_s
-        try:
-            connection = await self._connection_by(peer, deadline)
-        except ConnectionBroken as e:
-            raise PeerUnreachable(peer, str(e)) from None
-        except TimeoutError:
-            raise RequestTimeout(peer, DevicePoolOffer.TYPE, timeout_s) from None
+        connection, deadline = await self._connection_for(peer, DevicePoolOffer.TYPE, timeout_s)
         key = pool_key(pool)
         if key in connection.pools_out:
             return True
@@ -723,13 +709,7 @@ class UcxTransport:
         device_ready: bool = False,
     ) -> Message:
         timeout_s = self._config.request_timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + timeout_s
-        try:
-            connection = await self._connection_by(peer, deadline)
-        except ConnectionBroken as e:
-            raise PeerUnreachable(peer, str(e)) from None
-        except TimeoutError:
-            raise RequestTimeout(peer, message.TYPE, timeout_s) from None
+        connection, deadline = await self._connection_for(peer, message.TYPE, timeout_s)
         frame = self._encode_request(message, connection, device_ready)
         return await self._exchange(peer, connection, frame, message.TYPE, deadline, timeout_s)
 
@@ -896,6 +876,18 @@ class UcxTransport:
             self._shared_region.close()  # peers' mappings of it stay valid
 
     # --- outbound connections: requests and their replies ---
+
+    async def _connection_for(self, peer: PeerAddress, type_: str, timeout_s: float) -> tuple[_Connection, float]:
+        """The connection to ``peer`` and the deadline of a request of ``type_`` that may take
+        ``timeout_s`` from now, connecting first where needed; the transport's errors where
+        that fails."""
+        deadline = time.monotonic() + timeout_s
+        try:
+            return await self._connection_by(peer, deadline), deadline
+        except ConnectionBroken as e:
+            raise PeerUnreachable(peer, str(e)) from None
+        except TimeoutError:
+            raise RequestTimeout(peer, type_, timeout_s) from None
 
     async def _connection_by(self, peer: PeerAddress, deadline: float) -> _Connection:
         """The connection to ``peer``, made by ``deadline`` (time.monotonic()) if there is none."""
@@ -1339,12 +1331,11 @@ class UcxTransport:
 
     def _fresh_destinations(self, header: codec.FrameHeader, connection: _Connection | None = None) -> list[object]:
         device = self._config.landing_device(all(header.inline))
-        if header.pool_rows and connection is not None and connection.pull_stream is not None:
-            # Allocated on the stream that writes them: memory from another stream's pool could
-            # still be read there by kernels queued before.
-            with torch.cuda.stream(connection.pull_stream):
-                return [allocate(s, device) for s in header.specs]
-        return [allocate(s, device) for s in header.specs]
+        # Rows pulled into them: allocated on the stream that writes them, as memory from another
+        # stream's pool could still be read there by kernels queued before.
+        pulled = header.pool_rows and connection is not None and connection.pull_stream is not None
+        with torch.cuda.stream(connection.pull_stream) if pulled else contextlib.nullcontext():
+            return [allocate(s, device) for s in header.specs]
 
     def _encode_reply(self, msg_id: int, reply: Message) -> tuple[int, codec.EncodedFrame]:
         """The reply's id and frame; one that cannot be encoded (a handler's bad tensor) becomes
@@ -1403,11 +1394,6 @@ class UcxTransport:
         task = asyncio.get_running_loop().create_task(coroutine)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-
-def pool_key(pool: torch.Tensor) -> tuple:
-    """What tells one shared pool from another: its memory and layout."""
-    return pool.data_ptr(), pool.device, tuple(pool.shape), pool.dtype
 
 
 @dataclass(frozen=True)

@@ -283,22 +283,17 @@ def send_numbered_move(ucx_loop, peer, src: list[int], dst: list[int], **config)
     """Move blocks ``src`` of a pool whose block b holds dst's value + 1 (ucx_peer.py checks
     each destination block d holds d + 1) to reservation 7 of ``peer``; returns the reply and
     the ids of the pools the peer mapped."""
-    from infinite_llm.transport.ucx import UcxTransport
+    from ucx_testlib import started
     pool = torch.zeros(64, *BLOCK_SHAPE, device="cuda")
     for s, d in zip(src, dst):
         pool[s] = d + 1
-    transport = UcxTransport(TransportConfig(request_timeout_s=10, receive_device="cuda", **config))
     packer = KVPacker(graphs_per_size=0)
 
     async def scenario():
-        await transport.start(lambda message: None)
-        try:
+        async with started(lambda message: None, receive_device="cuda", **config) as transport:
             reply = await packer.send(transport, peer.address, pool, src, dst,
                                       lambda runs, data: m.KVBlocks(1, 7, runs, data), 10.0)
-            mapped = dict(transport._outbound[peer.address].pools_out)
-            return reply, mapped
-        finally:
-            await transport.close()
+            return reply, dict(transport._outbound[peer.address].pools_out)
     return run_bounded(ucx_loop, scenario(), 60)
 
 
@@ -313,15 +308,11 @@ def test_a_local_peer_copies_a_moves_rows_out_of_the_mapped_pool(ucx_loop, cuda_
 
 
 def maps(ucx_loop, peer, **config) -> bool:
-    from infinite_llm.transport.ucx import UcxTransport
-    transport = UcxTransport(TransportConfig(request_timeout_s=10, receive_device="cuda", **config))
+    from ucx_testlib import started
 
     async def scenario():
-        await transport.start(lambda message: None)
-        try:
+        async with started(lambda message: None, receive_device="cuda", **config) as transport:
             return await transport.map_device_pool(peer.address, torch.zeros(64, *BLOCK_SHAPE, device="cuda"))
-        finally:
-            await transport.close()
     return run_bounded(ucx_loop, scenario(), 60)
 
 
@@ -343,20 +334,18 @@ def test_a_sender_with_pools_turned_off_offers_none(ucx_loop, cuda_peer):
 @pytest.mark.gpu
 @needs_gpu
 def test_rows_of_a_pool_id_the_peer_never_mapped_are_refused(ucx_loop, cuda_peer):
-    from infinite_llm.transport.ucx import UcxTransport, pool_key
+    from ucx_testlib import started
+
+    from infinite_llm.transport.device_pools import pool_key
     peer = cuda_peer()
     pool = torch.zeros(64, *BLOCK_SHAPE, device="cuda")
-    transport = UcxTransport(TransportConfig(request_timeout_s=10, receive_device="cuda"))
 
     async def scenario():
-        await transport.start(lambda message: None)
-        try:
+        async with started(lambda message: None, receive_device="cuda") as transport:
             assert await transport.map_device_pool(peer.address, pool)
             transport._outbound[peer.address].pools_out[pool_key(pool)] = 99  # a forged id
             torch.cuda.synchronize()
             return await transport.request(peer.address, blocks_message((PoolRows(pool, [1, 2]),), (0,)))
-        finally:
-            await transport.close()
     with pytest.raises(RemoteError) as info:
         run_bounded(ucx_loop, scenario(), 60)
     assert info.value.code == m.ErrorCode.INVALID_FIELDS and "pool 99" in info.value.detail
@@ -428,21 +417,18 @@ def test_a_peer_that_predates_device_pools_is_not_offered_one_again(ucx_loop, pe
 
     from test_ucx_loopback import Peer
 
+    from ucx_testlib import started
+
     from infinite_llm.transport import ucx
     monkeypatch.setattr(ucx, "export_pool", fake_offer)
     peer = Peer([sys.executable, "-c", OLD_PEER_SCRIPT])
-    transport = ucx.UcxTransport(TransportConfig(request_timeout_s=10))
     pool = OfferedPool()
 
     async def scenario():
-        await transport.start(lambda message: None)
-        try:
+        async with started(lambda message: None) as transport:
             first = await transport.map_device_pool(peer.address, pool)
             second = await transport.map_device_pool(peer.address, pool)
-            echo = await transport.request(peer.address, m.Echo(torch.arange(4)))
-            return first, second, echo
-        finally:
-            await transport.close()
+            return first, second, await transport.request(peer.address, m.Echo(torch.arange(4)))
     try:
         first, second, echo = run_bounded(ucx_loop, scenario(), 60)
     finally:
@@ -453,20 +439,18 @@ def test_a_peer_that_predates_device_pools_is_not_offered_one_again(ucx_loop, pe
 def test_a_receiver_on_the_host_declines_a_device_pool(ucx_loop, peer_command, monkeypatch):
     from test_ucx_loopback import Peer
 
+    from ucx_testlib import started
+
     from infinite_llm.transport import ucx
     monkeypatch.setattr(ucx, "export_pool", fake_offer)
     peer = Peer(peer_command, "serve")
-    transport = ucx.UcxTransport(TransportConfig(request_timeout_s=10))
     pool = OfferedPool()
 
     async def scenario():
-        await transport.start(lambda message: None)
-        try:
+        async with started(lambda message: None) as transport:
             mapped = await transport.map_device_pool(peer.address, pool)
             connection = transport._outbound[peer.address]
             return mapped, connection.broken, dict(connection.pools_out), set(connection.pools_declined)
-        finally:
-            await transport.close()
     try:
         mapped, broken, pools_out, declined = run_bounded(ucx_loop, scenario(), 60)
     finally:
