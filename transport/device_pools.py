@@ -17,7 +17,9 @@ transport's peers, and tests without a GPU).
 
 from __future__ import annotations
 
+import ctypes
 import math
+import weakref
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -130,11 +132,40 @@ def open_pool(offer: DevicePoolOffer, device: torch.device) -> torch.Tensor:
             storage = torch.UntypedStorage._new_shared_cuda(
                 index, handle, offer.storage_bytes, offer.storage_offset_bytes, ref_counter,
                 offer.ref_counter_offset, event, offer.event_sync_required)
+            # The offer's sizes are the peer's word: a storage that runs past the memory the
+            # handle maps would let a copy fault this process's device context.
+            mapped = allocation_bytes_from(storage.data_ptr())
+            if offer.storage_bytes > mapped:
+                raise DevicePoolUnavailable(f"the offer names {offer.storage_bytes} bytes where its handle "
+                                            f"maps {mapped}")
             pool = torch.empty(0, dtype=dtype, device=device)
             pool.set_(storage, offer.offset, offer.shape)
     except (RuntimeError, TypeError) as e:  # CUDA's refusal (another host, no peer access)
         raise DevicePoolUnavailable(f"CUDA cannot open the peer's pool: {e}") from None
     return pool
+
+
+_libcuda: ctypes.CDLL | None = None
+
+
+def allocation_bytes_from(pointer: int) -> int:
+    """Bytes of the device allocation that holds ``pointer`` (of the current device's context),
+    from ``pointer`` to its end: the driver's ``cuMemGetAddressRange``, which the CUDA runtime
+    does not expose. Raises DevicePoolUnavailable where the driver does not know the pointer."""
+    global _libcuda
+    if _libcuda is None:
+        try:
+            _libcuda = ctypes.CDLL("libcuda.so.1")
+        except OSError as e:
+            raise DevicePoolUnavailable(f"the CUDA driver library cannot be loaded: {e}") from None
+        _libcuda.cuMemGetAddressRange_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64),
+                                                     ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
+        _libcuda.cuMemGetAddressRange_v2.restype = ctypes.c_int
+    base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    status = _libcuda.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), pointer)
+    if status != 0:
+        raise DevicePoolUnavailable(f"the driver knows no allocation at {pointer:#x} (CUresult {status})")
+    return base.value + size.value - pointer
 
 
 _WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)
@@ -159,6 +190,38 @@ def row_nbytes(source_rows: torch.Tensor) -> int:
 def pool_key(pool) -> tuple:
     """What tells one shared pool from another: its memory and layout."""
     return pool.data_ptr(), pool.device, tuple(pool.shape), pool.dtype
+
+
+class SharedPools:
+    """Something kept per shared pool (its offer, the id a peer mapped it under), by the pool's
+    key and its storage, held weakly: a pool freed and another made at the same address with
+    the same layout is another pool, whose memory a peer's mapping of the first may not be
+    (CUDA gives memory freed back to the driver a new IPC handle)."""
+
+    def __init__(self) -> None:
+        self._by_key: dict[tuple, tuple[object, weakref.ref]] = {}
+
+    def get(self, pool, default=None):
+        """What was kept for ``pool``'s storage, ``default`` where nothing was or the storage
+        kept for its key is gone."""
+        entry = self._by_key.get(pool_key(pool))
+        if entry is None or entry[1]() is not pool.untyped_storage():
+            return default
+        return entry[0]
+
+    def put(self, pool, value) -> None:
+        self._by_key[pool_key(pool)] = (value, weakref.ref(pool.untyped_storage()))
+
+    def __contains__(self, pool) -> bool:
+        sentinel = object()
+        return self.get(pool, sentinel) is not sentinel
+
+    def __len__(self) -> int:
+        return len(self._by_key)
+
+    def values(self) -> list:
+        """What is kept for pools whose storage lives."""
+        return [value for value, storage in self._by_key.values() if storage() is not None]
 
 
 def check_rows(source_rows: torch.Tensor | None, pool_id: int, rows: Sequence[int], destination_nbytes: int) -> None:

@@ -58,6 +58,7 @@ from infinite_llm.transport.device_pools import (
     DevicePoolUnavailable,
     PoolRows,
     PullSlots,
+    SharedPools,
     check_rows,
     export_pool,
     open_pool,
@@ -171,9 +172,9 @@ class _Connection:
     # the id frames name them by; each pool's offer while it is under way; the pools it would
     # not map. Inbound: the peer's pools mapped here, by id, as ``[num_rows, words]``
     # bytes, and the stream their rows are copied out on.
-    pools_out: dict[tuple, int] = field(default_factory=dict)
+    pools_out: SharedPools = field(default_factory=SharedPools)
     pool_offers: dict[tuple, asyncio.Future] = field(default_factory=dict)
-    pools_declined: set[tuple] = field(default_factory=set)
+    pools_declined: SharedPools = field(default_factory=SharedPools)
     pools_in: dict[int, torch.Tensor] = field(default_factory=dict)
     pool_handles_in: dict[int, str] = field(default_factory=dict)
     pull_stream: object | None = None
@@ -206,7 +207,7 @@ class _Connection:
 
     def place_rows(self, rows: PoolRows) -> int | None:
         """The id under which the peer mapped ``rows``' pool, None where it did not."""
-        return self.pools_out.get(pool_key(rows.pool))
+        return self.pools_out.get(rows.pool)
 
     def claim_slots(self, msg_id: int) -> None:
         """The slots of the frame just encoded belong to request ``msg_id``."""
@@ -593,7 +594,7 @@ class UcxTransport:
         self._offer_refused: set[PeerAddress] = set()  # peers that do not know SharedMemoryOffer
         self._pool_offer_refused: set[PeerAddress] = set()  # peers that do not know DevicePoolOffer
         self._pool_ids = itertools.count()
-        self._exported: dict[tuple, DevicePoolOffer | None] = {}  # device pools shared, by key
+        self._exported = SharedPools()  # device pools shared: each one's offer, None where it cannot be
         self._pull_streams: dict[torch.device, tuple[object, PullSlots]] = {}
         self._ring_offer_refused: set[PeerAddress] = set()  # peers that do not know HeaderRingOffer
 
@@ -643,30 +644,38 @@ class UcxTransport:
             return False
         timeout_s = self._config.request_timeout_s if timeout_s is None else timeout_s
         connection, deadline = await self._connection_for(peer, DevicePoolOffer.TYPE, timeout_s)
-        key = pool_key(pool)
-        if key in connection.pools_out:
+        if pool in connection.pools_out:
             return True
-        if key in connection.pools_declined:
+        if pool in connection.pools_declined:
             return False
+        key = pool_key(pool)
         offer = connection.pool_offers.get(key)
         if offer is None:
-            offer = connection.pool_offers[key] = asyncio.ensure_future(
-                self._offer_device_pool(peer, connection, pool, key, deadline, timeout_s))
+            # The offer runs under the transport's own timeout, not the first caller's: callers
+            # share it, and each waits for it no longer than its own deadline.
+            offer = connection.pool_offers[key] = asyncio.ensure_future(self._offer_device_pool(
+                peer, connection, pool, time.monotonic() + self._config.request_timeout_s,
+                self._config.request_timeout_s))
             offer.add_done_callback(lambda _done: connection.pool_offers.pop(key, None))
-        return await asyncio.shield(offer)
+        try:
+            return await asyncio.wait_for(asyncio.shield(offer), max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            raise RequestTimeout(peer, DevicePoolOffer.TYPE, timeout_s) from None
 
-    async def _offer_device_pool(self, peer: PeerAddress, connection: _Connection, pool: torch.Tensor, key: tuple,
+    async def _offer_device_pool(self, peer: PeerAddress, connection: _Connection, pool: torch.Tensor,
                                  deadline: float, timeout_s: float) -> bool:
-        if key not in self._exported:
+        unshared = object()
+        offer = self._exported.get(pool, unshared)
+        if offer is unshared:
             try:
-                self._exported[key] = export_pool(pool, next(self._pool_ids))
+                offer = export_pool(pool, next(self._pool_ids))
             except DevicePoolUnavailable as e:
                 log.warning("the device pool on %s is not shared with local peers (%s): its blocks travel "
                             "gathered", pool.device, e)
-                self._exported[key] = None
-        offer = self._exported[key]
+                offer = None
+            self._exported.put(pool, offer)
         if offer is None:
-            connection.pools_declined.add(key)
+            connection.pools_declined.put(pool, True)
             return False
         try:
             await self._exchange(peer, connection, self._encode_request(offer, connection), offer.TYPE,
@@ -675,11 +684,11 @@ class UcxTransport:
             log.info("%s does not map the device pool (%s): its blocks travel gathered", peer, e)
             if e.code == ErrorCode.UNKNOWN_TYPE:
                 self._pool_offer_refused.add(peer)  # a peer that predates the offer closed the connection
-            connection.pools_declined.add(key)
+            connection.pools_declined.put(pool, True)
             return False
         if connection.broken:
             return False
-        connection.pools_out[key] = offer.pool_id
+        connection.pools_out.put(pool, offer.pool_id)
         return True
 
     def set_spin(self, spin_s: float) -> None:

@@ -15,6 +15,7 @@ from infinite_llm.transport import messages as m
 from infinite_llm.transport.device_pools import (
     DevicePoolUnavailable,
     PoolRows,
+    SharedPools,
     open_pool,
     pull_rows,
     row_nbytes,
@@ -41,6 +42,32 @@ def numbered_pool(num_blocks: int = 16, device: str = "cpu") -> torch.Tensor:
 def blocks_message(rows: tuple[PoolRows | torch.Tensor, ...], dst_first: tuple[int, ...]) -> m.KVBlocks:
     runs = tuple(m.BlockRun(d, r.shape[0]) for d, r in zip(dst_first, rows))
     return m.KVBlocks(move_id=1, reservation_id=7, runs=runs, runs_data=rows)
+
+
+# --- what is kept per shared pool ----------------------------------------------------------
+
+
+def test_what_is_kept_for_a_pool_is_found_through_its_storage():
+    pool = numbered_pool()
+    kept = SharedPools()
+    kept.put(pool, 3)
+    assert kept.get(pool) == 3 and pool in kept and kept.values() == [3]
+    assert kept.get(numbered_pool()) is None  # another pool
+
+
+def test_another_storage_over_the_same_memory_and_layout_is_another_pool():
+    # As a pool freed and made again at the same address: its key is the same, its memory
+    # (CUDA's handle to it) may not be. torch.from_numpy makes a new storage each call.
+    memory = np.zeros((8, 4), dtype=np.float32)
+    first, second = torch.from_numpy(memory), torch.from_numpy(memory)
+    assert first.untyped_storage() is not second.untyped_storage()
+    kept = SharedPools()
+    kept.put(first, 0)
+    assert kept.get(second) is None and second not in kept
+    del first
+    assert kept.values() == []  # nothing kept for a storage that is gone
+    kept.put(second, 1)
+    assert kept.get(second) == 1 and len(kept) == 1
 
 
 # --- PoolRows and pull_rows ----------------------------------------------------------------
@@ -293,7 +320,7 @@ def send_numbered_move(ucx_loop, peer, src: list[int], dst: list[int], **config)
         async with started(lambda message: None, receive_device="cuda", **config) as transport:
             reply = await packer.send(transport, peer.address, pool, src, dst,
                                       lambda runs, data: m.KVBlocks(1, 7, runs, data), 10.0)
-            return reply, dict(transport._outbound[peer.address].pools_out)
+            return reply, transport._outbound[peer.address].pools_out.values()
     return run_bounded(ucx_loop, scenario(), 60)
 
 
@@ -304,7 +331,7 @@ def test_a_local_peer_copies_a_moves_rows_out_of_the_mapped_pool(ucx_loop, cuda_
     src, dst = [40, 3, 17, 18, 19, 5], [8, 9, 10, 11, 30, 31]
     reply, mapped = send_numbered_move(ucx_loop, peer, src, dst)
     assert reply == m.KVBlocksStored(1, 7, 6)
-    assert list(mapped.values()) == [0]  # the pool went as its id: mapped over CUDA IPC
+    assert mapped == [0]  # the pool went as its id: mapped over CUDA IPC
 
 
 def maps(ucx_loop, peer, **config) -> bool:
@@ -336,19 +363,45 @@ def test_a_sender_with_pools_turned_off_offers_none(ucx_loop, cuda_peer):
 def test_rows_of_a_pool_id_the_peer_never_mapped_are_refused(ucx_loop, cuda_peer):
     from ucx_testlib import started
 
-    from infinite_llm.transport.device_pools import pool_key
     peer = cuda_peer()
     pool = torch.zeros(64, *BLOCK_SHAPE, device="cuda")
 
     async def scenario():
         async with started(lambda message: None, receive_device="cuda") as transport:
             assert await transport.map_device_pool(peer.address, pool)
-            transport._outbound[peer.address].pools_out[pool_key(pool)] = 99  # a forged id
+            transport._outbound[peer.address].pools_out.put(pool, 99)  # a forged id
             torch.cuda.synchronize()
             return await transport.request(peer.address, blocks_message((PoolRows(pool, [1, 2]),), (0,)))
     with pytest.raises(RemoteError) as info:
         run_bounded(ucx_loop, scenario(), 60)
     assert info.value.code == m.ErrorCode.INVALID_FIELDS and "pool 99" in info.value.detail
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("forge", [{"storage_bytes": 1 << 30}, {"storage_offset_bytes": 1 << 30}],
+                         ids=["more-bytes", "offset-past-the-end"])
+def test_an_offer_naming_memory_its_handle_does_not_map_is_declined(ucx_loop, cuda_peer, forge):
+    """A peer's sizes are checked against what the driver mapped: a copy past it would fault
+    the receiver's device context. The receiver goes on serving, and maps the true offer."""
+    import dataclasses
+
+    from ucx_testlib import started
+
+    from infinite_llm.transport.device_pools import export_pool
+    peer = cuda_peer()
+    pool = torch.zeros(64, *BLOCK_SHAPE, device="cuda")
+    offer = export_pool(pool, 5)
+    forged = dataclasses.replace(offer, **{name: getattr(offer, name) + extra for name, extra in forge.items()})
+
+    async def scenario():
+        async with started(lambda message: None, receive_device="cuda") as transport:
+            with pytest.raises(RemoteError) as info:
+                await transport.request(peer.address, forged)
+            return info.value, await transport.map_device_pool(peer.address, pool)
+    refusal, mapped = run_bounded(ucx_loop, scenario(), 60)
+    assert refusal.code == m.ErrorCode.DEVICE_POOL_UNAVAILABLE
+    assert mapped is True
 
 
 @pytest.mark.gpu
@@ -403,6 +456,9 @@ class OfferedPool:
     def data_ptr(self) -> int:
         return self.tensor.data_ptr()
 
+    def untyped_storage(self):
+        return self.tensor.untyped_storage()
+
 
 def fake_offer(pool, pool_id: int) -> m.DevicePoolOffer:
     return m.DevicePoolOffer(pool_id=pool_id, device=0, handle="00" * 64, storage_bytes=pool.tensor.nbytes,
@@ -450,12 +506,12 @@ def test_a_receiver_on_the_host_declines_a_device_pool(ucx_loop, peer_command, m
         async with started(lambda message: None) as transport:
             mapped = await transport.map_device_pool(peer.address, pool)
             connection = transport._outbound[peer.address]
-            return mapped, connection.broken, dict(connection.pools_out), set(connection.pools_declined)
+            return mapped, connection.broken, connection.pools_out.values(), connection.pools_declined.values()
     try:
         mapped, broken, pools_out, declined = run_bounded(ucx_loop, scenario(), 60)
     finally:
         peer.kill()
-    assert mapped is False and not broken and pools_out == {} and len(declined) == 1
+    assert mapped is False and not broken and pools_out == [] and declined == [True]
 
 
 def test_a_destination_whose_words_do_not_line_up_gets_the_rows_as_bytes():
