@@ -481,6 +481,7 @@ class _Connection:
                 self.pull_slots.retire(slot, (sources, pulls))
                 raise
             slot.event.record(stream)
+        wire_trace.record("in.pulls_queued")
         deadline = time.monotonic() + self.config.frame_timeout_s
         try:
             while not slot.event.query():
@@ -491,6 +492,7 @@ class _Connection:
         except BaseException:  # its copies may be queued still: what they touch is kept till they ran
             self.pull_slots.retire(slot, (sources, pulls))
             raise
+        wire_trace.record("in.pulled")
         self.pull_slots.give_back(slot)
         self._ensure_open()
 
