@@ -710,6 +710,10 @@ class UcxTransport:
             remove_stale_regions(self._config.shared_memory_dir)
         if self._rings_on():
             header_ring.remove_stale_rings(self._config.shared_memory_dir)
+        if self._config.device_pools and self._config.receive_device.startswith("cuda") and torch.cuda.is_available():
+            # Before any peer offers a pool: making a stream, pinned memory and an event waits for
+            # the device's queued work, which on a first move would hold up the event loop.
+            self._pull_streams_on(torch.device(self._config.receive_device))
         self._handler = handler
         self._placer = placer
         self._listener = ucxx.create_listener(self._serve_connection, port=self._config.port)
@@ -1285,13 +1289,20 @@ class UcxTransport:
             return ErrorReply(ErrorCode.DEVICE_POOL_UNAVAILABLE, str(e))
         except (RuntimeError, ValueError) as e:  # a layout that makes no rows (a dimension of 0)
             return ErrorReply(ErrorCode.DEVICE_POOL_UNAVAILABLE, f"the pool's layout makes no rows: {e}")
-        if device not in self._pull_streams:
-            # Made once: making a stream waits for the device's queued work.
-            self._pull_streams[device] = torch.cuda.Stream(device), PullSlots(device)
-        connection.pull_stream, connection.pull_slots = self._pull_streams[device]
+        connection.pull_stream, connection.pull_slots = self._pull_streams_on(device)
         connection.pools_in[offer.pool_id] = rows
         connection.pool_handles_in[offer.pool_id] = offer.handle
         return Ack()
+
+    def _pull_streams_on(self, device: torch.device) -> tuple[object, PullSlots]:
+        """The stream that rows pulled out of mapped pools are copied on, on ``device``, and its
+        slots; made once, with one slot."""
+        if device not in self._pull_streams:
+            stream, slots = torch.cuda.Stream(device), PullSlots(device)
+            with torch.cuda.stream(stream):
+                slots.give_back(slots.take(1))
+            self._pull_streams[device] = stream, slots
+        return self._pull_streams[device]
 
     def _accept_header_ring(self, connection: _Connection, offer: HeaderRingOffer) -> Message:
         """Read the headers of a connection's requests from the ring its peer offers, if it is

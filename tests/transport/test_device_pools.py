@@ -406,6 +406,18 @@ def test_an_offer_naming_memory_its_handle_does_not_map_is_declined(ucx_loop, cu
 
 @pytest.mark.gpu
 @needs_gpu
+def test_a_receiver_on_a_gpu_has_its_pull_stream_and_a_slot_once_started(ucx_loop):
+    from ucx_testlib import started
+
+    async def scenario():
+        async with started(lambda message: None, receive_device="cuda") as transport:
+            stream, slots = transport._pull_streams[torch.device("cuda")]
+            return isinstance(stream, torch.cuda.Stream), len(slots._free)
+    assert run_bounded(ucx_loop, scenario(), 30) == (True, 1)
+
+
+@pytest.mark.gpu
+@needs_gpu
 def test_a_frames_pulls_share_one_slot_that_is_used_again():
     from infinite_llm.transport.device_pools import PullSlots
     source = numbered_pool(16, "cuda")
