@@ -133,11 +133,16 @@ def open_pool(offer: DevicePoolOffer, device: torch.device) -> torch.Tensor:
                 index, handle, offer.storage_bytes, offer.storage_offset_bytes, ref_counter,
                 offer.ref_counter_offset, event, offer.event_sync_required)
             # The offer's sizes are the peer's word: a storage that runs past the memory the
-            # handle maps would let a copy fault this process's device context.
-            mapped = allocation_bytes_from(storage.data_ptr())
-            if offer.storage_bytes > mapped:
-                raise DevicePoolUnavailable(f"the offer names {offer.storage_bytes} bytes where its handle "
-                                            f"maps {mapped}")
+            # handle maps would let a copy fault this process's device context, or read memory
+            # of this process's own. Torch maps the handle at its allocation's base and puts
+            # the storage the offset past it, so that base must be the allocation's, and the
+            # offset and size must fit in it.
+            mapped_at = storage.data_ptr() - offer.storage_offset_bytes
+            base, size = allocation_range(storage.data_ptr())
+            if base != mapped_at or offer.storage_offset_bytes + offer.storage_bytes > size:
+                raise DevicePoolUnavailable(
+                    f"the offer names {offer.storage_bytes} bytes {offer.storage_offset_bytes} past the start "
+                    f"of memory its handle maps {size} bytes of")
             pool = torch.empty(0, dtype=dtype, device=device)
             pool.set_(storage, offer.offset, offer.shape)
     except (RuntimeError, TypeError) as e:  # CUDA's refusal (another host, no peer access)
@@ -148,24 +153,25 @@ def open_pool(offer: DevicePoolOffer, device: torch.device) -> torch.Tensor:
 _libcuda: ctypes.CDLL | None = None
 
 
-def allocation_bytes_from(pointer: int) -> int:
-    """Bytes of the device allocation that holds ``pointer`` (of the current device's context),
-    from ``pointer`` to its end: the driver's ``cuMemGetAddressRange``, which the CUDA runtime
+def allocation_range(pointer: int) -> tuple[int, int]:
+    """The base and the size in bytes of the device allocation that holds ``pointer`` (of the
+    current device's context): the driver's ``cuMemGetAddressRange``, which the CUDA runtime
     does not expose. Raises DevicePoolUnavailable where the driver does not know the pointer."""
     global _libcuda
     if _libcuda is None:
         try:
-            _libcuda = ctypes.CDLL("libcuda.so.1")
-        except OSError as e:
-            raise DevicePoolUnavailable(f"the CUDA driver library cannot be loaded: {e}") from None
-        _libcuda.cuMemGetAddressRange_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64),
-                                                     ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
-        _libcuda.cuMemGetAddressRange_v2.restype = ctypes.c_int
+            libcuda = ctypes.CDLL("libcuda.so.1")
+            function = libcuda.cuMemGetAddressRange_v2
+        except (OSError, AttributeError) as e:
+            raise DevicePoolUnavailable(f"the CUDA driver cannot tell an allocation's range: {e}") from None
+        function.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
+        function.restype = ctypes.c_int
+        _libcuda = libcuda
     base, size = ctypes.c_uint64(), ctypes.c_size_t()
     status = _libcuda.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), pointer)
     if status != 0:
         raise DevicePoolUnavailable(f"the driver knows no allocation at {pointer:#x} (CUresult {status})")
-    return base.value + size.value - pointer
+    return base.value, size.value
 
 
 _WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import inspect
 import itertools
 import logging
@@ -639,9 +640,11 @@ class UcxTransport:
     async def map_device_pool(self, peer: PeerAddress, pool: torch.Tensor, timeout_s: float | None = None) -> bool:
         """Whether ``peer`` reads rows of ``pool`` (a contiguous device tensor of this process)
         in place, offering it on the connection first if it was not: the first call per
-        connection and pool waits for the peer to map it. False where it cannot (another host,
-        GPUs without peer access, memory CUDA does not share, turned off): rows then travel
-        gathered. Raises as ``request`` does where the peer cannot be reached."""
+        connection and pool waits for the peer to map it, at most ``timeout_s`` (RequestTimeout
+        after; the offer itself goes on, within the transport's ``request_timeout_s``, for the
+        calls after). False where it cannot (another host, GPUs without peer access, memory CUDA
+        does not share, turned off): rows then travel gathered. Raises as ``request`` does where
+        the peer cannot be reached."""
         if not self._config.device_pools or not pool.is_cuda or peer in self._pool_offer_refused:
             return False
         timeout_s = self._config.request_timeout_s if timeout_s is None else timeout_s
@@ -654,11 +657,12 @@ class UcxTransport:
         offer = connection.pool_offers.get(key)
         if offer is None:
             # The offer runs under the transport's own timeout, not the first caller's: callers
-            # share it, and each waits for it no longer than its own deadline.
-            offer = connection.pool_offers[key] = asyncio.ensure_future(self._offer_device_pool(
+            # share it, and each waits for it no longer than its own deadline (nor than the
+            # transport's). A connection dropped (close() drops them all) ends it at once.
+            offer = connection.pool_offers[key] = asyncio.get_running_loop().create_task(self._offer_device_pool(
                 peer, connection, pool, time.monotonic() + self._config.request_timeout_s,
                 self._config.request_timeout_s))
-            offer.add_done_callback(lambda _done: connection.pool_offers.pop(key, None))
+            offer.add_done_callback(functools.partial(_offer_done, connection.pool_offers, key))
         try:
             return await asyncio.wait_for(asyncio.shield(offer), max(0.0, deadline - time.monotonic()))
         except TimeoutError:
@@ -1422,6 +1426,15 @@ class UcxTransport:
 class _RequestFrame:
     msg_id: int
     frame: codec.EncodedFrame
+
+
+def _offer_done(offers: dict, key: tuple, offer: asyncio.Task) -> None:
+    """A device pool's offer ended: it leaves the connection's offers, and its failure is
+    taken here, for where every caller gave up waiting before it came."""
+    if offers.get(key) is offer:
+        del offers[key]
+    if not offer.cancelled():
+        offer.exception()
 
 
 async def _failed(error: Exception) -> Message:

@@ -478,6 +478,71 @@ def fake_offer(pool, pool_id: int) -> m.DevicePoolOffer:
                              event_sync_required=False, dtype="float32", shape=tuple(pool.shape), offset=0)
 
 
+def offering_transport(monkeypatch, exchange):
+    """A UCX transport (never started) whose offers go through ``exchange`` on a connection
+    of plain fields: the offer's sharing among callers, without a GPU or a peer."""
+    import time
+    import types
+
+    from infinite_llm.transport import ucx
+    from infinite_llm.transport.device_pools import SharedPools
+    monkeypatch.setattr(ucx, "export_pool", fake_offer)
+    transport = ucx.UcxTransport(TransportConfig(request_timeout_s=0.5))
+    connection = types.SimpleNamespace(pools_out=SharedPools(), pool_offers={}, pools_declined=SharedPools(),
+                                       broken=False)
+
+    async def connection_for(peer, type_, timeout_s):
+        return connection, time.monotonic() + timeout_s
+    transport._connection_for = connection_for
+    transport._encode_request = lambda message, connection: None
+    transport._exchange = exchange
+    return transport, connection
+
+
+def test_a_caller_that_gives_up_on_an_offer_leaves_it_to_the_next(monkeypatch):
+    from infinite_llm.transport.errors import RequestTimeout
+    from infinite_llm.transport.interface import PeerAddress
+    peer = PeerAddress("127.0.0.1", 9)
+
+    async def exchange(*args):
+        await asyncio.sleep(0.1)  # the peer maps it, slowly
+        return m.Ack()
+    transport, connection = offering_transport(monkeypatch, exchange)
+    pool = OfferedPool()
+
+    async def scenario():
+        with pytest.raises(RequestTimeout):
+            await transport.map_device_pool(peer, pool, timeout_s=0.02)
+        later = await transport.map_device_pool(peer, pool, timeout_s=1)
+        return later, connection.pools_out.values(), connection.pool_offers
+    assert asyncio.run(scenario()) == (True, [0], {})
+
+
+def test_an_offer_that_fails_after_every_caller_gave_up_leaves_no_unread_error(monkeypatch):
+    import gc
+
+    from infinite_llm.transport.errors import PeerUnreachable, RequestTimeout
+    from infinite_llm.transport.interface import PeerAddress
+    peer = PeerAddress("127.0.0.1", 9)
+
+    async def exchange(*args):
+        await asyncio.sleep(0.05)
+        raise PeerUnreachable(peer, "connection broke")
+    transport, connection = offering_transport(monkeypatch, exchange)
+    pool = OfferedPool()
+
+    async def scenario():
+        unread = []
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: unread.append(context))
+        with pytest.raises(RequestTimeout):
+            await transport.map_device_pool(peer, pool, timeout_s=0.01)
+        await asyncio.sleep(0.2)
+        gc.collect()  # an unread task error is reported when the task is collected
+        await asyncio.sleep(0)
+        return unread, connection.pool_offers
+    assert asyncio.run(scenario()) == ([], {})
+
+
 def test_a_peer_that_predates_device_pools_is_not_offered_one_again(ucx_loop, peer_command, monkeypatch):
     """It closes the connection on the unknown offer: the sender hears no, remembers the peer,
     and its next request connects afresh."""
