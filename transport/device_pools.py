@@ -198,6 +198,9 @@ def pool_key(pool) -> tuple:
     return pool.data_ptr(), pool.device, tuple(pool.shape), pool.dtype
 
 
+_MISSING = object()
+
+
 class SharedPools:
     """Something kept per shared pool (its offer, the id a peer mapped it under), by the pool's
     key and its storage, held weakly: a pool freed and another made at the same address with
@@ -219,8 +222,7 @@ class SharedPools:
         self._by_key[pool_key(pool)] = (value, weakref.ref(pool.untyped_storage()))
 
     def __contains__(self, pool) -> bool:
-        sentinel = object()
-        return self.get(pool, sentinel) is not sentinel
+        return self.get(pool, _MISSING) is not _MISSING
 
     def __len__(self) -> int:
         return len(self._by_key)

@@ -670,16 +670,14 @@ class UcxTransport:
 
     async def _offer_device_pool(self, peer: PeerAddress, connection: _Connection, pool: torch.Tensor,
                                  deadline: float, timeout_s: float) -> bool:
-        unshared = object()
-        offer = self._exported.get(pool, unshared)
-        if offer is unshared:
+        if pool not in self._exported:
             try:
-                offer = export_pool(pool, next(self._pool_ids))
+                self._exported.put(pool, export_pool(pool, next(self._pool_ids)))
             except DevicePoolUnavailable as e:
                 log.warning("the device pool on %s is not shared with local peers (%s): its blocks travel "
                             "gathered", pool.device, e)
-                offer = None
-            self._exported.put(pool, offer)
+                self._exported.put(pool, None)
+        offer = self._exported.get(pool)
         if offer is None:
             connection.pools_declined.put(pool, True)
             return False
