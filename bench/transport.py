@@ -11,7 +11,9 @@ Two processes (this one and a server it starts). Measured side by side in one ru
   the GPU, as row ids that the server copies out of the client's pool mapped through CUDA IPC;
   else gathered into one buffer for a contiguous reservation), against one contiguous run of
   the same bytes sent as one buffer; on the GPU also gathered and sent over UCX, the path to a
-  peer on another host; and N runs into scattered destinations (the worst case);
+  peer on another host; and N runs into scattered destinations (the worst case). On the GPU
+  the batch goes to two fresh servers started together: one replays its pulls from captured
+  graphs (the default), the other launches them, each against its own contiguous anchor;
 - round trip of a 1 KiB ``Echo`` (p50, p99), with the headers through the header ring (the
   default between local processes) and over UCX.
 
@@ -68,7 +70,7 @@ STAGING_SIZES = [1 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB]
 
 
 async def serve(device: str, spin_s: float, inline_cuda_limit_bytes: int | None = None,
-                copy_threads: int = 0) -> None:
+                copy_threads: int = 0, pull_graphs: bool = True) -> None:
     pool = torch.empty(POOL_BYTES, dtype=torch.uint8, device=device)
 
     def place(message: m.Message):
@@ -92,7 +94,7 @@ async def serve(device: str, spin_s: float, inline_cuda_limit_bytes: int | None 
 
     transport = UcxTransport(TransportConfig(receive_device=device, spin_s=spin_s,
                                              limits=limits_with(inline_cuda_limit_bytes),
-                                             shared_memory_copy_threads=copy_threads))
+                                             shared_memory_copy_threads=copy_threads, pull_graphs=pull_graphs))
     await transport.start(handle, place)
     print(f"PORT {transport.address.port}", flush=True)
     await asyncio.sleep(3600)
@@ -267,12 +269,13 @@ def rotation_slots(nbytes: int) -> int:
 
 
 async def send_blocks(transport: UcxTransport, server: PeerAddress, runs_list, data_list,
-                      num_messages: int, window: int, packed_move=None) -> float:
+                      num_messages: int, window: int, packed_move=None, to: PeerAddress | None = None) -> float:
     """Seconds to send ``num_messages`` KVBlocks (cycling over the given ones), ``window`` at
     a time in flight. ``packed_move``: (packer, pool, source block ids, destination block ids)
     sent instead as a daemon's mover sends a move (``KVPacker.send``: its gather is part of
-    the time)."""
+    the time). ``to``: another server than ``server`` for these."""
     next_index = 0
+    server = to or server
 
     async def worker() -> None:
         nonlocal next_index
@@ -325,14 +328,16 @@ def shared_copy(transport: UcxTransport, tensor: torch.Tensor) -> torch.Tensor:
 
 
 async def measure_block_batch(transport, server, device, num_blocks: int, block_nbytes: int,
-                              window: int, block_batch_rounds: int = 5) -> dict:
+                              window: int, block_batch_rounds: int = 5, eager_server: PeerAddress | None = None) -> dict:
     """N KV blocks scattered over the source pool, moved as a daemon's mover moves them
     (``KVPacker.send``: to a local peer that mapped a device pool, as row ids that the peer
     copies out of the pool; else gathered on the sender into one buffer for a contiguous
     reservation, a device pool's gather waited for by polling its event from the event loop),
     against the same bytes already contiguous, sent as one buffer; the same blocks gathered
     and sent over UCX where the pool is mapped (the path to a peer on another host); and the
-    worst case, N runs into N scattered destinations."""
+    worst case, N runs into N scattered destinations. ``eager_server``: a server whose pulls
+    are launched eagerly rather than replayed from captured graphs, measured beside against
+    its own contiguous anchor (servers of one GPU differ by more than that difference)."""
     source_pool = torch.randint(0, 255, (4 * num_blocks, block_nbytes), dtype=torch.uint8, device=device)
     scattered_ids = torch.randperm(4 * num_blocks)[:num_blocks].tolist()
     # The contiguous anchor rotates over the pool's four contiguous ranges, as the bandwidth
@@ -357,14 +362,20 @@ async def measure_block_batch(transport, server, device, num_blocks: int, block_
              "gathered_over_ucx": ([None], [None], (ucx_packer, *gathered_move[1:])),
              "scattered": ([scattered_runs], [scattered_data], None)}
     alternated = ("contiguous", "gathered", "gathered_over_ucx") if pulled else ("contiguous", "gathered")
+    targets = {}
+    if pulled and eager_server is not None and await transport.map_device_pool(eager_server, source_pool):
+        cases["contiguous_eagerly"] = cases["contiguous"]
+        cases["pulled_eagerly"] = ([None], [None], gathered_move)
+        targets["contiguous_eagerly"] = targets["pulled_eagerly"] = eager_server
+        alternated += ("contiguous_eagerly", "pulled_eagerly")
 
     async def rate(name: str) -> float:
         runs, data, packed_move = cases[name]
-        seconds = await send_blocks(transport, server, runs, data, num_messages, window, packed_move)
+        seconds = await send_blocks(transport, server, runs, data, num_messages, window, packed_move, targets.get(name))
         return num_blocks * block_nbytes * num_messages / seconds
 
     for name, (runs, data, packed_move) in cases.items():
-        await send_blocks(transport, server, runs, data, 4, window, packed_move)
+        await send_blocks(transport, server, runs, data, 4, window, packed_move, targets.get(name))
     # The contiguous anchor and the gathered batch alternate, each round in the other order,
     # and the figure is the median of the rounds' ratios: one pair at a time spread 0.5-1.1x
     # on the H200 with the same code, as the anchor itself wandered between 17 and 38 GB/s.
@@ -387,12 +398,16 @@ async def measure_block_batch(transport, server, device, num_blocks: int, block_
         over_ucx = [r["gathered_over_ucx"] / r["contiguous"] for r in rounds]
         result["gathered_over_ucx_round_ratios"] = over_ucx
         result["gathered_over_ucx_ratio"] = sorted(over_ucx)[len(over_ucx) // 2]
-    result["move_latency_window1"] = await move_latencies(transport, server, cases, alternated)
+    if "pulled_eagerly" in targets:
+        eager = [r["pulled_eagerly"] / r["contiguous_eagerly"] for r in rounds]
+        result["pulled_eagerly_round_ratios"] = eager
+        result["pulled_eagerly_ratio"] = sorted(eager)[len(eager) // 2]
+    result["move_latency_window1"] = await move_latencies(transport, server, cases, alternated, targets=targets)
     return result
 
 
 async def move_latencies(transport, server, cases: dict, names: tuple[str, ...], rounds: int = 4,
-                         moves_per_round: int = 25) -> dict:
+                         moves_per_round: int = 25, targets: dict | None = None) -> dict:
     """p50 and p90 of one move at a time (window 1), us, for each case, alternated over rounds:
     a batch's rate with several in flight hides where a move's time goes."""
     samples: dict[str, list[float]] = {name: [] for name in names}
@@ -401,7 +416,7 @@ async def move_latencies(transport, server, cases: dict, names: tuple[str, ...],
             runs, data, packed_move = cases[name]
             for _ in range(moves_per_round):
                 t0 = time.perf_counter()
-                await send_blocks(transport, server, runs, data, 1, 1, packed_move)
+                await send_blocks(transport, server, runs, data, 1, 1, packed_move, (targets or {}).get(name))
                 samples[name].append(time.perf_counter() - t0)
     return {name: {"p50_us": float(np.percentile(v, 50) * 1e6), "p90_us": float(np.percentile(v, 90) * 1e6)}
             for name, v in samples.items()}
@@ -503,8 +518,24 @@ async def run_client(args) -> dict:
             row["bare_ratio"] = row["bare_ucxx_bytes_per_s"] / row["copy_bytes_per_s"]
             row["ratio_to_bare"] = row["bytes_per_s"] / row["bare_ucxx_bytes_per_s"]
             bandwidth.append(row)
-        batch = await measure_block_batch(transport, server, device, args.num_blocks,
-                                          args.block_nbytes, args.window)
+        batch_processes = []
+        batch_server, eager_server = server, None
+        if device.startswith("cuda"):
+            # On a GPU, on two fresh servers started together: one that replays captured pulls
+            # (the default), one that launches them eagerly. A server that has received the
+            # bandwidth figures' messages took moves more slowly than a fresh one, by more than
+            # the difference measured here.
+            for pull_graphs in ("on", "off"):
+                batch_processes.append(start_process(["--role", "server", "--device", device, "--spin-s",
+                                                      str(args.spin_s), "--pull-graphs", pull_graphs]))
+            batch_server, eager_server = (PeerAddress("127.0.0.1", port) for _process, port in batch_processes)
+        try:
+            batch = await measure_block_batch(transport, batch_server, device, args.num_blocks,
+                                              args.block_nbytes, args.window, eager_server=eager_server)
+        finally:
+            for process, _port in batch_processes:
+                process.kill()
+                process.wait(timeout=10)
         round_trips = await measure_round_trips(transport, server, device, args.round_trips)
         await transport.close()
     finally:
@@ -544,7 +575,9 @@ def print_table(results: dict) -> None:
           f"into scattered destinations {b['scattered_destinations_ratio']:.2f}"
           + (f"; pulled from the mapped pool (gathered over UCX: {b['gathered_over_ucx_ratio']:.2f}, of "
              f"{', '.join(f'{r:.2f}' for r in b['gathered_over_ucx_round_ratios'])})"
-             if b["pulled_from_mapped_pool"] else ""))
+             if b["pulled_from_mapped_pool"] else "")
+          + (f"; pulled, launched eagerly (another server, its own anchor): {b['pulled_eagerly_ratio']:.2f}, of "
+             f"{', '.join(f'{r:.2f}' for r in b['pulled_eagerly_round_ratios'])}" if "pulled_eagerly_ratio" in b else ""))
     print("one move at a time, p50: " + ", ".join(f"{name} {v['p50_us']:.1f} us"
                                                   for name, v in b["move_latency_window1"].items()))
     r = results["round_trip"]
@@ -575,6 +608,8 @@ def main() -> None:
                              "20 ms on a GPU, 0.5 ms on the CPU)")
     parser.add_argument("--copy-threads", type=int, default=0,
                         help="threads a copy into or out of shared memory uses (both processes); 0: the default")
+    parser.add_argument("--pull-graphs", choices=["on", "off"], default="on",
+                        help="(server) rows pulled into its pool replayed from captured graphs, or launched eagerly")
     parser.add_argument("--inline-cuda-limit", type=int, default=-1,
                         help="(server) device bytes staged through the host; -1: the default")
     args = parser.parse_args()
@@ -584,7 +619,7 @@ def main() -> None:
     torch.set_num_threads(1)  # one core per process: two processes share the host
     if args.role == "server":
         run_loop(serve(args.device, args.spin_s, None if args.inline_cuda_limit < 0 else args.inline_cuda_limit,
-                       args.copy_threads))
+                       args.copy_threads, args.pull_graphs == "on"))
         return
     if args.role == "bare-server":
         run_loop(serve_bare(args.device))

@@ -18,6 +18,7 @@ transport's peers, and tests without a GPU).
 from __future__ import annotations
 
 import ctypes
+import logging
 import math
 import weakref
 from collections.abc import Callable, Sequence
@@ -28,6 +29,8 @@ import torch
 from infinite_llm.transport.errors import ProtocolError
 from infinite_llm.transport.messages import DevicePoolOffer, ErrorCode
 from infinite_llm.transport.tensors import _TORCH_DTYPES, TORCH_DTYPE_NAMES
+
+log = logging.getLogger(__name__)
 
 
 class DevicePoolUnavailable(Exception):
@@ -333,3 +336,186 @@ class PullSlots:
     def give_back(self, slot: PullSlot) -> None:
         if len(self._free) < self.max_free:
             self._free.append(slot)
+
+
+# Pulls replayed from captured graphs (``PullGraphs``). A captured pull copies its rows through
+# a buffer of its own (at most this many bytes), and each shape has at most this many graphs
+# (the frames a connection lands at once); a connection keeps at most this many in all, beyond
+# which a pull is launched as before.
+PULL_GRAPH_MAX_BYTES = 16 << 20
+PULL_GRAPHS_PER_SHAPE = 4
+PULL_GRAPHS_PER_CONNECTION = 32
+# A destination is taken for rows of a pool (kept while its graphs are) only where its storage
+# holds this many times the rows a graph copies: a buffer allocated for one frame never is.
+PULL_GRAPH_MIN_POOL_FACTOR = 4
+
+
+def destination_rows_of(destination: torch.Tensor, source_rows: torch.Tensor) -> tuple[tuple, int] | None:
+    """Where ``destination`` lies as whole rows of its storage, the storage seen as rows of
+    ``source_rows`` (``[num_rows, words]``): ((storage's address, its bytes, the rows' phase
+    in bytes, row bytes, word dtype), the destination's first row); None where it does not
+    start on a row that the words line up with."""
+    if not isinstance(destination, torch.Tensor) or not destination.is_contiguous():
+        return None
+    storage = destination.untyped_storage()
+    row_bytes = row_nbytes(source_rows)
+    offset = destination.data_ptr() - storage.data_ptr()
+    phase = offset % row_bytes
+    if phase % source_rows.element_size():
+        return None
+    return (storage.data_ptr(), storage.nbytes(), phase, row_bytes, source_rows.dtype), offset // row_bytes
+
+
+def pull_capacity(num_rows: int) -> int:
+    """The rows a graph for a pull of ``num_rows`` copies: the next power of two (from 2)."""
+    return max(2, 1 << (num_rows - 1).bit_length())
+
+
+class PullGraph:
+    """One captured pull: up to ``capacity`` rows of a mapped pool (``source_rows``,
+    ``[num_rows, words]``) copied to rows of a pool of this process (``destination_rows``, the
+    same row size), gathered into a buffer of the graph's own and scattered from it.
+
+    A pull of n <= capacity rows writes the source and destination row ids into pinned memory
+    and replays the graph (the ids copied up, the gather, the scatter) on the current stream,
+    then records ``event``: four launches and the ids' copy of an eager pull become one launch.
+    The ids past n repeat the last pair, so those rows are copied again onto themselves with the
+    same bytes; no other row is touched. It may be used again once the device has passed
+    ``event`` (the replay reads the pinned ids). Holds both pools while it lives.
+    """
+
+    def __init__(self, source_rows: torch.Tensor, destination_rows: torch.Tensor, capacity: int,
+                 memory_pool: tuple[int, int]) -> None:
+        self.capacity = capacity
+        self.source_rows, self.destination_rows = source_rows, destination_rows  # read by address
+        ids_host = torch.zeros((2, capacity), dtype=torch.int64, pin_memory=True)
+        self._ids_host = ids_host
+        self._ids = ids_host.numpy()
+        ids_device = torch.zeros((2, capacity), dtype=torch.int64, device=source_rows.device)
+        self._ids_device = ids_device
+        self.event = torch.cuda.Event()
+        self.key: tuple = ()  # its PullGraphs' key for it
+        self.graph = torch.cuda.CUDAGraph()
+        # Only this thread's work is captured: another thread's CUDA calls meanwhile are
+        # neither part of the graph nor an error.
+        self.graph.capture_begin(pool=memory_pool, capture_error_mode="thread_local")
+        try:
+            ids_device.copy_(ids_host, non_blocking=True)
+            gathered = torch.index_select(source_rows, 0, ids_device[0])
+            destination_rows.index_copy_(0, ids_device[1], gathered)
+        finally:
+            self.graph.capture_end()
+
+    def replay(self, source_ids: np.ndarray, destination_ids: np.ndarray) -> None:
+        """Copy rows ``source_ids`` to rows ``destination_ids`` (as many, at most
+        ``capacity``), queued on the current stream, and record ``event`` after."""
+        n = len(source_ids)
+        ids = self._ids
+        ids[0, :n] = source_ids
+        ids[0, n:] = source_ids[-1]
+        ids[1, :n] = destination_ids
+        ids[1, n:] = destination_ids[-1]
+        self.graph.replay()
+        self.event.record()
+
+
+class PullGraphs:
+    """A connection's captured pulls (``PullGraph``), by source pool, destination pool and
+    size; each free, or lent to one frame until the device passed its event.
+
+    A frame is pulled this way where all its rows come from one mapped pool and land in whole
+    rows of one storage that is a pool (``PULL_GRAPH_MIN_POOL_FACTOR``), and a graph is free or
+    may be made; else ``pull`` returns None and the frame's rows are copied eagerly
+    (``pull_rows``). A graph is made the first time its shape is needed, in a few milliseconds
+    of host time, once: the kernels it replays run once eagerly first (on that frame's first
+    row, which the graph then copies again), as capture asks.
+
+    The graphs of a connection share one memory pool: each writes its gathered rows into
+    memory of that pool, and they all run on the connection's one pull stream, one after
+    another, so none writes it while another reads it.
+    """
+
+    def __init__(self, max_graphs: int = PULL_GRAPHS_PER_CONNECTION, per_shape: int = PULL_GRAPHS_PER_SHAPE,
+                 max_bytes: int = PULL_GRAPH_MAX_BYTES) -> None:
+        self.max_graphs = max_graphs
+        self.per_shape = per_shape
+        self.max_bytes = max_bytes
+        self._free: dict[tuple, list[PullGraph]] = {}
+        self._made: dict[tuple, int] = {}
+        self._uncapturable: set[tuple] = set()
+        self._memory_pool: tuple[int, int] | None = None
+        self.num_made = 0
+
+    def pull(self, sources: Sequence[torch.Tensor], pulls: Sequence[tuple[torch.Tensor, int, Sequence[int]]]) -> PullGraph | None:
+        """Queue a frame's pulls, (destination, pool id, row ids) with the source rows of each
+        (``[num_rows, words]``, ``sources``), on the current stream (the pull stream) as one
+        replay; the graph, whose event marks them done and which goes back with ``give_back``
+        once it has passed, or None where the frame cannot be pulled this way (nothing was
+        queued then)."""
+        source_rows, pool_id = sources[0], pulls[0][1]
+        if not source_rows.is_cuda or any(other is not source_rows for other in sources[1:]):
+            return None
+        where = [destination_rows_of(destination, source_rows) for destination, _pool_id, _rows in pulls]
+        storage_key = where[0][0] if where[0] is not None else None
+        if storage_key is None or any(w is None or w[0] != storage_key for w in where[1:]):
+            return None
+        _address, storage_bytes, phase, row_bytes, _dtype = storage_key
+        num_rows = sum(len(rows) for _destination, _pool_id, rows in pulls)
+        capacity = pull_capacity(num_rows)
+        storage_rows = (storage_bytes - phase) // row_bytes
+        if capacity * row_bytes > self.max_bytes or storage_rows < PULL_GRAPH_MIN_POOL_FACTOR * capacity:
+            return None
+        key = (pool_id, storage_key, capacity)
+        free = self._free.get(key)
+        if free:
+            graph = free.pop()
+        else:
+            graph = self._make(key, source_rows, pulls[0][0], capacity, where[0][1], pulls[0][2][0])
+            if graph is None:
+                return None
+        source_ids = np.empty(num_rows, dtype=np.int64)
+        destination_ids = np.empty(num_rows, dtype=np.int64)
+        at = 0
+        for (_destination, _pool_id, rows), (_key, first_row) in zip(pulls, where):
+            source_ids[at:at + len(rows)] = rows
+            destination_ids[at:at + len(rows)] = np.arange(first_row, first_row + len(rows))
+            at += len(rows)
+        graph.replay(source_ids, destination_ids)
+        return graph
+
+    def _make(self, key: tuple, source_rows: torch.Tensor, destination: torch.Tensor, capacity: int,
+              first_destination_row: int, first_source_row: int) -> PullGraph | None:
+        if key in self._uncapturable or self._made.get(key, 0) >= self.per_shape or self.num_made >= self.max_graphs:
+            return None
+        _pool_id, (_address, storage_bytes, phase, row_bytes, dtype), _capacity = key
+        storage = destination.untyped_storage()
+        destination_rows = torch.empty(0, dtype=dtype, device=destination.device)
+        destination_rows.set_(storage, phase // dtype.itemsize,
+                              ((storage_bytes - phase) // row_bytes, row_bytes // dtype.itemsize))
+        try:
+            # Kernels run once before they are captured (lazy loading and initialisation):
+            # here on the frame's first row, which the replay then copies again.
+            # The same number of ids as the replays (the kernels chosen depend on it).
+            ids = row_index([first_source_row] * capacity + [first_destination_row] * capacity, source_rows.device)
+            destination_rows.index_copy_(0, ids[capacity:], torch.index_select(source_rows, 0, ids[:capacity]))
+            if self._memory_pool is None:
+                self._memory_pool = torch.cuda.graph_pool_handle()
+            graph = PullGraph(source_rows, destination_rows, capacity, self._memory_pool)
+            graph.key = key
+        except RuntimeError as e:  # CUDA refused the capture: this shape is pulled eagerly
+            log.warning("a pull of %d rows could not be captured (%s): launched eagerly", capacity, e)
+            self._uncapturable.add(key)
+            return None
+        self._made[key] = self._made.get(key, 0) + 1
+        self.num_made += 1
+        return graph
+
+    def give_back(self, graph: PullGraph) -> None:
+        """``graph`` free again (the device has passed its event)."""
+        self._free.setdefault(graph.key, []).append(graph)
+
+    def retire(self, graph: PullGraph) -> None:
+        """``graph``, of a failed frame, is lent no more (its replay may still be queued: the
+        caller keeps it until the device passed its event); another may be made in its place."""
+        self._made[graph.key] -= 1
+        self.num_made -= 1

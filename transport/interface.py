@@ -66,6 +66,9 @@ class TransportConfig:
     # the peer copies them out of the pool mapped through CUDA IPC (``device_pools``). False:
     # gathered and sent over UCX.
     device_pools: bool = True
+    # Rows pulled into rows of a pool of this process go as one replay of a captured CUDA graph
+    # (``device_pools.PullGraphs``). False: launched eagerly, as rows into other destinations.
+    pull_graphs: bool = True
     limits: FrameLimits = field(default_factory=FrameLimits)
 
     def landing_device(self, all_inline: bool) -> str:

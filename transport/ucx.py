@@ -58,6 +58,7 @@ from infinite_llm.transport import codec, header_ring, wire_trace
 from infinite_llm.transport.device_pools import (
     DevicePoolUnavailable,
     PoolRows,
+    PullGraphs,
     PullSlots,
     SharedPools,
     check_rows,
@@ -180,6 +181,7 @@ class _Connection:
     pool_handles_in: dict[int, str] = field(default_factory=dict)
     pull_stream: object | None = None
     pull_slots: PullSlots | None = None
+    pull_graphs: PullGraphs | None = None  # captured pulls into this process's pools
 
     def __post_init__(self) -> None:
         self.header_buffer = np.zeros(self.config.limits.max_header_bytes, dtype=np.uint8)
@@ -466,35 +468,49 @@ class _Connection:
         """Copy a frame's rows out of the peer's mapped pools into their destinations, on this
         connection's pull stream, and wait for the copies with the event loop turning (within
         the frame timeout). Rows of a pool never mapped, past its end, or of another size than
-        their destination are refused as a malformed frame."""
+        their destination are refused as a malformed frame. Rows that land in rows of a pool of
+        this process go as one replay of a captured pull (``PullGraphs``), where one fits."""
         self._ensure_open()  # a frame landing while its connection aborts: not a malformed one
         sources = [self.pools_in.get(pool_id) for _destination, pool_id, _rows in pulls]
         for source, (destination, pool_id, rows) in zip(sources, pulls):  # all before any copy is queued
             check_rows(source, pool_id, rows, nbytes_of(destination))
         stream = self.pull_stream
+        graphs = self.pull_graphs
         with torch.cuda.stream(stream):
-            slot = self.pull_slots.take(sum(len(rows) for _destination, _pool_id, rows in pulls))
-            try:
-                for source, (destination, _pool_id, rows) in zip(sources, pulls):
-                    pull_rows(source, rows, destination, slot.index)
-            except BaseException:  # what was queued keeps what it touches till it ran
+            graph = graphs.pull(sources, pulls) if graphs is not None else None
+            if graph is not None:
+                done = graph.event
+            else:
+                slot = self.pull_slots.take(sum(len(rows) for _destination, _pool_id, rows in pulls))
+                done = slot.event
+                try:
+                    for source, (destination, _pool_id, rows) in zip(sources, pulls):
+                        pull_rows(source, rows, destination, slot.index)
+                except BaseException:  # what was queued keeps what it touches till it ran
+                    slot.event.record(stream)
+                    self.pull_slots.retire(slot, (sources, pulls))
+                    raise
                 slot.event.record(stream)
-                self.pull_slots.retire(slot, (sources, pulls))
-                raise
-            slot.event.record(stream)
         wire_trace.record("in.pulls_queued")
         deadline = time.monotonic() + self.config.frame_timeout_s
         try:
-            while not slot.event.query():
+            while not done.query():
                 if time.monotonic() >= deadline:
                     raise ProtocolError(ErrorCode.TRUNCATED_FRAME,
                                         f"rows not copied within {self.config.frame_timeout_s} s")
                 await asyncio.sleep(0)
         except BaseException:  # its copies may be queued still: what they touch is kept till they ran
-            self.pull_slots.retire(slot, (sources, pulls))
+            if graph is not None:
+                graphs.retire(graph)
+                self.pull_slots.retire(graph, None)  # the graph holds what it touches
+            else:
+                self.pull_slots.retire(slot, (sources, pulls))
             raise
         wire_trace.record("in.pulled")
-        self.pull_slots.give_back(slot)
+        if graph is not None:
+            graphs.give_back(graph)
+        else:
+            self.pull_slots.give_back(slot)
         self._ensure_open()
 
     def lands_in_background(self, requests: list, header: codec.FrameHeader) -> bool:
@@ -559,6 +575,7 @@ class _Connection:
             # The peer's pools are unmapped with their last view; a pull still queued keeps
             # its own (``PullSlots.retire``). Offers under way fail with the pending requests.
             self.pools_in.clear()
+            self.pull_graphs = None  # those lent to frames still landing go when they end
             self.endpoint.abort()
             # The aborted endpoint cancels it; let it go with the reader's wait rather than
             # with this connection, which may be collected only after UCX's worker at exit.
@@ -1292,6 +1309,8 @@ class UcxTransport:
         except (RuntimeError, ValueError) as e:  # a layout that makes no rows (a dimension of 0)
             return ErrorReply(ErrorCode.DEVICE_POOL_UNAVAILABLE, f"the pool's layout makes no rows: {e}")
         connection.pull_stream, connection.pull_slots = self._pull_streams_on(device)
+        if connection.pull_graphs is None and self._config.pull_graphs:
+            connection.pull_graphs = PullGraphs()
         connection.pools_in[offer.pool_id] = rows
         connection.pool_handles_in[offer.pool_id] = offer.handle
         return Ack()

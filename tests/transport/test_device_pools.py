@@ -615,3 +615,121 @@ def test_a_failed_frames_slot_is_kept_until_the_device_passed_its_copies():
     slot.event.synchronize()
     slots.take(1)
     assert slots.num_retired == 0
+
+
+# --- pulls replayed from captured graphs ---------------------------------------------------
+
+
+def test_a_destination_is_found_as_rows_of_its_storage():
+    from infinite_llm.transport.device_pools import destination_rows_of
+    source = row_words(numbered_pool(4))
+    row_bytes = row_nbytes(source)
+    pool = torch.zeros(64, *BLOCK_SHAPE)
+    key, first = destination_rows_of(pool[9:12], source)
+    assert first == 9
+    assert key == (pool.untyped_storage().data_ptr(), pool.untyped_storage().nbytes(), 0, row_bytes, source.dtype)
+    # A pool that begins part-way into its storage: rows counted from the storage's start, with
+    # the pool's offset as the rows' phase.
+    storage = torch.zeros(64 * row_bytes + 24, dtype=torch.uint8)
+    shifted = storage[24:].view(torch.float32).view(64, *BLOCK_SHAPE)
+    key, first = destination_rows_of(shifted[5:7], source)
+    assert (key[2], first) == (24, 5)
+
+
+def test_a_destination_the_words_do_not_line_up_with_is_not_taken_as_rows():
+    from infinite_llm.transport.device_pools import destination_rows_of
+    source = row_words(numbered_pool(4))  # rows of 8-byte words
+    storage = torch.zeros(8 * row_nbytes(source) + 4, dtype=torch.uint8)
+    assert destination_rows_of(storage[4:4 + row_nbytes(source)], source) is None
+    assert destination_rows_of(torch.zeros(4, 8).t(), source) is None  # not contiguous
+
+
+@pytest.mark.parametrize("num_rows, capacity", [(1, 2), (2, 2), (3, 4), (64, 64), (65, 128)])
+def test_a_pull_is_captured_for_the_next_power_of_two_rows(num_rows, capacity):
+    from infinite_llm.transport.device_pools import pull_capacity
+    assert pull_capacity(num_rows) == capacity
+
+
+def test_rows_of_host_pools_are_never_pulled_through_a_graph():
+    from infinite_llm.transport.device_pools import PullGraphs
+    source = row_words(numbered_pool(16))
+    destination_pool = torch.zeros(64, *BLOCK_SHAPE)
+    graphs = PullGraphs()
+    assert graphs.pull([source], [(destination_pool[0:3], 0, (4, 9, 2))]) is None
+    assert graphs.num_made == 0
+
+
+def pulled_through_graphs(graphs, source, destination_pool, frames):
+    """Each frame's pulls (destination first row, source rows) through ``graphs`` on a stream of
+    their own, waited for; the graphs used."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    words = row_words(source)
+    used = []
+    for frame in frames:
+        pulls = [(destination_pool[first:first + len(rows)], 0, tuple(rows)) for first, rows in frame]
+        with torch.cuda.stream(stream):
+            graph = graphs.pull([words] * len(pulls), pulls)
+        assert graph is not None
+        graph.event.synchronize()
+        graphs.give_back(graph)
+        used.append(graph)
+    return used
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_a_frames_rows_land_through_one_captured_graph_used_again_and_touch_nothing_else():
+    from infinite_llm.transport.device_pools import PullGraphs
+    source = numbered_pool(32, "cuda")
+    destination_pool = torch.full((64, *BLOCK_SHAPE), -1.0, device="cuda")
+    graphs = PullGraphs()
+    # Five rows in two pulls (a graph of eight: the last pair repeated), then three rows in one
+    # (a graph of four), then five again: the first graph, free once the device passed it.
+    frames = [[(10, [9, 2, 7]), (40, [31, 0])], [(20, [5, 6, 30])], [(50, [1, 2, 3, 4, 11])]]
+    used = pulled_through_graphs(graphs, source, destination_pool, frames)
+    assert used[2] is used[0] and used[1] is not used[0]
+    assert graphs.num_made == 2
+    expected = torch.full_like(destination_pool, -1.0)
+    for frame in frames:
+        for first, rows in frame:
+            expected[first:first + len(rows)] = source[rows]
+    assert torch.equal(destination_pool, expected)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_a_fresh_buffer_or_rows_of_two_pools_are_pulled_eagerly():
+    from infinite_llm.transport.device_pools import PullGraphs
+    source = row_words(numbered_pool(32, "cuda"))
+    other = row_words(numbered_pool(32, "cuda"))
+    pool = torch.zeros(64, *BLOCK_SHAPE, device="cuda")
+    graphs = PullGraphs()
+    fresh = torch.zeros(3, *BLOCK_SHAPE, device="cuda")  # a frame's own buffer: no pool
+    assert graphs.pull([source], [(fresh, 0, (1, 2, 3))]) is None
+    assert graphs.pull([source, other], [(pool[0:1], 0, (1,)), (pool[1:2], 1, (2,))]) is None
+    big = torch.zeros(64, *BLOCK_SHAPE, device="cuda")
+    assert graphs.pull([source], [(pool[0:1], 0, (1,)), (big[0:1], 0, (2,))]) is None  # two storages
+    assert graphs.num_made == 0
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_graphs_lent_to_frames_still_landing_are_not_lent_again_and_are_bounded():
+    from infinite_llm.transport.device_pools import PullGraphs
+    source = row_words(numbered_pool(32, "cuda"))
+    pool = torch.zeros(64, *BLOCK_SHAPE, device="cuda")
+    graphs = PullGraphs(per_shape=2)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        lent = [graphs.pull([source], [(pool[2 * i:2 * i + 2], 0, (i, i + 1))]) for i in range(3)]
+    assert lent[0] is not None and lent[1] is not None and lent[0] is not lent[1]
+    assert lent[2] is None  # both of its shape are lent: pulled eagerly instead
+    stream.synchronize()
+    graphs.retire(lent[0])  # a failed frame's: another may be made in its place
+    graphs.give_back(lent[1])
+    with torch.cuda.stream(stream):
+        again = [graphs.pull([source], [(pool[8:10], 0, (3, 4))]) for _ in range(2)]
+    assert again[0] is lent[1] and again[1] is not None and again[1] is not lent[0]
+    stream.synchronize()
+    assert torch.equal(pool[8:10], numbered_pool(32, "cuda")[3:5])
