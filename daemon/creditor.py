@@ -42,7 +42,7 @@ import torch
 
 from infinite_llm.engine.dist_attention import BlockIdArrays, table_rows
 from infinite_llm.kernels import MicroAttentionPlan, plan_micro_attention, run_micro_attention
-from infinite_llm.transport import wire_trace
+from infinite_llm.transport import graph_capture, wire_trace
 from infinite_llm.transport.messages import AttendRequest, AttendResult, AttendSlice
 
 from .ledger import CreditorLedger, HeldSegment, LedgerError
@@ -362,18 +362,17 @@ class CreditorAttention:
         if serve_plan.graph_pool is None:
             serve_plan.graph_pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
+
+        def body() -> None:
+            state = run_micro_attention(serve_plan.plan, q_dev, self.kv_pool, layer,
+                                        sm_scale=self.sm_scale, out_dtype=self.kv_pool.dtype)
+            out_dev.copy_(state.out)
+            lse_dev.copy_(state.lse)
         try:
             with torch.cuda.stream(self.stream):
-                # thread_local: the engine's thread may call into CUDA meanwhile. (No
+                # This thread's work only: the engine's thread may call into CUDA meanwhile. (No
                 # torch.cuda.graph(): it collects garbage and synchronises the device first.)
-                graph.capture_begin(pool=serve_plan.graph_pool, capture_error_mode="thread_local")
-                try:
-                    state = run_micro_attention(serve_plan.plan, q_dev, self.kv_pool, layer,
-                                                sm_scale=self.sm_scale, out_dtype=self.kv_pool.dtype)
-                    out_dev.copy_(state.out)
-                    lse_dev.copy_(state.lse)
-                finally:
-                    graph.capture_end()
+                graph_capture.capture(graph, serve_plan.graph_pool, body)
         except Exception as exc:  # noqa: BLE001  (serving goes on, eagerly)
             log.warning("creditor: capturing layer %d's attention failed, serving eagerly from now on: %s", layer, exc)
             self.cuda_graphs = False

@@ -21,12 +21,14 @@ import ctypes
 import logging
 import math
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
 from infinite_llm.transport.errors import ProtocolError
+from infinite_llm.transport.graph_capture import capture
 from infinite_llm.transport.messages import DevicePoolOffer, ErrorCode
 from infinite_llm.transport.tensors import _TORCH_DTYPES, TORCH_DTYPE_NAMES
 
@@ -304,7 +306,8 @@ class PullSlots:
     """A device's ``PullSlot``s: one is taken per frame, and given back once the device has
     passed its event. A failed frame's slot is retired instead, with what its copies read and
     write (the peer's mapped pool, the destinations), until the device has passed its event:
-    freed or unmapped earlier, that memory could be handed out while its copies are queued."""
+    freed or unmapped earlier, that memory could be handed out while its copies are queued. A
+    failed frame's ``PullGraph`` is kept here the same way (it holds what it touches)."""
 
     def __init__(self, device: torch.device, max_free: int = 8) -> None:
         self.device = device
@@ -319,12 +322,16 @@ class PullSlots:
     def num_retired(self) -> int:
         return len(self._retired)
 
+    def prune(self) -> None:
+        """Let go of the retired slots (and graphs) the device has passed."""
+        if self._retired:
+            self._retired = [(slot, keep) for slot, keep in self._retired if not slot.event.query()]
+
     def take(self, num_rows: int) -> PullSlot:
         """A slot for ``num_rows`` row ids. Call it with the stream the copies run on as the
         current one: a new slot's device ids are allocated there, so that their memory goes
         back to that stream's pool."""
-        if self._retired:
-            self._retired = [(slot, keep) for slot, keep in self._retired if not slot.event.query()]
+        self.prune()
         fits = [slot for slot in self._free if slot.capacity >= num_rows]
         if fits:
             slot = min(fits, key=lambda s: s.capacity)
@@ -353,17 +360,20 @@ PULL_GRAPH_MIN_POOL_FACTOR = 4
 def destination_rows_of(destination: torch.Tensor, source_rows: torch.Tensor) -> tuple[tuple, int] | None:
     """Where ``destination`` lies as whole rows of its storage, the storage seen as rows of
     ``source_rows`` (``[num_rows, words]``): ((storage's address, its bytes, the rows' phase
-    in bytes, row bytes, word dtype), the destination's first row); None where it does not
-    start on a row that the words line up with."""
-    if not isinstance(destination, torch.Tensor) or not destination.is_contiguous():
+    in bytes, row bytes, word dtype), the destination's first row); None where it is not a
+    contiguous tensor on the rows' device, or does not start on a row that the words line up
+    with."""
+    if (not isinstance(destination, torch.Tensor) or destination.device != source_rows.device
+            or not destination.is_contiguous()):
         return None
     storage = destination.untyped_storage()
     row_bytes = row_nbytes(source_rows)
-    offset = destination.data_ptr() - storage.data_ptr()
+    address = storage.data_ptr()
+    offset = destination.data_ptr() - address
     phase = offset % row_bytes
-    if phase % source_rows.element_size():
+    if (address + phase) % source_rows.element_size():
         return None
-    return (storage.data_ptr(), storage.nbytes(), phase, row_bytes, source_rows.dtype), offset // row_bytes
+    return (address, storage.nbytes(), phase, row_bytes, source_rows.dtype), offset // row_bytes
 
 
 def pull_capacity(num_rows: int) -> int:
@@ -377,16 +387,18 @@ class PullGraph:
     same row size), gathered into a buffer of the graph's own and scattered from it.
 
     A pull of n <= capacity rows writes the source and destination row ids into pinned memory
-    and replays the graph (the ids copied up, the gather, the scatter) on the current stream,
-    then records ``event``: four launches and the ids' copy of an eager pull become one launch.
-    The ids past n repeat the last pair, so those rows are copied again onto themselves with the
-    same bytes; no other row is touched. It may be used again once the device has passed
-    ``event`` (the replay reads the pinned ids). Holds both pools while it lives.
+    (``load``) and replays the graph (the ids copied up, the gather, the scatter) on the current
+    stream, then records ``event`` (``replay``): four launches and the ids' copy of an eager
+    pull become one launch. The ids past n repeat the last pair, so that row is copied again
+    with the same bytes; no other row is touched. It may be loaded again once the device has
+    passed ``event`` (the replay reads the pinned ids). Holds both pools while it lives.
+    Raises what ``graph_capture.capture`` raises where the capture fails.
     """
 
     def __init__(self, source_rows: torch.Tensor, destination_rows: torch.Tensor, capacity: int,
-                 memory_pool: tuple[int, int]) -> None:
+                 memory_pool: tuple[int, int], key: tuple = ()) -> None:
         self.capacity = capacity
+        self.key = key  # its PullGraphs' key for it
         self.source_rows, self.destination_rows = source_rows, destination_rows  # read by address
         ids_host = torch.zeros((2, capacity), dtype=torch.int64, pin_memory=True)
         self._ids_host = ids_host
@@ -394,27 +406,26 @@ class PullGraph:
         ids_device = torch.zeros((2, capacity), dtype=torch.int64, device=source_rows.device)
         self._ids_device = ids_device
         self.event = torch.cuda.Event()
-        self.key: tuple = ()  # its PullGraphs' key for it
         self.graph = torch.cuda.CUDAGraph()
-        # Only this thread's work is captured: another thread's CUDA calls meanwhile are
-        # neither part of the graph nor an error.
-        self.graph.capture_begin(pool=memory_pool, capture_error_mode="thread_local")
-        try:
+
+        def body() -> None:
             ids_device.copy_(ids_host, non_blocking=True)
             gathered = torch.index_select(source_rows, 0, ids_device[0])
             destination_rows.index_copy_(0, ids_device[1], gathered)
-        finally:
-            self.graph.capture_end()
+        capture(self.graph, memory_pool, body)
 
-    def replay(self, source_ids: np.ndarray, destination_ids: np.ndarray) -> None:
-        """Copy rows ``source_ids`` to rows ``destination_ids`` (as many, at most
-        ``capacity``), queued on the current stream, and record ``event`` after."""
+    def load(self, source_ids: np.ndarray, destination_ids: np.ndarray) -> None:
+        """The rows the next replay copies: ``source_ids`` to ``destination_ids`` (as many, 1
+        to ``capacity``)."""
         n = len(source_ids)
         ids = self._ids
         ids[0, :n] = source_ids
         ids[0, n:] = source_ids[-1]
         ids[1, :n] = destination_ids
         ids[1, n:] = destination_ids[-1]
+
+    def replay(self) -> None:
+        """Copy the loaded rows, queued on the current stream, and record ``event`` after."""
         self.graph.replay()
         self.event.record()
 
@@ -424,15 +435,17 @@ class PullGraphs:
     size; each free, or lent to one frame until the device passed its event.
 
     A frame is pulled this way where all its rows come from one mapped pool and land in whole
-    rows of one storage that is a pool (``PULL_GRAPH_MIN_POOL_FACTOR``), and a graph is free or
-    may be made; else ``pull`` returns None and the frame's rows are copied eagerly
-    (``pull_rows``). A graph is made the first time its shape is needed, in a few milliseconds
-    of host time, once: the kernels it replays run once eagerly first (on that frame's first
-    row, which the graph then copies again), as capture asks.
+    rows of one storage that is a pool (``PULL_GRAPH_MIN_POOL_FACTOR``), in places that do not
+    overlap, and a graph is free or may be made; else ``lend`` returns None and the frame's
+    rows are copied eagerly (``pull_rows``), as they are where they are one run of consecutive
+    rows (one copy, without ids). A graph is made the first time its shape is needed, in a few
+    milliseconds of host time: the kernels it replays run once eagerly first (on that frame's
+    first row, which the graph then copies again), as capture asks. At the limit of graphs, the
+    free graph used least recently goes; a capture that fails turns the graphs off.
 
     The graphs of a connection share one memory pool: each writes its gathered rows into
-    memory of that pool, and they all run on the connection's one pull stream, one after
-    another, so none writes it while another reads it.
+    memory of that pool, and they all run on the device's one pull stream, one after another,
+    so none writes it while another reads it.
     """
 
     def __init__(self, max_graphs: int = PULL_GRAPHS_PER_CONNECTION, per_shape: int = PULL_GRAPHS_PER_SHAPE,
@@ -440,25 +453,34 @@ class PullGraphs:
         self.max_graphs = max_graphs
         self.per_shape = per_shape
         self.max_bytes = max_bytes
-        self._free: dict[tuple, list[PullGraph]] = {}
-        self._made: dict[tuple, int] = {}
-        self._uncapturable: set[tuple] = set()
+        # Free graphs by key, the key used last at the end (the first one is evicted first).
+        self._free: OrderedDict[tuple, list[PullGraph]] = OrderedDict()
+        self._made: dict[tuple, int] = {}  # graphs of each key, free or lent
         self._memory_pool: tuple[int, int] | None = None
         self.num_made = 0
+        self.off = False  # a capture failed: every pull is launched eagerly from then on
 
-    def pull(self, sources: Sequence[torch.Tensor], pulls: Sequence[tuple[torch.Tensor, int, Sequence[int]]]) -> PullGraph | None:
-        """Queue a frame's pulls, (destination, pool id, row ids) with the source rows of each
-        (``[num_rows, words]``, ``sources``), on the current stream (the pull stream) as one
-        replay; the graph, whose event marks them done and which goes back with ``give_back``
-        once it has passed, or None where the frame cannot be pulled this way (nothing was
-        queued then)."""
+    def lend(self, sources: Sequence[torch.Tensor], pulls: Sequence[tuple[torch.Tensor, int, Sequence[int]]]) -> PullGraph | None:
+        """A graph loaded with a frame's pulls, (destination, pool id, row ids) with the source
+        rows of each (``[num_rows, words]``, ``sources``), to ``replay`` on the pull stream and
+        ``give_back`` once the device passed its event (``retire`` where the frame failed); None
+        where the frame cannot be pulled this way. Call it with the pull stream current: a graph
+        made here is captured on it."""
         source_rows, pool_id = sources[0], pulls[0][1]
-        if not source_rows.is_cuda or any(other is not source_rows for other in sources[1:]):
+        if self.off or not source_rows.is_cuda or any(other is not source_rows for other in sources[1:]):
             return None
+        if len(pulls) == 1:
+            rows = pulls[0][2]
+            if tuple(rows) == tuple(range(rows[0], rows[0] + len(rows))):
+                return None  # one copy, no ids: cheaper launched
         where = [destination_rows_of(destination, source_rows) for destination, _pool_id, _rows in pulls]
         storage_key = where[0][0] if where[0] is not None else None
         if storage_key is None or any(w is None or w[0] != storage_key for w in where[1:]):
             return None
+        if len(pulls) > 1:  # rows written twice would land in an order a graph does not keep
+            spans = sorted((first, first + len(rows)) for (_key, first), (_d, _p, rows) in zip(where, pulls))
+            if any(start < end for (_start, end), (start, _end) in zip(spans, spans[1:])):
+                return None
         _address, storage_bytes, phase, row_bytes, _dtype = storage_key
         num_rows = sum(len(rows) for _destination, _pool_id, rows in pulls)
         capacity = pull_capacity(num_rows)
@@ -469,8 +491,9 @@ class PullGraphs:
         free = self._free.get(key)
         if free:
             graph = free.pop()
+            self._free.move_to_end(key)
         else:
-            graph = self._make(key, source_rows, pulls[0][0], capacity, where[0][1], pulls[0][2][0])
+            graph = self._make(key, source_rows, pulls[0][0], where[0][1], pulls[0][2][0])
             if graph is None:
                 return None
         source_ids = np.empty(num_rows, dtype=np.int64)
@@ -480,39 +503,56 @@ class PullGraphs:
             source_ids[at:at + len(rows)] = rows
             destination_ids[at:at + len(rows)] = np.arange(first_row, first_row + len(rows))
             at += len(rows)
-        graph.replay(source_ids, destination_ids)
+        graph.load(source_ids, destination_ids)
         return graph
 
-    def _make(self, key: tuple, source_rows: torch.Tensor, destination: torch.Tensor, capacity: int,
+    def _make(self, key: tuple, source_rows: torch.Tensor, destination: torch.Tensor,
               first_destination_row: int, first_source_row: int) -> PullGraph | None:
-        if key in self._uncapturable or self._made.get(key, 0) >= self.per_shape or self.num_made >= self.max_graphs:
+        if self._made.get(key, 0) >= self.per_shape or (self.num_made >= self.max_graphs and not self._evict()):
             return None
-        _pool_id, (_address, storage_bytes, phase, row_bytes, dtype), _capacity = key
+        _pool_id, (_address, storage_bytes, phase, row_bytes, dtype), capacity = key
         storage = destination.untyped_storage()
         destination_rows = torch.empty(0, dtype=dtype, device=destination.device)
         destination_rows.set_(storage, phase // dtype.itemsize,
                               ((storage_bytes - phase) // row_bytes, row_bytes // dtype.itemsize))
+        # The kernels run once before they are captured (lazy loading and initialisation), with
+        # as many ids as the replays (the kernels chosen depend on it): here the frame's first
+        # row, which the replay then copies again.
         try:
-            # Kernels run once before they are captured (lazy loading and initialisation):
-            # here on the frame's first row, which the replay then copies again.
-            # The same number of ids as the replays (the kernels chosen depend on it).
             ids = row_index([first_source_row] * capacity + [first_destination_row] * capacity, source_rows.device)
             destination_rows.index_copy_(0, ids[capacity:], torch.index_select(source_rows, 0, ids[:capacity]))
-            if self._memory_pool is None:
-                self._memory_pool = torch.cuda.graph_pool_handle()
-            graph = PullGraph(source_rows, destination_rows, capacity, self._memory_pool)
-            graph.key = key
-        except RuntimeError as e:  # CUDA refused the capture: this shape is pulled eagerly
-            log.warning("a pull of %d rows could not be captured (%s): launched eagerly", capacity, e)
-            self._uncapturable.add(key)
+        except RuntimeError as e:  # out of memory, say: this frame is pulled eagerly
+            log.warning("a pull of %d rows could not run before its capture: %s", capacity, e)
+            return None
+        if self._memory_pool is None:
+            self._memory_pool = torch.cuda.graph_pool_handle()
+        try:
+            graph = PullGraph(source_rows, destination_rows, capacity, self._memory_pool, key)
+        except Exception as e:  # noqa: BLE001  (the frame and all after it are pulled eagerly)
+            log.warning("a pull of %d rows could not be captured, pulls are launched from now on: %s", capacity, e)
+            self.off = True
             return None
         self._made[key] = self._made.get(key, 0) + 1
         self.num_made += 1
         return graph
 
+    def _evict(self) -> bool:
+        """Drop the free graph used least recently (the device has passed it); False where
+        every graph is lent."""
+        for key, graphs in self._free.items():
+            if graphs:
+                graphs.pop()
+                if not graphs:
+                    del self._free[key]
+                self._made[key] -= 1
+                self.num_made -= 1
+                return True
+        return False
+
     def give_back(self, graph: PullGraph) -> None:
         """``graph`` free again (the device has passed its event)."""
         self._free.setdefault(graph.key, []).append(graph)
+        self._free.move_to_end(graph.key)
 
     def retire(self, graph: PullGraph) -> None:
         """``graph``, of a failed frame, is lent no more (its replay may still be queued: the

@@ -34,6 +34,7 @@ from infinite_llm.transport.block_runs import PackedRun, destination_runs
 from infinite_llm.transport.codec import REFUSAL_CODES
 from infinite_llm.transport.device_pools import PoolRows, row_index
 from infinite_llm.transport.errors import RemoteError
+from infinite_llm.transport.graph_capture import capture
 from infinite_llm.transport.interface import PeerAddress, Transport
 from infinite_llm.transport.messages import BlockRun, Message
 
@@ -167,15 +168,13 @@ class GatherGraph:
         self._ids_device = ids_device
         self.out = torch.empty((capacity, *pool.shape[1:]), dtype=pool.dtype, device=pool.device)
         self.graph = torch.cuda.CUDAGraph()
+        out = self.out
+
+        def body() -> None:
+            ids_device.copy_(ids_host, non_blocking=True)
+            torch.index_select(pool, 0, ids_device, out=out)
         with torch.cuda.stream(stream):
-            # Only this thread's work is captured: another thread's CUDA calls meanwhile are
-            # neither part of the graph nor an error.
-            self.graph.capture_begin(pool=memory_pool, capture_error_mode="thread_local")
-            try:
-                ids_device.copy_(ids_host, non_blocking=True)
-                torch.index_select(pool, 0, ids_device, out=self.out)
-            finally:
-                self.graph.capture_end()
+            capture(self.graph, memory_pool, body)
 
     def gather(self, block_ids: Sequence[int]) -> torch.Tensor:
         """``[len(block_ids), *pool.shape[1:]]``: the blocks, gathered on the current stream."""

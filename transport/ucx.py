@@ -476,10 +476,17 @@ class _Connection:
             check_rows(source, pool_id, rows, nbytes_of(destination))
         stream = self.pull_stream
         graphs = self.pull_graphs
+        self.pull_slots.prune()
         with torch.cuda.stream(stream):
-            graph = graphs.pull(sources, pulls) if graphs is not None else None
+            graph = graphs.lend(sources, pulls) if graphs is not None else None
             if graph is not None:
                 done = graph.event
+                try:
+                    graph.replay()
+                except BaseException:  # what was queued keeps what it touches till it ran
+                    graphs.retire(graph)
+                    self.pull_slots.retire(graph, None)  # the graph holds what it touches
+                    raise
             else:
                 slot = self.pull_slots.take(sum(len(rows) for _destination, _pool_id, rows in pulls))
                 done = slot.event

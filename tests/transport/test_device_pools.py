@@ -655,7 +655,7 @@ def test_rows_of_host_pools_are_never_pulled_through_a_graph():
     source = row_words(numbered_pool(16))
     destination_pool = torch.zeros(64, *BLOCK_SHAPE)
     graphs = PullGraphs()
-    assert graphs.pull([source], [(destination_pool[0:3], 0, (4, 9, 2))]) is None
+    assert graphs.lend([source], [(destination_pool[0:3], 0, (4, 9, 2))]) is None
     assert graphs.num_made == 0
 
 
@@ -669,8 +669,9 @@ def pulled_through_graphs(graphs, source, destination_pool, frames):
     for frame in frames:
         pulls = [(destination_pool[first:first + len(rows)], 0, tuple(rows)) for first, rows in frame]
         with torch.cuda.stream(stream):
-            graph = graphs.pull([words] * len(pulls), pulls)
-        assert graph is not None
+            graph = graphs.lend([words] * len(pulls), pulls)
+            assert graph is not None
+            graph.replay()
         graph.event.synchronize()
         graphs.give_back(graph)
         used.append(graph)
@@ -699,17 +700,36 @@ def test_a_frames_rows_land_through_one_captured_graph_used_again_and_touch_noth
 
 @pytest.mark.gpu
 @needs_gpu
-def test_a_fresh_buffer_or_rows_of_two_pools_are_pulled_eagerly():
+def test_rows_land_in_a_pool_that_begins_part_way_into_its_storage():
+    from infinite_llm.transport.device_pools import PullGraphs
+    source = numbered_pool(32, "cuda")
+    row_bytes = row_nbytes(row_words(source))
+    storage = torch.full((64 * row_bytes + 24,), 0xFF, dtype=torch.uint8, device="cuda")
+    pool = storage[24:].view(torch.float32).view(64, *BLOCK_SHAPE)
+    graphs = PullGraphs()
+    pulled_through_graphs(graphs, source, pool, [[(5, [3, 1, 30])]])
+    assert graphs.num_made == 1
+    assert torch.equal(pool[5:8], source[[3, 1, 30]])
+    assert torch.all(storage[:24] == 0xFF) and torch.all(pool[:5].view(torch.uint8) == 0xFF)
+    assert torch.all(pool[8:].view(torch.uint8) == 0xFF)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_frames_a_graph_does_not_serve_are_left_to_the_eager_pull():
     from infinite_llm.transport.device_pools import PullGraphs
     source = row_words(numbered_pool(32, "cuda"))
     other = row_words(numbered_pool(32, "cuda"))
     pool = torch.zeros(64, *BLOCK_SHAPE, device="cuda")
+    big = torch.zeros(64, *BLOCK_SHAPE, device="cuda")
     graphs = PullGraphs()
     fresh = torch.zeros(3, *BLOCK_SHAPE, device="cuda")  # a frame's own buffer: no pool
-    assert graphs.pull([source], [(fresh, 0, (1, 2, 3))]) is None
-    assert graphs.pull([source, other], [(pool[0:1], 0, (1,)), (pool[1:2], 1, (2,))]) is None
-    big = torch.zeros(64, *BLOCK_SHAPE, device="cuda")
-    assert graphs.pull([source], [(pool[0:1], 0, (1,)), (big[0:1], 0, (2,))]) is None  # two storages
+    assert graphs.lend([source], [(fresh, 0, (1, 5, 3))]) is None
+    assert graphs.lend([source, other], [(pool[0:1], 0, (1,)), (pool[1:2], 1, (2,))]) is None  # two pools
+    assert graphs.lend([source, source], [(pool[0:1], 0, (1,)), (big[0:1], 0, (2,))]) is None  # two storages
+    assert graphs.lend([source, source], [(pool[0:2], 0, (1, 4)), (pool[1:3], 0, (2, 6))]) is None  # overlapping
+    assert graphs.lend([source], [(pool[0:3], 0, (4, 5, 6))]) is None  # consecutive rows: one copy
+    assert graphs.lend([source], [(torch.zeros(64, *BLOCK_SHAPE)[0:2], 0, (1, 4))]) is None  # on the host
     assert graphs.num_made == 0
 
 
@@ -717,19 +737,83 @@ def test_a_fresh_buffer_or_rows_of_two_pools_are_pulled_eagerly():
 @needs_gpu
 def test_graphs_lent_to_frames_still_landing_are_not_lent_again_and_are_bounded():
     from infinite_llm.transport.device_pools import PullGraphs
-    source = row_words(numbered_pool(32, "cuda"))
+    numbered = numbered_pool(32, "cuda")
+    source = row_words(numbered)
     pool = torch.zeros(64, *BLOCK_SHAPE, device="cuda")
     graphs = PullGraphs(per_shape=2)
     stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        lent = [graphs.pull([source], [(pool[2 * i:2 * i + 2], 0, (i, i + 1))]) for i in range(3)]
+        lent = [graphs.lend([source], [(pool[2 * i:2 * i + 2], 0, (i + 1, i))]) for i in range(3)]
     assert lent[0] is not None and lent[1] is not None and lent[0] is not lent[1]
     assert lent[2] is None  # both of its shape are lent: pulled eagerly instead
     stream.synchronize()
     graphs.retire(lent[0])  # a failed frame's: another may be made in its place
     graphs.give_back(lent[1])
+    assert graphs.num_made == 1
     with torch.cuda.stream(stream):
-        again = [graphs.pull([source], [(pool[8:10], 0, (3, 4))]) for _ in range(2)]
-    assert again[0] is lent[1] and again[1] is not None and again[1] is not lent[0]
+        again = [graphs.lend([source], [(pool[8:10], 0, (4, 3))]) for _ in range(2)]
+        for graph in again:
+            graph.replay()
+    assert again[0] is lent[1] and again[1] is not None
+    assert graphs.num_made == 2
     stream.synchronize()
-    assert torch.equal(pool[8:10], numbered_pool(32, "cuda")[3:5])
+    assert torch.equal(pool[8:10], numbered[[4, 3]])
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_at_the_limit_of_graphs_the_one_used_least_recently_goes():
+    from infinite_llm.transport.device_pools import PullGraphs
+    source = numbered_pool(32, "cuda")
+    pool = torch.zeros(128, *BLOCK_SHAPE, device="cuda")
+    graphs = PullGraphs(max_graphs=2)
+    frames = [[(0, [2, 1])], [(4, [9, 2, 7])], [(0, [5, 1])], [(8, [3, 1, 4, 1, 5])]]
+    used = pulled_through_graphs(graphs, source, pool, frames)
+    # Sizes 2, 4, 2 again (the first graph), then 8: the graph of 4 rows, used least recently, goes.
+    assert used[2] is used[0] and graphs.num_made == 2
+    assert used[0].key in graphs._free and used[1].key not in graphs._free
+    assert torch.equal(pool[8:13], source[[3, 1, 4, 1, 5]])
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_a_capture_that_fails_turns_the_graphs_off(monkeypatch):
+    from infinite_llm.transport import device_pools
+    source = row_words(numbered_pool(32, "cuda"))
+    pool = torch.zeros(64, *BLOCK_SHAPE, device="cuda")
+
+    def refuse(graph, memory_pool, body):
+        raise RuntimeError("operation not permitted when stream is capturing")
+    monkeypatch.setattr(device_pools, "capture", refuse)
+    graphs = device_pools.PullGraphs()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        assert graphs.lend([source], [(pool[0:2], 0, (3, 1))]) is None
+    assert graphs.off and graphs.num_made == 0
+    monkeypatch.undo()
+    with torch.cuda.stream(stream):
+        assert graphs.lend([source], [(pool[0:2], 0, (3, 1))]) is None  # off for good
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_a_failed_capture_leaves_the_stream_and_the_allocator_as_they_were():
+    from infinite_llm.transport.graph_capture import capture
+    memory_pool = torch.cuda.graph_pool_handle()
+    stream = torch.cuda.Stream()
+    x = torch.ones(1024, device="cuda")
+    torch.cuda.synchronize()
+    with torch.cuda.stream(stream):
+        with pytest.raises(RuntimeError):
+            capture(torch.cuda.CUDAGraph(), memory_pool, lambda: torch.cuda.synchronize())  # not capturable
+        assert not torch.cuda.is_current_stream_capturing()
+        # No allocation is routed into the failed capture's pool any more.
+        with pytest.raises(RuntimeError):
+            torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), memory_pool)
+        graph = torch.cuda.CUDAGraph()
+        out = torch.empty_like(x)
+        capture(graph, torch.cuda.graph_pool_handle(), lambda: torch.mul(x, 3, out=out))
+        graph.replay()
+    stream.synchronize()
+    assert torch.equal(out, torch.full_like(x, 3.0))
