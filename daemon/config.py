@@ -95,6 +95,9 @@ class InstanceConfig:
     # instance's pool through CUDA IPC and copies the blocks out of it (transport/device_pools).
     # False, or where the two GPUs cannot reach each other: gathered and sent over UCX.
     peer_device_pools: bool = True
+    # The blocks such a move brings into this instance's pool are copied by one replay of a
+    # captured CUDA graph (transport/device_pools PullGraphs). False: launched eagerly.
+    peer_pull_graphs: bool = True
     # False: a static instance (vLLM-style): it admits only what its own pool holds, never
     # spills its requests' KV to peers, lends them nothing and refuses moves.
     share_kv: bool = True
@@ -150,7 +153,7 @@ class InstanceConfig:
                               f"got {self.peer_header_ring_bytes}")
         if any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in self.cpu_affinity):
             raise ConfigError(f"cpu_affinity must list CPU ids >= 0, got {self.cpu_affinity!r}")
-        for name in ("share_kv", "creditor_cuda_graphs", "peer_device_pools"):
+        for name in ("share_kv", "creditor_cuda_graphs", "peer_device_pools", "peer_pull_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.peer_spin_s is not None and (isinstance(self.peer_spin_s, bool) or not isinstance(self.peer_spin_s, (int, float))

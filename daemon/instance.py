@@ -348,7 +348,7 @@ class InstanceDaemon:
             request_timeout_s=c.timeouts.peer_request_s, receive_device=c.device if device.type == "cuda" else "cpu",
             land_inline_on_host=device.type == "cuda", shared_memory_bytes=c.peer_shared_memory_bytes,
             shared_memory_dir=str(c.peer_shared_memory_dir), header_ring_bytes=c.peer_header_ring_bytes,
-            device_pools=c.peer_device_pools)
+            device_pools=c.peer_device_pools, pull_graphs=c.peer_pull_graphs)
         self._frame_timeout_s = transport_config.frame_timeout_s
         self.transport = UcxTransport(transport_config)
         self.remote = TransportRemoteAttention(self.transport, self.peers, c.block_size, self.metrics,

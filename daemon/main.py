@@ -45,6 +45,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict]
                         help="on a GPU, KV moves to instances on this host go as block ids that the receiver copies "
                              "out of this instance's pool mapped through CUDA IPC (default); --no-peer-device-pools: "
                              "gathered and sent over UCX")
+    parser.add_argument("--peer-pull-graphs", action=argparse.BooleanOptionalAction, dest="peer_pull_graphs",
+                        help="blocks pulled out of a peer's mapped pool land through one replay of a captured CUDA "
+                             "graph (default); --no-peer-pull-graphs: the copies launched one by one")
     parser.add_argument("--share-kv", action=argparse.BooleanOptionalAction, dest="share_kv",
                         help="spill KV to peers and lend them blocks (default); --no-share-kv: a static instance")
     parser.add_argument("--cpu-affinity", dest="cpu_affinity",

@@ -114,7 +114,7 @@ def test_peer_spin_defaults_by_device_and_can_be_set(tmp_path: Path) -> None:
         load_config(None, {"peer_spin_s": True})
 
 
-@pytest.mark.parametrize("name", ["share_kv", "creditor_cuda_graphs", "peer_device_pools"])
+@pytest.mark.parametrize("name", ["share_kv", "creditor_cuda_graphs", "peer_device_pools", "peer_pull_graphs"])
 def test_switches_from_toml_and_flags(tmp_path: Path, name: str) -> None:
     """On/off settings: true by default, from the file, overridden by --x / --no-x; a value
     that is not a TOML boolean is refused."""
