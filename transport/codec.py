@@ -12,11 +12,16 @@ No I/O here. Layout of the header bytes:
               followed by a pool id and a list of row ids: those rows of a device pool of
               the sender's that the receiver mapped (``device_pools``)
     inline    bytes     the inline buffers, concatenated in buffer order
+    end mark  8 bytes   b"ILLE", the header's whole length u32 (little-endian)
 
 Buffers follow the header in order, one per tensor (tuple fields give one per element), each
 the tensor's raw bytes. Small host buffers travel inside the header so that a small message is
 one transfer; a host buffer that the sender placed in its shared-memory region travels as its
 offset there, and rows of a pool that the receiver mapped as their ids. Nested records are JSON arrays in field order.
+
+The end mark is how a header that came over UCX shows it came whole: UCX receives it into a
+buffer of the largest size allowed and does not say how many bytes it wrote, so a header cut
+short would otherwise be read to its announced length out of whatever the buffer held before.
 
 ``decode_header`` refuses anything malformed with ``ProtocolError``, never another exception:
 the receiver answers with ``ErrorReply`` and closes the connection. It builds the message with
@@ -61,6 +66,8 @@ from infinite_llm.transport.tensors import (
 
 MAGIC = b"ILLM"
 PREAMBLE = struct.Struct("<4sHHII")
+END_MAGIC = b"ILLE"
+TRAILER = struct.Struct("<4sI")  # the end mark: END_MAGIC, the header's length
 FLAG_WANTS_REPLY = 0x1
 _MAX_INT = (1 << 63) - 1
 _MIN_INT = -_MAX_INT - 1
@@ -405,14 +412,15 @@ def encode(
         "t": cls.TYPE, "v": cls.VERSION, "id": msg_id, "re": reply_to,
         "f": fields, "x": tensor_specs, "b": buffer_table,
     })
-    header_bytes = PREAMBLE.size + len(body) + inline_total
+    header_bytes = PREAMBLE.size + len(body) + inline_total + TRAILER.size
     if header_bytes > max_header_bytes:
         raise HeaderTooLarge(f"a {cls.TYPE} header of {header_bytes} bytes is over the "
                              f"{max_header_bytes}-byte limit")
     flags = FLAG_WANTS_REPLY if wants_reply else 0
     preamble = PREAMBLE.pack(MAGIC, PROTOCOL_VERSION, flags, len(body), inline_total)
     frame = object.__new__(EncodedFrame)  # as in decode_header: no field-by-field frozen __init__
-    frame.__dict__.update(header=b"".join([preamble, body, *inline_parts]), buffers=tuple(wire_buffers))
+    frame.__dict__.update(header=b"".join([preamble, body, *inline_parts, TRAILER.pack(END_MAGIC, header_bytes)]),
+                          buffers=tuple(wire_buffers))
     return frame
 
 
@@ -427,9 +435,18 @@ def _host_bytes(device_view: object) -> bytes:
 
 
 def frame_length(preamble: bytes | memoryview) -> int:
-    """Total header length announced by a preamble (``PREAMBLE.size`` bytes)."""
+    """Total header length announced by a preamble (``PREAMBLE.size`` bytes), end mark included."""
     _magic, _version, _flags, json_len, inline_len = PREAMBLE.unpack(preamble)
-    return PREAMBLE.size + json_len + inline_len
+    return PREAMBLE.size + json_len + inline_len + TRAILER.size
+
+
+def header_bytes(body: bytes, inline: bytes = b"", flags: int = 0, *, magic: bytes = MAGIC,
+                 version: int = PROTOCOL_VERSION) -> bytes:
+    """A header of ``body`` (the JSON's bytes) and ``inline``, with its preamble and end mark,
+    as ``encode`` lays it out: for frames made by hand (tests, tools)."""
+    size = PREAMBLE.size + len(body) + len(inline) + TRAILER.size
+    return b"".join([PREAMBLE.pack(magic, version, flags, len(body), len(inline)), body, inline,
+                     TRAILER.pack(END_MAGIC, size)])
 
 
 def decode_header(data: bytes | memoryview, limits: FrameLimits) -> FrameHeader:
@@ -445,7 +462,8 @@ def decode_header(data: bytes | memoryview, limits: FrameLimits) -> FrameHeader:
         raise _preamble_refusal(data, limits)
     magic, version, flags, json_len, inline_len = PREAMBLE.unpack_from(data)
     if (magic != MAGIC or version != PROTOCOL_VERSION or flags & ~FLAG_WANTS_REPLY
-            or PREAMBLE.size + json_len + inline_len != size):
+            or PREAMBLE.size + json_len + inline_len + TRAILER.size != size
+            or TRAILER.unpack_from(data, size - TRAILER.size) != (END_MAGIC, size)):
         raise _preamble_refusal(data, limits)
     try:
         # A view: orjson reads it in place, where bytes() would copy the JSON first.
@@ -502,8 +520,8 @@ def decode_header(data: bytes | memoryview, limits: FrameLimits) -> FrameHeader:
         shared_offsets=shared_offsets,
         pool_rows=pool_rows,
         # Zero-copy where ``data`` is immutable bytes (the transports pass a fresh copy).
-        inline_bytes=(memoryview(data)[PREAMBLE.size + json_len:] if type(data) is bytes
-                      else bytes(data[PREAMBLE.size + json_len:])),
+        inline_bytes=(memoryview(data)[PREAMBLE.size + json_len:size - TRAILER.size] if type(data) is bytes
+                      else bytes(data[PREAMBLE.size + json_len:size - TRAILER.size])),
     )
     return header
 
@@ -521,10 +539,15 @@ def _preamble_refusal(data: bytes | memoryview, limits: FrameLimits) -> Protocol
         return ProtocolError(ErrorCode.UNSUPPORTED_VERSION, f"protocol version {version}")
     if flags & ~FLAG_WANTS_REPLY:
         return ProtocolError(ErrorCode.INVALID_FIELDS, f"unknown flags {flags:#06x}")
-    expected = PREAMBLE.size + json_len + inline_len
+    expected = PREAMBLE.size + json_len + inline_len + TRAILER.size
     if expected > len(data):
         return ProtocolError(ErrorCode.TRUNCATED_FRAME, f"{len(data)} of {expected} bytes")
-    return ProtocolError(ErrorCode.LENGTH_MISMATCH, f"{len(data)} bytes, {expected} announced")
+    if expected < len(data):
+        return ProtocolError(ErrorCode.LENGTH_MISMATCH, f"{len(data)} bytes, {expected} announced")
+    # The announced length, but not the end mark there: the header was cut short where it
+    # came over UCX (its receive buffer held other bytes past the cut), or overwritten.
+    return ProtocolError(ErrorCode.TRUNCATED_FRAME, f"no end mark in the last {TRAILER.size} of "
+                         f"{expected} bytes: the header was cut short")
 
 
 def _envelope_refusal(body: object, limits: FrameLimits) -> ProtocolError:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import math
+import re
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -109,17 +110,19 @@ def export_pool(pool: torch.Tensor, pool_id: int) -> DevicePoolOffer:
         offset=pool.storage_offset())
 
 
-def open_pool(offer: DevicePoolOffer, device: torch.device) -> torch.Tensor:
-    """The peer's pool of ``offer``, mapped here, on ``device`` (this process's GPU): a tensor
-    of the offer's shape and dtype over the peer's memory. Raises DevicePoolUnavailable where
-    it cannot be opened on that device (another host, no peer access) or does not fit in the
-    memory the offer names."""
-    if device.type != "cuda" or not torch.cuda.is_available():
-        raise DevicePoolUnavailable("this process receives into host memory")
-    # Opened under this process's own device, whichever GPU the pool is on: CUDA maps another
-    # GPU's memory into this device's context where the two have peer access (NVLink), and the
-    # copies then run here, reading it; it refuses where they have none.
-    index = device.index if device.index is not None else torch.cuda.current_device()
+# torch's reference counters of shared CUDA memory lie in files of this many int64 counters
+# (CUDA_IPC_REF_COUNTER_FILE_SIZE), named as at::NewProcessWideShmHandle names them. The mapped
+# pool's deleter decrements the counter the offer names, in the file it names: an offset past
+# the file's counters would write outside the mapping, and a name of another shared-memory file
+# of this user would have a word of that file decremented.
+REF_COUNTERS_PER_FILE = 10_000
+_REF_COUNTER_NAME = re.compile(rb"/torch_[0-9]+_[0-9]+_[0-9]+")
+
+
+def check_offer(offer: DevicePoolOffer) -> tuple[torch.dtype, bytes, bytes, bytes | None]:
+    """The offer's dtype and its handles (memory, reference counter, event) as bytes, where its
+    fields are what ``offer_pool`` makes and fit one another. Raises DevicePoolUnavailable
+    otherwise. No CUDA call: the checks that need the opened memory are ``open_pool``'s."""
     dtype = _TORCH_DTYPES.get(offer.dtype)
     if dtype is None:
         raise DevicePoolUnavailable(f"dtype {offer.dtype!r} is not one of {sorted(_TORCH_DTYPES)}")
@@ -131,6 +134,24 @@ def open_pool(offer: DevicePoolOffer, device: torch.device) -> torch.Tensor:
         event = bytes.fromhex(offer.event) if offer.event else None
     except ValueError:
         raise DevicePoolUnavailable("the offer's handles are not hex") from None
+    if not _REF_COUNTER_NAME.fullmatch(ref_counter) or not 0 <= offer.ref_counter_offset < REF_COUNTERS_PER_FILE:
+        raise DevicePoolUnavailable(f"reference counter {ref_counter[:64]!r} at {offer.ref_counter_offset}: "
+                                    f"not one of torch's ({REF_COUNTERS_PER_FILE} counters a file)")
+    return dtype, handle, ref_counter, event
+
+
+def open_pool(offer: DevicePoolOffer, device: torch.device) -> torch.Tensor:
+    """The peer's pool of ``offer``, mapped here, on ``device`` (this process's GPU): a tensor
+    of the offer's shape and dtype over the peer's memory. Raises DevicePoolUnavailable where
+    it cannot be opened on that device (another host, no peer access) or does not fit in the
+    memory the offer names."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        raise DevicePoolUnavailable("this process receives into host memory")
+    dtype, handle, ref_counter, event = check_offer(offer)
+    # Opened under this process's own device, whichever GPU the pool is on: CUDA maps another
+    # GPU's memory into this device's context where the two have peer access (NVLink), and the
+    # copies then run here, reading it; it refuses where they have none.
+    index = device.index if device.index is not None else torch.cuda.current_device()
     try:
         torch.cuda._lazy_init()
         with torch.cuda.device(index):

@@ -68,6 +68,7 @@ WRAP = 0xFFFFFFFF  # a record length that sends the reader back to the ring's st
 STAMP_MASK = 0xFFFFFFFF  # a record's stamp: the producer's headers sent over UCX before it, mod 2**32
 STAMP_HALF = 1 << 31
 _WRAP_MARK = struct.Struct("<I")
+_POSITION = struct.Struct("<Q")
 MIN_DATA_BYTES = 64 << 10
 _RING_NAME = re.compile(r"infllm-(\d{1,10})-([0-9a-f]{16})\.ring\Z")
 _STALE_NAME = re.compile(r"\.?infllm-(\d{1,10})-([0-9a-f]{16})\.(ring|bell)\Z")
@@ -246,6 +247,12 @@ class PeerHeaderRing:
             raise HeaderRingUnavailable(f"cannot map {name}: {e}") from None
         finally:
             os.close(fd)
+        # Reading starts where the producer left the read position: records start on their
+        # alignment, and a prefix read from anywhere else could run past the ring's end.
+        read = _POSITION.unpack_from(mapped, _READ_AT)[0]
+        if read % RECORD_ALIGNMENT:
+            mapped.close()
+            raise HeaderRingUnavailable(f"{name}: its read position {read} is not on a record's start")
         # Read-write, as the producer has it: a FIFO whose last writer is gone reads as
         # end-of-file, readable for ever.
         bell_fd = open_own_file(os.path.join(directory, name.removesuffix(".ring") + ".bell"),

@@ -27,7 +27,9 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import ClassVar, Protocol, runtime_checkable
 
-PROTOCOL_VERSION = 2  # 2: each frame's buffers on a UCX tag of the frame's own
+# 2: each frame's buffers on a UCX tag of the frame's own; 3: each header ends in its end mark
+# (``codec.TRAILER``)
+PROTOCOL_VERSION = 3
 # Segments named in one AuditHeld: a creditor with more held for one home audits them in turns.
 MAX_AUDITED_SEGMENTS = 4096
 

@@ -361,7 +361,7 @@ class PeerRegion:
             if size < HEADER_BYTES + SLOT_ALIGNMENT or os.pread(fd, NONCE_BYTES, 0) != nonce:
                 raise SharedMemoryUnavailable(f"{name}: another region under that name")
             mapped = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
-        except OSError as e:
+        except (OSError, ValueError) as e:  # ValueError: the file was cut short meanwhile
             raise SharedMemoryUnavailable(f"cannot map {name}: {e}") from None
         finally:
             os.close(fd)

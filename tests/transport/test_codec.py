@@ -153,8 +153,7 @@ def test_messages_check_their_own_fields(bad):
 
 def frame_with(body: dict, inline: bytes = b"", version: int = m.PROTOCOL_VERSION,
                magic: bytes = codec.MAGIC) -> bytes:
-    raw = orjson.dumps(body)
-    return codec.PREAMBLE.pack(magic, version, 1, len(raw), len(inline)) + raw + inline
+    return codec.header_bytes(orjson.dumps(body), inline, 1, magic=magic, version=version)
 
 
 def echo_body(**overrides) -> dict:
@@ -185,7 +184,7 @@ def test_a_valid_hand_made_frame_decodes():
     (frame_with(echo_body(v=2), b"abcd"), m.ErrorCode.UNSUPPORTED_VERSION),
     (frame_with(echo_body(t="nope"), b"abcd"), m.ErrorCode.UNKNOWN_TYPE),
     (frame_with(echo_body(t=5), b"abcd"), m.ErrorCode.UNKNOWN_TYPE),
-    (codec.PREAMBLE.pack(codec.MAGIC, m.PROTOCOL_VERSION, 0, 5, 0) + b"{not}", m.ErrorCode.INVALID_JSON),
+    (codec.header_bytes(b"{not}"), m.ErrorCode.INVALID_JSON),
     (frame_with([1, 2]), m.ErrorCode.INVALID_FIELDS),
     (frame_with(echo_body(id="1"), b"abcd"), m.ErrorCode.INVALID_FIELDS),
     (frame_with(echo_body(id=True), b"abcd"), m.ErrorCode.INVALID_FIELDS),

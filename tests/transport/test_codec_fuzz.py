@@ -71,8 +71,7 @@ def frames_with_random_json(draw) -> bytes:
     body = orjson.dumps(draw(json_values), option=orjson.OPT_NON_STR_KEYS) \
         if draw(st.booleans()) else draw(st.binary(max_size=64))
     inline = draw(st.binary(max_size=16))
-    return codec.PREAMBLE.pack(codec.MAGIC, codec.PROTOCOL_VERSION, draw(st.integers(0, 3)), len(body), len(inline)) \
-        + body + inline
+    return codec.header_bytes(body, inline, draw(st.integers(0, 3)))
 
 
 @st.composite
@@ -90,8 +89,7 @@ def frames_with_one_field_replaced(draw) -> bytes:
         body[path[0]] = value
     raw = orjson.dumps(body, option=orjson.OPT_NON_STR_KEYS)
     inline_len = draw(st.integers(0, 64))
-    return codec.PREAMBLE.pack(codec.MAGIC, codec.PROTOCOL_VERSION, 1, len(raw), inline_len) + raw \
-        + draw(st.binary(min_size=inline_len, max_size=inline_len))
+    return codec.header_bytes(raw, draw(st.binary(min_size=inline_len, max_size=inline_len)), 1)
 
 
 STRATEGIES = {

@@ -67,7 +67,8 @@ def test_host_tensors_of_an_all_inline_frame_hold_its_values() -> None:
     assert [t.dtype for t in got] == [torch.bfloat16, torch.float32]
     assert torch.equal(got[0], out) and torch.equal(got[1], lse)
     got[0].zero_()  # writable, and its own memory
-    assert header.inline_bytes.tobytes() == bytes(frame.header)[-len(header.inline_bytes):]
+    end = len(frame.header) - codec.TRAILER.size  # the inline bytes end where the end mark begins
+    assert header.inline_bytes.tobytes() == bytes(frame.header)[end - len(header.inline_bytes):end]
     message = codec.assemble(header, got)
     assert message.out is got[0]
 

@@ -13,9 +13,11 @@ import torch
 from infinite_llm.transport import codec
 from infinite_llm.transport import messages as m
 from infinite_llm.transport.device_pools import (
+    REF_COUNTERS_PER_FILE,
     DevicePoolUnavailable,
     PoolRows,
     SharedPools,
+    check_offer,
     open_pool,
     pull_rows,
     row_nbytes,
@@ -136,6 +138,31 @@ def test_a_process_that_receives_into_host_memory_maps_no_pool():
         open_pool(offer, torch.device("cpu"))
 
 
+TORCH_REF_COUNTER = b"/torch_4242_3141592653_7".hex()  # as torch names its counters' files
+
+
+@pytest.mark.parametrize("fields", [
+    {"ref_counter_offset": REF_COUNTERS_PER_FILE},  # the mapped pool's deleter would write past the file
+    {"ref_counter_offset": 1 << 40},
+    {"ref_counter": b"/infllm-4242-0123456789abcdef".hex()},  # another file of this user's
+    {"ref_counter": b"/torch_4242_1_2/../x".hex()},
+    {"ref_counter": "00"},
+    {"ref_counter": "zz"},
+    {"dtype": "complex64"},
+    {"shape": (1 << 20, 4)},  # more than the storage holds
+])
+def test_offers_whose_fields_torch_would_act_on_unchecked_are_refused_before_any_cuda_call(fields):
+    """The receiver checks an offer before torch opens it: the reference counter torch's
+    deleter decrements must be one of torch's files and within it."""
+    base = dict(pool_id=0, device=0, handle="00" * 64, storage_bytes=1 << 20, storage_offset_bytes=0,
+                ref_counter=TORCH_REF_COUNTER, ref_counter_offset=REF_COUNTERS_PER_FILE - 1, event="",
+                event_sync_required=False, dtype="float32", shape=(16, 4), offset=0)
+    dtype, _handle, ref_counter, event = check_offer(m.DevicePoolOffer(**base))
+    assert dtype == torch.float32 and ref_counter == bytes.fromhex(TORCH_REF_COUNTER) and event is None
+    with pytest.raises(DevicePoolUnavailable):
+        check_offer(m.DevicePoolOffer(**{**base, **fields}))
+
+
 @pytest.mark.parametrize("fields", [
     {"pool_id": -1}, {"shape": ()}, {"shape": (0, 4)}, {"storage_bytes": -1}, {"handle": "ab" * 300},
 ])
@@ -181,7 +208,7 @@ def kv_rows_frame(table: list, runs_data: list | None = None) -> bytes:
             "x": {"runs_data": runs_data or [["float32", [2, 4]]]}, "b": table}
     import orjson
     data = orjson.dumps(body)
-    return codec.PREAMBLE.pack(codec.MAGIC, m.PROTOCOL_VERSION, codec.FLAG_WANTS_REPLY, len(data), 0) + data
+    return codec.header_bytes(data, flags=codec.FLAG_WANTS_REPLY)
 
 
 def test_a_hand_made_rows_entry_decodes():

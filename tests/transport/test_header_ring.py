@@ -189,6 +189,24 @@ def test_a_consumer_refuses_a_file_whose_size_disagrees_with_its_data_size(direc
 # --- what a faulty or hostile producer writes --------------------------------------------------
 
 
+@pytest.mark.parametrize("read", [MIN_DATA_BYTES - 4, 3, 12])
+def test_a_consumer_refuses_a_ring_whose_read_position_is_off_a_records_start(directory, read):
+    """Reading starts at the read position the producer left in the file: one off the records'
+    alignment would read a record's prefix across the ring's end (struct.error, not a refusal)."""
+    producer = HeaderRing(directory, MIN_DATA_BYTES)
+    control = _control(directory, producer.name)
+    try:
+        control[16] = read
+        control[8] = read + 8
+        with pytest.raises(HeaderRingUnavailable, match="not on a record's start"):
+            PeerHeaderRing.open(directory, producer.name, producer.nonce.hex(), LIMIT)
+        control[16] = control[8] = MIN_DATA_BYTES - 8  # on a record's start: opened
+        PeerHeaderRing.open(directory, producer.name, producer.nonce.hex(), LIMIT).close()
+    finally:
+        del control
+        producer.close()
+
+
 def test_a_write_position_beyond_the_ring_is_refused(pair, directory):
     producer, consumer = pair
     _control(directory, producer.name)[8] = MIN_DATA_BYTES + 8  # more than the ring holds

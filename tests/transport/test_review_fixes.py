@@ -292,7 +292,7 @@ def test_an_unencodable_reply_says_why_in_a_bounded_detail():
 
 def _header(body: dict, flags: int = codec.FLAG_WANTS_REPLY) -> bytes:
     data = orjson.dumps(body)
-    return codec.PREAMBLE.pack(codec.MAGIC, m.PROTOCOL_VERSION, flags, len(data), 0) + data
+    return codec.header_bytes(data, flags=flags)
 
 
 def _echo_spec(shape: list[int]) -> dict:

@@ -313,9 +313,8 @@ def test_malformed_shared_entries_are_refused(entry):
     body = header[body_start:body_start + json_len].replace(b'"b":[[32768,0]]',
                                                              b'"b":[' + json.dumps(entry).replace(" ", "").encode() + b']')
     assert body != header[body_start:body_start + json_len]
-    preamble = codec.PREAMBLE.pack(codec.MAGIC, m.PROTOCOL_VERSION, codec.FLAG_WANTS_REPLY, len(body), 0)
     with pytest.raises(ProtocolError):
-        codec.decode_header(preamble + body, codec.FrameLimits())
+        codec.decode_header(codec.header_bytes(body, flags=codec.FLAG_WANTS_REPLY), codec.FrameLimits())
 
 
 @pytest.mark.parametrize("nbytes", [0, 4096, (1 << 20) + 1, 3 * MiB + 12345, 8 * MiB])

@@ -648,3 +648,46 @@ def test_live_listener_ring_fuzz(ucx_loop, start_peer):
 @pytest.mark.slow
 def test_live_listener_ring_fuzz_long(ucx_loop, start_peer):
     live_ring_fuzz(ucx_loop, start_peer("serve"), examples=3_000)
+
+
+def test_a_ring_offered_with_its_read_position_off_a_records_start_is_refused_and_ucx_serves_on(
+        ucx_loop, shm_dir):
+    """A raw peer offers a ring whose read position sits 4 bytes short of the ring's end: the
+    listener answers the offer with shared_memory_unavailable (reading from there would take a
+    record's prefix across the ring's end), logs no failure of its own, and serves the
+    connection's next request over UCX."""
+    import numpy as np
+
+    from infinite_llm.transport.header_ring import CONTROL_BYTES, MIN_DATA_BYTES, HeaderRing
+
+    async def read_header(endpoint) -> codec.FrameHeader:
+        buffer = np.zeros(1 << 16, np.uint8)
+        await asyncio.wait_for(endpoint.recv(buffer), 5.0)
+        return codec.decode_header(buffer[:codec.frame_length(buffer[:codec.PREAMBLE.size])].tobytes(),
+                                   FrameLimits())
+
+    async def scenario():
+        async with started(handle, shared_memory_bytes=0, shared_memory_dir=shm_dir) as server:
+            producer = HeaderRing(shm_dir, MIN_DATA_BYTES)
+            control = np.memmap(os.path.join(shm_dir, producer.name), dtype="<u8", mode="r+",
+                                shape=(CONTROL_BYTES // 8,))
+            control[16] = control[8] = MIN_DATA_BYTES - 4
+            endpoint = await ucxx.create_endpoint("127.0.0.1", server.address.port)
+            try:
+                offer = codec.encode(m.HeaderRingOffer(ring=producer.name, nonce=producer.nonce.hex()), 1).header
+                await endpoint.send(np.frombuffer(offer, np.uint8))
+                answer = await read_header(endpoint)
+                ping = codec.encode(m.Echo(torch.arange(16, dtype=torch.uint8)), 2).header
+                await endpoint.send(np.frombuffer(ping, np.uint8))
+                echoed = await read_header(endpoint)
+            finally:
+                endpoint.abort()
+                del control
+                producer.close()
+            return answer, echoed
+
+    answer, echoed = run_bounded(ucx_loop, scenario(), 30)
+    assert isinstance(answer.message, m.ErrorReply)
+    assert answer.message.code == m.ErrorCode.SHARED_MEMORY_UNAVAILABLE
+    assert "not on a record's start" in answer.message.detail
+    assert isinstance(echoed.message, m.EchoReply) and echoed.reply_to == 2

@@ -237,3 +237,37 @@ def test_a_refused_frame_is_drained_into_host_scratch_not_fresh_destinations(ucx
             assert await client.request(server.address, m.Ack(), timeout_s=5) == m.Ack()
     run_bounded(ucx_loop, scenario(), 30)
     assert allocations == []
+
+
+def test_a_header_cut_short_over_ucx_is_refused_not_read_out_of_stale_bytes(ucx_loop):
+    """UCX receives a header into a buffer of the largest size allowed and does not say how
+    many bytes came. An Echo announcing 100 inline bytes, sent without them, after a Drain whose
+    UCX message ran 400 bytes past its announced length: the buffer holds those bytes where the
+    inline ones should be. The header's end mark is missing there, so the frame is refused as
+    truncated and the handler never sees it."""
+    echoed: list[bytes] = []
+
+    def handler(message: m.Message):
+        if isinstance(message, m.Echo):
+            echoed.append(bytes(message.payload.numpy()))
+            return m.EchoReply(message.payload)
+        return None
+
+    async def scenario():
+        async with started(handler, shared_memory_bytes=0, header_ring_bytes=0) as server:
+            endpoint = await ucxx.create_endpoint("127.0.0.1", server.address.port)
+            try:
+                drain = codec.encode(m.Drain(epoch=1, drain_id=1, inst_id=1), 1).header
+                await endpoint.send(np.frombuffer(drain + b"X" * 400, np.uint8))
+                first = await read_header(endpoint, 5.0)
+                assert first.reply_to == 1
+                echo = codec.encode(m.Echo(torch.full((100,), 7, dtype=torch.uint8)), 2).header
+                await endpoint.send(np.frombuffer(echo[:-100], np.uint8))
+                return await read_header(endpoint, 5.0)
+            finally:
+                endpoint.abort()
+
+    reply = run_bounded(ucx_loop, scenario(), 30)
+    assert echoed == []
+    assert isinstance(reply.message, m.ErrorReply) and reply.message.code == m.ErrorCode.TRUNCATED_FRAME
+    assert reply.reply_to == 2
