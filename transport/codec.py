@@ -117,6 +117,8 @@ class FrameHeader:
     # Per buffer: its offset in the sender's shared-memory region, -1 where it is not there;
     # empty where no buffer of the frame is.
     shared_offsets: tuple[int, ...] = ()
+    # Where some are: the sender's time (CLOCK_MONOTONIC, ns) from which they are not read.
+    shared_until_ns: int = 0
     # Per buffer: (pool id, row ids) where it is rows of a pool of the sender's that the
     # receiver mapped, else None; empty where no buffer of the frame is.
     pool_rows: tuple[tuple[int, tuple[int, ...]] | None, ...] = ()
@@ -330,6 +332,7 @@ def encode(
     max_header_bytes: int = FrameLimits.max_header_bytes,
     device_ready: bool = False,
     place_rows: typing.Callable[[PoolRows], int | None] | None = None,
+    shared_until_ns: int = 0,
 ) -> EncodedFrame:
     """The frame of ``message``. Tensors must be C-contiguous; nothing is copied except the
     small buffers that go inline: host buffers up to ``inline_limit_bytes`` in all, device
@@ -340,7 +343,10 @@ def encode(
     caller has waited for them already (an event it polled from its event loop).
 
     ``place_shared``: for a host buffer that is not inline, its offset in the sender's
-    shared-memory region (placing it there), or None to send it over UCX.
+    shared-memory region (placing it there), or None to send it over UCX. A frame with such
+    buffers carries ``shared_until_ns`` (CLOCK_MONOTONIC, ns): the receiver copies nothing out
+    of the sender's slots from then on, so that the sender may use them again a little later
+    whether or not a reply came.
 
     ``place_rows``: for a ``PoolRows`` buffer, the id under which the receiver mapped its pool,
     or None; such rows travel as their ids. Rows whose pool it has not mapped are gathered
@@ -370,7 +376,7 @@ def encode(
     wire_buffers: list[object] = []
     inline_total = inline_host = inline_cuda = 0
     posted_device_arrays: list[WireArray] = []
-    gathered_here = False
+    gathered_here = placed_shared = False
     for array in arrays:
         if type(array) is PoolRows:
             pool_id = place_rows(array) if place_rows is not None else None
@@ -401,6 +407,7 @@ def encode(
                 offset = place_shared(array)
                 if offset is not None:
                     buffer_table[-1] = [nbytes, 2, offset]
+                    placed_shared = True
                     continue
             wire_buffers.append(wire_view(array))
             if on_device:
@@ -408,10 +415,13 @@ def encode(
     if posted_device_arrays and (not device_ready or gathered_here):
         wait_for_producers(posted_device_arrays)
 
-    body = orjson.dumps({
-        "t": cls.TYPE, "v": cls.VERSION, "id": msg_id, "re": reply_to,
-        "f": fields, "x": tensor_specs, "b": buffer_table,
-    })
+    envelope = {"t": cls.TYPE, "v": cls.VERSION, "id": msg_id, "re": reply_to,
+                "f": fields, "x": tensor_specs, "b": buffer_table}
+    if placed_shared:
+        if shared_until_ns <= 0:
+            raise ValueError("buffers placed in shared memory need shared_until_ns")
+        envelope["su"] = shared_until_ns
+    body = orjson.dumps(envelope)
     header_bytes = PREAMBLE.size + len(body) + inline_total + TRAILER.size
     if header_bytes > max_header_bytes:
         raise HeaderTooLarge(f"a {cls.TYPE} header of {header_bytes} bytes is over the "
@@ -503,6 +513,12 @@ def decode_header(data: bytes | memoryview, limits: FrameLimits) -> FrameHeader:
             specs.append(spec)
 
     inline, shared_offsets, pool_rows = _check_buffer_table(table, specs, inline_len, limits)
+    shared_until_ns = 0
+    if shared_offsets:
+        shared_until_ns = body.get("su")
+        if type(shared_until_ns) is not int or not 0 < shared_until_ns <= _MAX_INT:
+            raise ProtocolError(ErrorCode.INVALID_FIELDS, "buffers in shared memory need 'su', the time "
+                                "(CLOCK_MONOTONIC, ns) after which they are not read")
     try:
         message = cls(**kwargs)
     except (ValueError, TypeError) as e:
@@ -518,6 +534,7 @@ def decode_header(data: bytes | memoryview, limits: FrameLimits) -> FrameHeader:
         specs=tuple(specs),
         inline=inline,
         shared_offsets=shared_offsets,
+        shared_until_ns=shared_until_ns,
         pool_rows=pool_rows,
         # Zero-copy where ``data`` is immutable bytes (the transports pass a fresh copy).
         inline_bytes=(memoryview(data)[PREAMBLE.size + json_len:size - TRAILER.size] if type(data) is bytes

@@ -63,6 +63,9 @@ class ErrorCode(StrEnum):
     NO_HANDLER = "no_handler"
     STALE_EPOCH = "stale_epoch"
     SHARED_MEMORY_UNAVAILABLE = "shared_memory_unavailable"
+    # A request's buffers in the sender's shared memory were past their time (its ``su``) when
+    # the receiver came to copy them: the sender may use those slots again.
+    EXPIRED = "expired"
     DEVICE_POOL_UNAVAILABLE = "device_pool_unavailable"
 
 
@@ -577,16 +580,19 @@ class SharedMemoryOffer:
     come as offsets into this file of the receiver's shared-memory directory, which the receiver
     maps read-only (``transport/shared_memory.py``). Ack: mapped. ErrorReply
     (shared_memory_unavailable): not (another host, another user, turned off); buffers then
-    travel over UCX."""
+    travel over UCX, as they do where the receiver's CLOCK_MONOTONIC is not the sender's (the
+    times after which a frame's buffers there are not read, ``codec``, would not agree)."""
 
     TYPE: ClassVar[str] = "shared_memory_offer"
-    VERSION: ClassVar[int] = 1
+    VERSION: ClassVar[int] = 2
 
     region: str  # file name in the shared-memory directory: infllm-<pid>-<16 hex digits>
     nonce: str  # 32 hex digits: the file's first 16 bytes, which prove it is the sender's
+    clock_ns: int  # the sender's CLOCK_MONOTONIC when it made the offer, ns
 
     def __post_init__(self) -> None:
         _require(len(self.region) <= 64 and len(self.nonce) <= 64, "region and nonce are short names")
+        _require(self.clock_ns >= 0, "clock_ns >= 0")
 
 
 @dataclass(frozen=True)

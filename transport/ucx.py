@@ -225,6 +225,15 @@ class _Connection:
     def free_slots(self, msg_id: int) -> None:
         _free_slots(self.shared_out, self.shared_slots.pop(msg_id, ()))
 
+    def release_slots_after(self, msg_id: int, deadline: float) -> None:
+        """The slots of request ``msg_id``, which ended with no reply that freed them: the peer
+        copies nothing out of them after ``deadline`` (time.monotonic(), the frame's ``su``),
+        so they are freed a little after it."""
+        slots = self.shared_slots.pop(msg_id, None)
+        if slots:
+            delay = max(0.0, deadline - time.monotonic()) + SHARED_SLOTS_GRACE_S
+            asyncio.get_running_loop().call_later(delay, _free_slots, self.shared_out, slots)
+
     def _check_open(self) -> None:
         if self.broken or self.endpoint.closed:
             raise UCXCloseError(f"{self.label}: endpoint closed")
@@ -444,7 +453,7 @@ class _Connection:
         them to drain), its rows of the peer's mapped pools copied out (nor those), and its UCX
         ``requests`` complete, within the frame timeout."""
         if header.shared_offsets and land_shared:
-            await self._copy_shared(codec.shared_destinations(header, destinations))
+            await self._copy_shared(codec.shared_destinations(header, destinations), header.shared_until_ns)
         if header.pool_rows and land_shared:
             await self._pull_rows(codec.pool_row_destinations(header, destinations))
         if not requests:
@@ -544,17 +553,19 @@ class _Connection:
             self.abort()
             raise ConnectionBroken(f"{self.label}: connection closed: {e!r}") from e
 
-    async def _copy_shared(self, shared: list[tuple[object, int, int]]) -> None:
+    async def _copy_shared(self, shared: list[tuple[object, int, int]], until_ns: int) -> None:
         """Copy a frame's buffers out of the peer's region into their destinations; a large
         one on a thread (numpy lets go of the GIL), so the event loop turns meanwhile. The
         connection is checked before each copy and after the last: a frame whose connection
         broke meanwhile is dropped, never delivered (the sender frees its slots a frame timeout
-        after the break, far longer than any one copy takes)."""
+        after the break, far longer than any one copy takes). So is the frame's time (its
+        ``su``, ``until_ns``): a copy that ended after it may hold bytes of the slots' next use."""
         region = self.shared_in
         if region is None:
             raise ProtocolError(ErrorCode.INVALID_FIELDS, "a buffer in shared memory never offered")
         for view, offset, nbytes in shared:
             self._ensure_open()
+            _ensure_in_time(until_ns)
             if nbytes >= _SHARED_COPY_ON_THREAD_BYTES:
                 landed = await asyncio.get_running_loop().run_in_executor(
                     None, region.copy_to, view, offset, nbytes)
@@ -564,6 +575,7 @@ class _Connection:
                 raise ProtocolError(ErrorCode.LENGTH_MISMATCH,
                                     f"{nbytes} bytes at {offset}: outside the shared region")
         self._ensure_open()
+        _ensure_in_time(until_ns)
 
     def abort(self) -> None:
         if not self.broken:
@@ -706,8 +718,8 @@ class UcxTransport:
             connection.pools_declined.put(pool, True)
             return False
         try:
-            await self._exchange(peer, connection, self._encode_request(offer, connection), offer.TYPE,
-                                 deadline, timeout_s)
+            await self._exchange(peer, connection, self._encode_request(offer, connection, deadline=deadline),
+                                 offer.TYPE, deadline, timeout_s)
         except RemoteError as e:
             log.info("%s does not map the device pool (%s): its blocks travel gathered", peer, e)
             if e.code == ErrorCode.UNKNOWN_TYPE:
@@ -751,7 +763,7 @@ class UcxTransport:
     ) -> Message:
         timeout_s = self._config.request_timeout_s if timeout_s is None else timeout_s
         connection, deadline = await self._connection_for(peer, message.TYPE, timeout_s)
-        frame = self._encode_request(message, connection, device_ready)
+        frame = self._encode_request(message, connection, device_ready, deadline=deadline)
         return await self._exchange(peer, connection, frame, message.TYPE, deadline, timeout_s)
 
     def request_soon(
@@ -763,10 +775,16 @@ class UcxTransport:
         next await. Returns an awaitable of the reply (raising as ``request`` does)."""
         connection = self._outbound.get(peer)
         if connection is None or connection.broken or self._closed:
-            return asyncio.ensure_future(self.request(peer, message, timeout_s=timeout_s,
-                                                      device_ready=device_ready))
+            # A task of the transport's (close cancels it), whose outcome is read when it ends:
+            # a caller may never run the awaitable (a task cancelled before its first step).
+            task = asyncio.get_running_loop().create_task(
+                self.request(peer, message, timeout_s=timeout_s, device_ready=device_ready))
+            self._tasks.add(task)
+            task.add_done_callback(self._request_ended)
+            return task
         timeout_s = self._config.request_timeout_s if timeout_s is None else timeout_s
-        frame = self._encode_request(message, connection, device_ready)
+        deadline = time.monotonic() + timeout_s
+        frame = self._encode_request(message, connection, device_ready, deadline=deadline)
         if frame.frame.buffers:
             wire_trace.record("req.separate_buffers", message.TYPE, len(frame.frame.buffers))
         loop = asyncio.get_running_loop()
@@ -779,18 +797,24 @@ class UcxTransport:
         except ConnectionBroken as e:
             connection.pending.pop(msg_id, None)
             self._drop(peer, connection, PeerUnreachable(peer, str(e)))
-            return _failed(PeerUnreachable(peer, str(e)))
+            _fail(reply, PeerUnreachable(peer, str(e)))
+            return reply
         # The request's bookkeeping is set here, not in the awaitable: a caller may never run
         # it (a task cancelled before its first step). The timer ends the wait at the deadline
         # and takes the pending entry away; the frame is kept until UCX sent it.
-        timer = loop.call_at(loop.time() + timeout_s, _expire_request, connection, msg_id, reply)
+        timer = loop.call_at(loop.time() + timeout_s, _expire_request, connection, msg_id, reply, deadline)
         if not all(r.completed for r in posted):
             connection.keep_until_sent(posted, frame.frame)
-        return self._await_reply(peer, connection, msg_id, reply, timer, message.TYPE, timeout_s)
+        return self._await_reply(peer, connection, msg_id, reply, timer, message.TYPE, timeout_s, deadline)
+
+    def _request_ended(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled():
+            task.exception()  # read here; whoever awaits the task still gets it
 
     async def _await_reply(self, peer: PeerAddress, connection: _Connection, msg_id: int,
                            reply: asyncio.Future, timer: asyncio.TimerHandle, type_: str,
-                           timeout_s: float) -> Message:
+                           timeout_s: float, deadline: float) -> Message:
         """The reply of a request that ``request_soon`` posted: its frame is kept until sent,
         and a failed send breaks the connection, which fails ``reply``."""
         try:
@@ -801,11 +825,14 @@ class UcxTransport:
             timer.cancel()
             if connection.pending.get(msg_id) is reply:
                 del connection.pending[msg_id]
+            connection.release_slots_after(msg_id, deadline)  # where no reply freed them
             if reply.done() and not reply.cancelled():
                 reply.exception()  # failed with its connection while this request raised
 
     def _encode_request(self, message: Message, connection: _Connection,
-                        device_ready: bool = False) -> _RequestFrame:
+                        device_ready: bool = False, *, deadline: float) -> _RequestFrame:
+        """``deadline``: when the request stops waiting (time.monotonic()); its buffers in
+        shared memory are not read from then on."""
         msg_id = next(self._next_msg_id)
         place = connection.place_shared if connection.shared_out is not None and not connection.broken else None
         try:
@@ -813,7 +840,7 @@ class UcxTransport:
                 message, msg_id, inline_limit_bytes=self._config.limits.inline_limit_bytes,
                 inline_cuda_limit_bytes=self._config.limits.inline_cuda_limit_bytes,
                 max_header_bytes=self._config.limits.max_header_bytes,
-                place_shared=place, device_ready=device_ready,
+                place_shared=place, device_ready=device_ready, shared_until_ns=int(deadline * 1e9),
                 place_rows=connection.place_rows if connection.pools_out and not connection.broken else None)
         except BaseException:
             connection.free_new_slots()
@@ -854,6 +881,7 @@ class UcxTransport:
             if posted is not None and not all(r.completed for r in posted):
                 connection.keep_until_sent(posted, frame.frame)  # a timeout or a cancel: UCX may still read it
             connection.pending.pop(frame.msg_id, None)
+            connection.release_slots_after(frame.msg_id, deadline)  # where no reply freed them
             if reply.done() and not reply.cancelled():
                 reply.exception()  # failed with its connection while this request raised
 
@@ -1005,10 +1033,10 @@ class UcxTransport:
     async def _connect_request(self, peer: PeerAddress, connection: _Connection, message: Message) -> Message:
         """A request of a new connection's set-up, within the connect timeout. A peer that
         does not answer fails the connection; its refusals are the caller's."""
+        deadline = time.monotonic() + self._config.connect_timeout_s
         try:
-            return await self._exchange(peer, connection, self._encode_request(message, connection), message.TYPE,
-                                        time.monotonic() + self._config.connect_timeout_s,
-                                        self._config.connect_timeout_s)
+            return await self._exchange(peer, connection, self._encode_request(message, connection, deadline=deadline),
+                                        message.TYPE, deadline, self._config.connect_timeout_s)
         except RequestTimeout:
             what = f"no answer to the connection's {message.TYPE}"
             self._drop(peer, connection, PeerUnreachable(peer, what))
@@ -1071,11 +1099,11 @@ class UcxTransport:
                                    region: SharedRegion) -> None:
         """Offer the region on a new connection; where the peer maps it, requests' host buffers
         go through it. A refusal (another host) leaves the connection as it is."""
-        offer = SharedMemoryOffer(region=region.name, nonce=region.nonce.hex())
+        offer = SharedMemoryOffer(region=region.name, nonce=region.nonce.hex(), clock_ns=time.monotonic_ns())
+        deadline = time.monotonic() + self._config.connect_timeout_s
         try:
-            await self._exchange(peer, connection, self._encode_request(offer, connection), offer.TYPE,
-                                 time.monotonic() + self._config.connect_timeout_s,
-                                 self._config.connect_timeout_s)
+            await self._exchange(peer, connection, self._encode_request(offer, connection, deadline=deadline),
+                                 offer.TYPE, deadline, self._config.connect_timeout_s)
         except RemoteError as e:
             log.debug("%s: no shared memory: %s", peer, e)
             if e.code == ErrorCode.UNKNOWN_TYPE:
@@ -1201,6 +1229,12 @@ class UcxTransport:
             except (PlacementRefused, ValueError) as e:
                 refusal = ErrorReply(ErrorCode.PLACEMENT_REFUSED, str(e))
                 destinations = None
+        if header.shared_offsets and time.monotonic_ns() >= header.shared_until_ns:
+            # Its sender has stopped waiting and may be using those slots again: answered, and
+            # the connection serves on.
+            refusal = ErrorReply(ErrorCode.EXPIRED, "the request's buffers in shared memory were past their "
+                                 "time when it was read")
+            destinations = None
         if refusal is not None:  # its buffers drained into host scratch, its reply the refusal
             destinations, requests = connection.post_scratch_recvs(header)
         elif destinations is None and self._lands_whole_on_host(header):
@@ -1287,6 +1321,10 @@ class UcxTransport:
         """Map the region a new connection's peer offers, if it is on this host's shared memory."""
         if self._config.shared_memory_bytes <= 0:
             return ErrorReply(ErrorCode.SHARED_MEMORY_UNAVAILABLE, "turned off here")
+        lag_ns = time.monotonic_ns() - offer.clock_ns
+        if not 0 <= lag_ns <= MAX_OFFER_CLOCK_LAG_NS:
+            return ErrorReply(ErrorCode.SHARED_MEMORY_UNAVAILABLE,
+                              f"this process's CLOCK_MONOTONIC is {lag_ns / 1e9:.3f} s past the offer's: not the same clock")
         try:
             region = PeerRegion.open(self._config.shared_memory_dir, offer.region, offer.nonce, self._copier())
         except SharedMemoryUnavailable as e:
@@ -1461,10 +1499,6 @@ def _offer_done(offers: dict, key: tuple, offer: asyncio.Task) -> None:
         offer.exception()
 
 
-async def _failed(error: Exception) -> Message:
-    raise error
-
-
 def _handler_failed(message: Message, error: Exception) -> ErrorReply:
     if isinstance(error, ValueError):  # a handler's refusal of what it was asked: the sender hears why
         log.warning("refused %s: %s", message.TYPE, error)
@@ -1491,6 +1525,13 @@ def _succeeded(request) -> bool:
 
 # A buffer at least this large is copied out of a peer's region on a thread, bytes.
 _SHARED_COPY_ON_THREAD_BYTES = 16 << 20
+# A request's slots in shared memory are used again this long after its time (``su``) where no
+# reply freed them: past its time the peer copies nothing out of them, on the same clock.
+SHARED_SLOTS_GRACE_S = 0.5
+# A peer whose shared memory is mapped must read CLOCK_MONOTONIC as this process does (times in
+# frames say when their slots stop being read): its offer's clock may lag this one's by as much
+# as the offer took to come and be handled, never lead it.
+MAX_OFFER_CLOCK_LAG_NS = 5_000_000_000
 # Frames of one inbound connection whose buffers land in the background at once; the next waits
 # in the connection's loop (and so do the frames behind it).
 MAX_FRAMES_RECEIVING = 8
@@ -1512,6 +1553,11 @@ def _deliver_reply(peer: PeerAddress, connection: _Connection, header: codec.Fra
     return True
 
 
+def _ensure_in_time(until_ns: int) -> None:
+    if time.monotonic_ns() >= until_ns:
+        raise ProtocolError(ErrorCode.EXPIRED, "the request's buffers in shared memory were past their time")
+
+
 def _free_slots(region: SharedRegion, slots) -> None:
     """Free the slots copied into (offsets); the buffers lent as they lay (arrays) are let go."""
     for slot in slots:
@@ -1524,12 +1570,13 @@ def _expire(future: asyncio.Future) -> None:
         future.set_exception(TimeoutError())
 
 
-def _expire_request(connection: _Connection, msg_id: int, future: asyncio.Future) -> None:
-    """A ``request_soon``'s deadline: its wait ends and its pending entry goes, whether or not
-    its awaitable ever ran."""
+def _expire_request(connection: _Connection, msg_id: int, future: asyncio.Future, deadline: float) -> None:
+    """A ``request_soon``'s deadline: its wait ends, its pending entry goes and its slots in
+    shared memory are freed soon, whether or not its awaitable ever ran."""
     _fail(future, TimeoutError())
     if connection.pending.get(msg_id) is future:
         del connection.pending[msg_id]
+    connection.release_slots_after(msg_id, deadline)
 
 
 def _fail(future: asyncio.Future, error: Exception) -> None:

@@ -71,7 +71,7 @@ def sample_messages() -> list[m.Message]:
         m.Uncordon(epoch=17, drain_id=1, inst_id=5),
         m.Echo(payload=np.arange(10, dtype=np.int64)),
         m.EchoReply(payload=torch.arange(4, dtype=torch.int32)),
-        m.SharedMemoryOffer(region="infllm-123-0123456789abcdef", nonce="ab" * 16),
+        m.SharedMemoryOffer(region="infllm-123-0123456789abcdef", nonce="ab" * 16, clock_ns=123_456_789_000),
         m.HeaderRingOffer(ring="infllm-123-0123456789abcdef.ring", nonce="ab" * 16),
         m.HeaderRingAccepted(ring="infllm-124-0123456789abcdef.ring", nonce="cd" * 16),
         m.HeaderRingOpened(),
@@ -248,9 +248,10 @@ def test_a_table_of_shared_and_separate_buffers_decodes():
     body = {"t": "attend_result", "v": 1, "id": 1, "re": 7,
             "f": {"home_inst_id": 1, "creditor_inst_id": 2, "step_id": 0, "layer": 0},
             "x": {"out": ["float32", [1, 1, 1]], "lse": ["float32", [1, 1]]},
-            "b": [[4, 2, 64], [4, 0]]}
+            "b": [[4, 2, 64], [4, 0]], "su": 5_000_000_000}
     header = codec.decode_header(frame_with(body), LIMITS)
     assert header.inline == (False, False) and header.shared_offsets == (64, -1)
+    assert header.shared_until_ns == 5_000_000_000
     assert header.reply_to == 7 and header.num_wire_buffers == 1
 
 

@@ -521,7 +521,7 @@ def offering_transport(monkeypatch, exchange):
     async def connection_for(peer, type_, timeout_s):
         return connection, time.monotonic() + timeout_s
     transport._connection_for = connection_for
-    transport._encode_request = lambda message, connection: None
+    transport._encode_request = lambda message, connection, **kwargs: None
     transport._exchange = exchange
     return transport, connection
 

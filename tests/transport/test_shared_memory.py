@@ -282,7 +282,7 @@ def test_frames_carry_offsets_for_buffers_placed_in_shared_memory(region, direct
         placed.append(region.copy_in(array))
         return placed[-1]
 
-    frame = codec.encode(m.KVBlocks(1, 7, runs, data), 3, place_shared=place)
+    frame = codec.encode(m.KVBlocks(1, 7, runs, data), 3, place_shared=place, shared_until_ns=time.monotonic_ns() + 10**9)
     assert frame.buffers == () and len(placed) == 2
     header = codec.decode_header(frame.header, codec.FrameLimits())
     assert header.shared_offsets == tuple(placed) and header.num_wire_buffers == 0
@@ -301,6 +301,24 @@ def test_a_placement_that_declines_leaves_the_buffer_on_ucx():
     frame = codec.encode(m.Echo(torch.randn(8192)), 1, place_shared=lambda array: None)
     header = codec.decode_header(frame.header, codec.FrameLimits())
     assert len(frame.buffers) == 1 and header.shared_offsets == () and header.num_wire_buffers == 1
+
+
+def test_a_frame_with_buffers_in_shared_memory_carries_the_time_they_stop_being_read():
+    frame = codec.encode(m.Echo(torch.randn(8192)), 1, place_shared=lambda array: 4096, shared_until_ns=123_456_789)
+    header = codec.decode_header(frame.header, codec.FrameLimits())
+    assert header.shared_offsets == (4096,) and header.shared_until_ns == 123_456_789 and not frame.buffers
+    with pytest.raises(ValueError, match="shared_until_ns"):  # a sender must say it
+        codec.encode(m.Echo(torch.randn(8192)), 1, place_shared=lambda array: 4096)
+    assert codec.decode_header(codec.encode(m.Echo(torch.randn(8192)), 1).header,
+                               codec.FrameLimits()).shared_until_ns == 0  # none in shared memory
+    json_len = codec.PREAMBLE.unpack_from(frame.header)[3]
+    body = frame.header[codec.PREAMBLE.size:codec.PREAMBLE.size + json_len]
+    for su in (b'"su":0', b'"su":-1', b'"su":"1"', b'"su":1.5', b'"su":true', b'"sv":123456789'):
+        forged = body.replace(b'"su":123456789', su)
+        assert forged != body
+        with pytest.raises(ProtocolError) as e:
+            codec.decode_header(codec.header_bytes(forged, flags=codec.FLAG_WANTS_REPLY), codec.FrameLimits())
+        assert e.value.code == m.ErrorCode.INVALID_FIELDS
 
 
 @pytest.mark.parametrize("entry", [[32768, 2], [32768, 2, -1], [32768, 3, 0], [32768, 2, "0"],

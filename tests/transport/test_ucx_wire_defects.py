@@ -9,6 +9,7 @@ Every wait is bounded.
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 
 import numpy as np
@@ -149,6 +150,44 @@ def test_request_soon_whose_awaitable_never_runs_leaves_nothing_pending(ucx_loop
                 await client.request_soon(server.address, m.Drain(epoch=1, drain_id=2, inst_id=2), timeout_s=0.3)
             assert not connection.pending
     run_bounded(ucx_loop, scenario(), 30)
+
+
+def test_request_soon_with_no_connection_whose_awaitable_never_runs_leaves_no_unread_failure(ucx_loop):
+    """``request_soon`` to a peer with no open connection runs ``request`` as a task of the
+    transport's. A caller that never runs the awaitable (its task cancelled before its first
+    step) leaves no failure unread when the peer turns out gone, and close ends no such task
+    late."""
+    contexts: list[dict] = []
+
+    async def finish(reply):
+        return await reply
+
+    async def scenario():
+        async with started(lambda message: None) as gone:
+            dead = gone.address  # nothing listens there any more
+        loop = asyncio.get_running_loop()
+        previous = loop.get_exception_handler()
+        loop.set_exception_handler(lambda _loop, context: contexts.append(context))
+        try:
+            async with started(lambda message: None, connect_timeout_s=0.3) as client:
+                reply = client.request_soon(dead, m.Ack(), timeout_s=1.0)
+                task = asyncio.ensure_future(finish(reply))
+                task.cancel()  # before its first step: the awaitable is never run
+                await asyncio.sleep(0)
+                assert task.cancelled()
+                del reply, task
+                await asyncio.sleep(1.5)  # past the connect timeout and the request's own
+                gc.collect()
+                await asyncio.sleep(0)
+                assert not client._tasks
+                # Awaited, it raises as request does.
+                with pytest.raises(PeerUnreachable):
+                    await client.request_soon(dead, m.Ack(), timeout_s=1.0)
+        finally:
+            loop.set_exception_handler(previous)
+    run_bounded(ucx_loop, scenario(), 30)
+    unread = [c for c in contexts if "never retrieved" in str(c.get("message"))]
+    assert not unread, [(c.get("message"), repr(c.get("exception"))) for c in unread]
 
 
 SMALL = dict(limits=FrameLimits(max_buffer_bytes=1024, max_total_buffer_bytes=1024))
