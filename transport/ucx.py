@@ -170,6 +170,9 @@ class _Connection:
     # its producer's count, and is taken only once as many have come (header_ring).
     ucx_headers_sent: int = 0
     ucx_headers_taken: int = 0
+    # Frames posted on this connection, either way: a connection that only sends (one-way
+    # messages, no replies to read) is not idle while it does.
+    frames_posted: int = 0
     # Outbound: the device pools the peer mapped (``map_device_pool``), by the pool's key, with
     # the id frames name them by; each pool's offer while it is under way; the pools it would
     # not map. Inbound: the peer's pools mapped here, by id, as ``[num_rows, words]``
@@ -254,6 +257,7 @@ class _Connection:
         # tag of the frame's own (``buffer_tag``), where the receiver looks for them.
         if self.broken:
             raise ConnectionBroken(f"{self.label}: connection closed")
+        self.frames_posted += 1
         try:
             self._check_open()
             ring = self.ring_out
@@ -340,12 +344,13 @@ class _Connection:
     async def recv_header(self, timeout_s: float) -> codec.FrameHeader:
         """The next frame's header, from the peer's ring or over UCX. Raises ProtocolError for
         a bad frame, ConnectionBroken when the peer is gone or the connection idles (``busy``
-        is False) past ``timeout_s``."""
+        is False, and no frame was posted on it meanwhile) past ``timeout_s``."""
         buf = self.header_buffer
         try:
             ring = self.ring_in
             request = self.header_request
             deadline = time.monotonic() + timeout_s
+            posted = self.frames_posted
             while True:
                 if request is None:
                     # Kept posted while headers come through the ring, so that one sent over
@@ -379,10 +384,12 @@ class _Connection:
                     # A record that waits for a UCX header: only that header can move things.
                     await self.progress.wait(request, deadline, None if ring is None or ring.waits_for_ucx else ring)
                 except TimeoutError:
-                    if not self.busy():
+                    if not self.busy() and self.frames_posted == posted:
                         raise
-                    # A long handler, reply or landing: the same receive waits on.
+                    # A long handler, reply or landing, or frames sent meanwhile: the same
+                    # receive waits on.
                     deadline = time.monotonic() + timeout_s
+                    posted = self.frames_posted
                 except UCXError:
                     if ring is None:
                         raise

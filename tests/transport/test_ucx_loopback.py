@@ -894,6 +894,33 @@ def test_a_connection_with_work_in_flight_is_not_idle(ucx_loop):
     run_bounded(ucx_loop, scenario(), 30)
 
 
+def test_a_connection_that_only_sends_is_not_idle_while_it_sends(ucx_loop):
+    """One-way messages every 0.1 s for 2 s with idle timeouts of 0.5 s: no reply ever comes
+    on the sender's side, yet the connection is the same throughout; once the sends stop, it
+    closes within about the timeout."""
+    received: list[int] = []
+
+    def count(message: m.Message) -> None:
+        if isinstance(message, m.Drain):
+            received.append(message.drain_id)
+
+    async def scenario():
+        async with started(count, idle_timeout_s=0.5) as server, \
+                started(lambda message: None, idle_timeout_s=0.5) as client:
+            await client.connect(server.address)
+            connection = client._outbound[server.address]
+            for i in range(20):
+                await client.send(server.address, m.Drain(epoch=1, drain_id=i, inst_id=1))
+                await asyncio.sleep(0.1)
+                assert client._outbound.get(server.address) is connection, f"closed after {i + 1} sends"
+            deadline = time.monotonic() + 5
+            while client._outbound and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert not client._outbound
+    run_bounded(ucx_loop, scenario(), 30)
+    assert received == list(range(20))
+
+
 def test_device_ready_reaches_the_encode_of_every_request_path(ucx_loop, start_peer, client, monkeypatch):
     """``request``, ``request_soon`` on an open connection and ``request_soon`` that connects
     first (a task) all hand ``device_ready`` to the codec, which then skips its stream wait."""
