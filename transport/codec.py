@@ -283,6 +283,7 @@ def _decoder_of(field: _Field) -> _Decoder:
     return decode_tuple
 
 
+MESSAGE_CLASSES = frozenset(MESSAGE_TYPES.values())  # the wire's message types
 for _cls in MESSAGE_TYPES.values():  # every type's schema is checked at import
     _plan_of(_cls)
 
@@ -317,7 +318,13 @@ def unencodable_reply(reply: Message, error: Exception) -> ErrorReply:
     tensor): the connection serves on."""
     # Bounded: the ErrorReply itself must fit in a header.
     return ErrorReply(ErrorCode.HANDLER_FAILED,
-                      f"the {reply.TYPE} reply could not be encoded: {type(error).__name__}: {error}"[:2000])
+                      f"the {type_name(reply)} reply could not be encoded: {type(error).__name__}: {error}"[:2000])
+
+
+def type_name(message: object) -> str:
+    """A message's wire type, or the Python type's name of something that is no message (a
+    handler's return value)."""
+    return getattr(type(message), "TYPE", type(message).__name__)
 
 
 def encode(
@@ -357,6 +364,8 @@ def encode(
     buffers) would exceed ``max_header_bytes``, which the receiver refuses: a sender passes its
     ``FrameLimits.max_header_bytes`` (the cluster's transports share one configuration)."""
     cls = type(message)
+    if cls not in MESSAGE_CLASSES:
+        raise TypeError(f"a {type_name(message)} is not a message of the wire")
     plan = _plan_of(cls)
     fields = {name: getattr(message, name) if enc is None else enc(getattr(message, name))
               for name, enc, _dec in plan.plain}

@@ -401,7 +401,12 @@ class InMemoryTransport:
                 reply = await reply
         except Exception as e:  # the handler's failure is the requester's to see
             return ErrorReply(ErrorCode.HANDLER_FAILED, f"{type(e).__name__}: {e}")
-        return Ack() if reply is None else reply
+        if reply is None:
+            return Ack()
+        if type(reply) not in codec.MESSAGE_CLASSES:  # as on UCX
+            return ErrorReply(ErrorCode.HANDLER_FAILED,
+                              f"TypeError: the handler returned a {type(reply).__name__}, not a message")
+        return reply
 
     async def _take_replies(self, peer: PeerAddress, frame: codec.EncodedFrame) -> None:
         """A frame on the way back from ``peer``: a reply to one of this transport's requests,

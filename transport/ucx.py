@@ -1006,7 +1006,8 @@ class UcxTransport:
             async with asyncio.timeout(self._config.connect_timeout_s):
                 endpoint = await ucxx.create_endpoint(
                     peer.host, peer.port, connect_timeout=self._config.connect_timeout_s)
-        except (UCXError, TimeoutError, OSError) as e:
+        except (UCXError, TimeoutError, OSError, RuntimeError) as e:
+            # RuntimeError: ucxx's own exchange of peer information failed (a bad checksum).
             raise PeerUnreachable(peer, f"cannot connect: {e!r}") from None
         if self._closed:  # closed while this connected: nothing may stay open
             endpoint.abort()
@@ -1310,13 +1311,13 @@ class UcxTransport:
             connection.handling += 1
             self._spawn(self._finish(connection, header, message, outcome))
         elif header.wants_reply:
-            self._post_reply(connection, header.msg_id, outcome or Ack())
+            self._post_reply(connection, header.msg_id, _as_reply(message, outcome))
 
     async def _finish(self, connection: _Connection, header: codec.FrameHeader, message: Message,
                       pending: Awaitable[Message | None]) -> None:
         try:
             try:
-                reply = await pending or Ack()
+                reply = _as_reply(message, await pending)
             except Exception as e:
                 reply = _handler_failed(message, e)
             if header.wants_reply:
@@ -1439,7 +1440,7 @@ class UcxTransport:
         try:
             return reply_id, self._encode(reply, reply_id, msg_id)
         except Exception as e:  # noqa: BLE001
-            log.error("a %s reply could not be encoded", reply.TYPE, exc_info=e)
+            log.error("a %s reply could not be encoded", codec.type_name(reply), exc_info=e)
             return reply_id, self._encode(codec.unencodable_reply(reply, e), reply_id, msg_id)
 
     def _encode(self, reply: Message, reply_id: int, msg_id: int) -> codec.EncodedFrame:
@@ -1504,6 +1505,16 @@ def _offer_done(offers: dict, key: tuple, offer: asyncio.Task) -> None:
         del offers[key]
     if not offer.cancelled():
         offer.exception()
+
+
+def _as_reply(request: Message, outcome: object) -> Message:
+    """What a handler's return value answers: Ack for None; an ErrorReply saying so for
+    something that is no message of the wire."""
+    if outcome is None:
+        return Ack()
+    if type(outcome) in codec.MESSAGE_CLASSES:
+        return outcome
+    return _handler_failed(request, TypeError(f"the handler returned a {type(outcome).__name__}, not a message"))
 
 
 def _handler_failed(message: Message, error: Exception) -> ErrorReply:

@@ -251,6 +251,21 @@ def test_a_reply_that_cannot_be_encoded_is_an_error_reply_as_on_ucx():
     run(scenario())
 
 
+def test_a_handler_that_returns_no_message_is_answered_handler_failed_as_on_ucx():
+    async def scenario():
+        net = InMemoryNetwork()
+        a, b = net.transport(A), net.transport(B)
+        await a.start(echo)
+        await b.start(lambda message: {"not": "a message"})
+        request = asyncio.ensure_future(a.request(B, m.Echo(torch.randn(4)), timeout_s=5))
+        await net.settle()
+        with pytest.raises(RemoteError) as info:
+            await request
+        assert info.value.code == m.ErrorCode.HANDLER_FAILED
+        assert info.value.detail == "TypeError: the handler returned a dict, not a message"
+    run(scenario())
+
+
 def test_a_killed_instance_handles_nothing_queued_to_it():
     """As a peer killed with SIGKILL runs no handler: frames on their way to it are lost."""
     async def scenario():

@@ -778,6 +778,30 @@ def test_a_reply_that_cannot_be_encoded_is_an_error_reply(ucx_loop, answers_at_o
     run_bounded(ucx_loop, scenario(), 30)
 
 
+@pytest.mark.parametrize("answers_at_once", [True, False])
+def test_a_handler_that_returns_no_message_is_answered_handler_failed(ucx_loop, answers_at_once):
+    """A handler that returns something that is not a message (a dict): the requester hears
+    why at once, and the connection serves on."""
+    def reply_of(message: m.Message):
+        if isinstance(message, m.Echo) and message.payload.numel() == 64:
+            return {"not": "a message"}
+        return m.EchoReply(message.payload) if isinstance(message, m.Echo) else None
+
+    async def later(message: m.Message):
+        return reply_of(message)
+
+    async def scenario():
+        async with started(reply_of if answers_at_once else later) as server, started(serve_echo) as sender:
+            started_at = time.monotonic()
+            with pytest.raises(RemoteError) as info:
+                await sender.request(server.address, m.Echo(torch.randn(64)), timeout_s=5)
+            assert info.value.code == m.ErrorCode.HANDLER_FAILED and info.value.detail == "TypeError: the handler returned a dict, not a message"
+            assert time.monotonic() - started_at < 2
+            payload = torch.randn(16)
+            assert torch.equal((await sender.request(server.address, m.Echo(payload))).payload, payload)
+    run_bounded(ucx_loop, scenario(), 30)
+
+
 def test_close_ends_a_connect_in_progress(ucx_loop, start_peer):
     """A request that is still connecting when its transport closes fails; nothing stays open."""
     peer = start_peer("serve")
