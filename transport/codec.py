@@ -78,7 +78,7 @@ _MAX_DIMS = 8
 class FrameLimits:
     """What a receiver accepts; anything beyond is refused before it is allocated."""
 
-    max_header_bytes: int = 1 << 20  # whole header: preamble + json + inline, bytes
+    max_header_bytes: int = 1 << 20  # whole header: preamble + json + inline + end mark, bytes
     inline_limit_bytes: int = 8192  # host buffers inlined into the header, bytes (sender side)
     # Device buffers staged through host memory and inlined, bytes (sender side). On the H200
     # machine a 1 KiB device round trip took 0.76-0.91 ms staged against 0.86-1.15 ms sent
@@ -99,7 +99,7 @@ class HeaderTooLarge(ValueError):
 
 @dataclass(frozen=True)
 class EncodedFrame:
-    header: bytes  # preamble + json + inline buffers
+    header: bytes  # preamble + json + inline buffers + end mark
     buffers: tuple[object, ...]  # byte views of the buffers that are not inline, in order
 
 
@@ -360,8 +360,8 @@ def encode(
     here, on the current stream, and sent as any device buffer (waited for whatever
     ``device_ready`` says: the gather is queued now).
 
-    Raises ``HeaderTooLarge`` (a ValueError) where the header (preamble, JSON and inline
-    buffers) would exceed ``max_header_bytes``, which the receiver refuses: a sender passes its
+    Raises ``HeaderTooLarge`` (a ValueError) where the header (preamble, JSON, inline
+    buffers and end mark) would exceed ``max_header_bytes``, which the receiver refuses: a sender passes its
     ``FrameLimits.max_header_bytes`` (the cluster's transports share one configuration)."""
     cls = type(message)
     if cls not in MESSAGE_CLASSES:
