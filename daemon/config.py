@@ -32,6 +32,8 @@ MIN_HEADER_RING_BYTES = 64 << 10
 MIN_TIMEOUT_S = 0.01  # the shortest wait a timeout may set, s
 
 
+REMOTE_ATTENTION_MODES = ("auto", "mailboxes", "messages")
+
 @dataclass(frozen=True)
 class Timeouts:
     """Every bounded wait of the daemon, in seconds."""
@@ -108,6 +110,12 @@ class InstanceConfig:
     # On a GPU, serve peers' small attend requests (decode rows) from a CUDA graph per layer once
     # a layer has been served eagerly: one replay instead of several kernel launches.
     creditor_cuda_graphs: bool = True
+    # How a home attends over KV that an instance of its own host holds: "mailboxes", one
+    # StepBegin message per step and the layers through a mailbox in the creditor's memory
+    # (daemon/step_server, daemon/step_attention); "messages", an AttendRequest per layer;
+    # "auto", mailboxes on a GPU and messages on the CPU. Creditors on other hosts, and any
+    # that cannot share a mailbox, are attended by messages either way.
+    remote_attention: str = "auto"
     http_host: str = "127.0.0.1"  # OpenAI-compatible API and /metrics
     http_port: int | None = 8000  # 0: any free port; None: no TCP API
     socket_path: Path = Path("/run/infinite-llm/infinited.sock")  # local admin API
@@ -156,6 +164,9 @@ class InstanceConfig:
         for name in ("share_kv", "creditor_cuda_graphs", "peer_device_pools", "peer_pull_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.remote_attention not in REMOTE_ATTENTION_MODES:
+            raise ConfigError(f"remote_attention must be one of {', '.join(REMOTE_ATTENTION_MODES)}, "
+                              f"got {self.remote_attention!r}")
         if self.peer_spin_s is not None and (isinstance(self.peer_spin_s, bool) or not isinstance(self.peer_spin_s, (int, float))
                                              or not 0 <= self.peer_spin_s <= 1):
             raise ConfigError(f"peer_spin_s must be a number of seconds in [0, 1], got {self.peer_spin_s!r}")

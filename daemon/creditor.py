@@ -122,49 +122,52 @@ class CreditorAttention:
         return sum(len(p.graphs) for p in self._plans.values())
 
     def _plan(self, request: AttendRequest) -> _ServePlan:
-        """The home's kept plan when the request names the same slices over the same held
-        segments, or the same rows over keys that fit its room (its tables then rewritten in
-        place); else a new one (which replaces it, graphs and all)."""
-        home = request.home_inst_id
+        return self.plan_for(request.home_inst_id, request.slices)
+
+    def plan_for(self, home: int, slices: tuple[AttendSlice, ...]) -> _ServePlan:
+        """The home's kept plan when ``slices`` name the same rows over the same held segments,
+        or the same rows over keys that fit its room (its tables then rewritten in place, on
+        the current stream); else a new one (which replaces it, graphs and all). Raises
+        AttendError for slices over segments not held here."""
         kept = self._plans.get(home)
         held_changes = self.ledger.held_changes.get(home, 0)
-        if self._unchanged(kept, request):
+        if kept is not None and kept.slices == slices and kept.held_changes == held_changes:
             return kept
         held_removals = self.ledger.held_removals.get(home, 0)
-        if kept is not None and self._extend(home, kept, request.slices):
+        if kept is not None and self._extend(home, kept, slices):
             kept.held_changes = held_changes
             return kept
-        per_slice = [self._segments(home, s) for s in request.slices]
+        per_slice = [self._segments(home, s) for s in slices]
         segments = tuple(seg for slice_segments in per_slice for seg in slice_segments)
         slice_ends = tuple(itertools.accumulate(len(slice_segments) for slice_segments in per_slice))
         slice_blocks = tuple(sum(len(seg.block_ids) for seg in slice_segments) for slice_segments in per_slice)
         if kept is not None:
-            if (kept.slices == request.slices and len(kept.segments) == len(segments)
+            if (kept.slices == slices and len(kept.segments) == len(segments)
                     and all(a is b for a, b in zip(kept.segments, segments))):
                 kept.held_changes, kept.held_removals = held_changes, held_removals
                 return kept
-            if self._retarget(home, kept, request.slices, segments, slice_ends, slice_blocks):
+            if self._retarget(home, kept, slices, segments, slice_ends, slice_blocks):
                 kept.held_changes, kept.held_removals = held_changes, held_removals
                 return kept
         block_size = self.kv_pool.shape[3]
-        longest = max(s.num_tokens for s in request.slices)
+        longest = max(s.num_tokens for s in slices)
         # Room for the KV that moves here (or away) while the request decodes: an eighth of the
         # keys, at least PLAN_ROOM_BLOCKS blocks, either way.
         needed_blocks = -(-longest // block_size)
         margin_blocks = max(PLAN_ROOM_BLOCKS, needed_blocks // 8)
         room_blocks = needed_blocks + margin_blocks
         device = self.kv_pool.device
-        tables, lens, starts = self._block_tables(home, request.slices, segments, width=room_blocks)
+        tables, lens, starts = self._block_tables(home, slices, segments, width=room_blocks)
         plan = plan_micro_attention(
             torch.from_numpy(tables).to(device),
             torch.tensor(lens, dtype=torch.int32, device=device),
             torch.tensor(starts, dtype=torch.int32, device=device),
             num_heads=self.num_heads, num_kv_heads=self.kv_pool.shape[4], head_dim=self.kv_pool.shape[5],
             block_size=block_size, num_blocks=self.kv_pool.shape[0],
-            max_query_len=max(s.num_rows for s in request.slices), max_kv_len=room_blocks * block_size,
+            max_query_len=max(s.num_rows for s in slices), max_kv_len=room_blocks * block_size,
             check_bounds=False,  # block ids come from this instance's own ledger
         )
-        serve_plan = _ServePlan(request.slices, segments, plan,
+        serve_plan = _ServePlan(slices, segments, plan,
                                 min_tokens=(needed_blocks - margin_blocks) * block_size,
                                 max_tokens=room_blocks * block_size, held_changes=held_changes,
                                 held_removals=held_removals, slice_ends=slice_ends, slice_blocks=slice_blocks,

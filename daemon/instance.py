@@ -54,12 +54,18 @@ from infinite_llm.transport.messages import (
     MoveReserved,
     PoolFigures,
     RequestPlacementEntry,
+    StepBegin,
+    StepMailboxClose,
+    StepMailboxOpen,
     TryMoveKV,
     Uncordon,
 )
+from infinite_llm.transport.step_mailbox import host_id
 
 from .config import InstanceConfig, peer_spin_for
 from .creditor import CreditorAttention
+from .step_attention import MailboxRemoteAttention
+from .step_server import StepServer
 from .handover import HandOver, blocks_held_by_home, describe_held, find_leader_admin
 from .heartbeat import HeartbeatState
 from .http_api import GenerationEvent, LocalApp, OpenAIApp, RequestRefused, start_local_site
@@ -87,6 +93,7 @@ PEER_STEP_RETRIES = 3
 PEER_RETRY_PAUSE_S = 0.1  # before the n-th retry of a step: n times this
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_TORCH_DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class DeviceFailed(RuntimeError):
@@ -164,7 +171,8 @@ class InstanceDaemon:
         self._tokens_window: list[tuple[float, int]] = []
         self.engine: LLMEngine | None = None
         self.transport: Transport | None = None
-        self.remote: TransportRemoteAttention | None = None
+        self.remote: TransportRemoteAttention | MailboxRemoteAttention | None = None
+        self.step_server: StepServer | None = None
         self.lender: TransportLender | None = None
         self.http_port = 0  # the OpenAI API's port once listening
         self.heartbeats = HeartbeatState(config.instance_id)
@@ -262,6 +270,10 @@ class InstanceDaemon:
                 await runner.cleanup()
             if self.lender is not None:
                 await self.lender.close()
+            if isinstance(self.remote, MailboxRemoteAttention):
+                await self.remote.close()
+            if self.step_server is not None:
+                self.step_server.close_all()
             if self.transport is not None:
                 await self.transport.close()
             log.info("instance %d stopped", self.config.instance_id)
@@ -353,6 +365,11 @@ class InstanceDaemon:
         self.transport = UcxTransport(transport_config)
         self.remote = TransportRemoteAttention(self.transport, self.peers, c.block_size, self.metrics,
                                                c.timeouts.peer_request_s)
+        if c.remote_attention == "mailboxes" or (c.remote_attention == "auto" and device.type == "cuda"):
+            self.remote = MailboxRemoteAttention(
+                self.remote, self.transport, self.peers, num_layers=mc.num_layers, num_heads=mc.num_heads,
+                head_dim=mc.head_dim, dtype=_TORCH_DTYPE[dtype], device=device, max_rows=c.max_num_seqs,
+                timeout_s=c.timeouts.peer_request_s, host_id=host_id())
         self.lender = TransportLender(self.transport, self.peers, self.metrics, c.timeouts.peer_request_s,
                                        share_kv=c.share_kv)
         self.lender.run_id = self.run_id
@@ -375,6 +392,11 @@ class InstanceDaemon:
         self.creditor = CreditorAttention(self.ledger, self.pool, mc.num_heads,
                                            host_staging_bytes=transport_config.limits.inline_cuda_limit_bytes,
                                            cuda_graphs=c.creditor_cuda_graphs)
+        # The step protocol's creditor side plans with a CreditorAttention of its own: its plans'
+        # tables are written on the mailboxes' streams, behind their steps.
+        self.step_server = StepServer(CreditorAttention(self.ledger, self.pool, mc.num_heads, cuda_graphs=False),
+                                      host_id=host_id(), timeout_s=c.timeouts.peer_request_s,
+                                      host_dir=c.peer_shared_memory_dir, cuda_graphs=c.creditor_cuda_graphs)
         self.metrics.watch_creditor(self.creditor)
         self.metrics.watch_transport(self.transport)
         self.block_nbytes = self.pool[0].numel() * self.pool.element_size()
@@ -585,6 +607,15 @@ class InstanceDaemon:
                 raise
             self.metrics.observe_attend_serve(time.perf_counter() - started)
             return result
+        if isinstance(message, (StepBegin, StepMailboxOpen, StepMailboxClose)):
+            if isinstance(message, StepBegin):
+                self.ledger.heard_from(message.home_inst_id, time.monotonic())
+            try:
+                return self.step_server.handle(message)
+            except Exception as exc:
+                if device_failed(exc):
+                    self._device_failed(exc)
+                raise
         if isinstance(message, TryMoveKV):
             return self._try_move(message)
         if isinstance(message, HoldKV):
@@ -851,6 +882,9 @@ class InstanceDaemon:
 
     def _tick(self) -> None:
         now = time.monotonic()
+        for home, step_id in self.step_server.check_deadlines():
+            log.warning("instance %d's step %d did not end here within %.1f s: its mailbox was freed", home,
+                        step_id, self.config.timeouts.peer_request_s)
         self.ledger.release_expired(now)
         self._publish()
         members = self.membership.members()
@@ -867,6 +901,7 @@ class InstanceDaemon:
         for home, freed in self.ledger.free_lost_debtors(now, self.config.timeouts.debtor_lost_s).items():
             log.warning("instance %d went silent: freed %d blocks held for it", home, freed)
             self.creditor.forget(home)
+            self.step_server.forget(home)
         self._audit_held(now)
         self.lender.renew_holds(now)
         self._update_metrics(now)
@@ -924,6 +959,7 @@ class InstanceDaemon:
         freed = self.ledger.note_home_run(home_inst_id, run_id)
         if freed is not None:
             self.creditor.forget(home_inst_id)
+            self.step_server.forget(home_inst_id)
             log.warning("instance %d restarted (its run is new): freed %d blocks held for its previous run",
                         home_inst_id, freed)
 
@@ -942,6 +978,7 @@ class InstanceDaemon:
                 continue  # what is held here is the new run's: the old run's went at its first request
             freed = self.ledger.forget_home(inst_id)
             self.creditor.forget(inst_id)
+            self.step_server.forget(inst_id)
             log.warning("instance %d restarted (pid %d, before %d): freed %d blocks held for its previous run",
                         inst_id, member.pid, before[1], freed)
 

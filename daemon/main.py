@@ -54,6 +54,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict]
                         help='CPUs this instance runs on, e.g. "0-7,32-39" (default: those it was started with)')
     parser.add_argument("--creditor-cuda-graphs", action=argparse.BooleanOptionalAction, dest="creditor_cuda_graphs",
                         help="serve peers' decode rows from a CUDA graph per layer (default, on a GPU)")
+    parser.add_argument("--remote-attention", choices=("auto", "mailboxes", "messages"), dest="remote_attention",
+                        help="creditors of this host: one message a step and the layers through a mailbox "
+                             "(mailboxes), or a message a layer (messages); auto: mailboxes on a GPU (default)")
     parser.add_argument("--http-host", dest="http_host")
     parser.add_argument("--http-port", type=int, dest="http_port")
     parser.add_argument("--socket-path", dest="socket_path")

@@ -74,6 +74,12 @@ class AttendBatch:
     def num_rows(self) -> int:
         return int(self.query_start_loc[-1])
 
+    @property
+    def num_rows_host(self) -> int:
+        """``num_rows`` from the host copy of the layout (no read of the device's tensors)."""
+        first, rows, _ = self.entry_rows[-1]
+        return first + rows
+
 
 class RemoteAttention(abc.ABC):
     """Partial attention over the blocks another instance holds (the creditor side of a step).
@@ -99,6 +105,28 @@ class RemoteAttention(abc.ABC):
 
     def end_step(self, step_id: int) -> None:
         """The step is over: drop whatever was kept for it."""
+
+    # A step's parts may be queued on the device rather than awaited (a creditor's mailbox):
+    # the engine then watches the step's device work for this long, s (None: no deadline).
+    step_timeout_s: float | None = None
+
+    async def finish_step(self, step_id: int) -> None:
+        """After the step's device work is done: raise where a queued part did not come (the
+        step's outputs are then not used)."""
+
+    def release_step(self, step_id: int) -> bool:
+        """The step's device work outlived ``step_timeout_s``: end whatever device waits its
+        parts queued, so the device goes on (the step then fails in ``finish_step``). True
+        where there were any."""
+        return False
+
+    def step_failed(self, step_id: int) -> bool:
+        """Whether a queued part of the step is known lost already (its device waits are then
+        released at once rather than at ``step_timeout_s``)."""
+        return False
+
+    def abandon_step(self, step_id: int) -> None:
+        """The step failed before ``finish_step``: let go of what its queued parts hold."""
 
 
 class InProcessRemoteAttention(RemoteAttention):
@@ -357,18 +385,24 @@ class DistAttention:
             raise
         if simple:
             return local.out
+        parts = []
         try:
-            # One part (a split decode's one creditor) is awaited as it is: gather would put a
-            # future of its own between the part and this step, one more turn of the event
-            # loop on the home's critical path at every layer.
-            parts = [await pending[0]] if len(pending) == 1 else await asyncio.gather(*pending)
+            # Awaited one by one, as they are: all were started above, so this takes as long as
+            # the slowest, and gather would put a future of its own between each part and this
+            # step (one more turn of the event loop on the home's critical path at every
+            # layer). A part queued on the device (a mailbox's) returns without suspending.
+            for part in pending:
+                parts.append(await part)
         except BaseException:
             # One part failed: the others are not awaited by anyone else, so they are ended
             # here and their outcomes retrieved.
-            for part in pending:
-                if not asyncio.iscoroutine(part):
+            for part in pending[len(parts) + 1:]:
+                if asyncio.iscoroutine(part):
+                    part.close()
+                else:
                     part.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
+            await asyncio.gather(*[p for p in pending[len(parts) + 1:] if not asyncio.iscoroutine(p)],
+                                 return_exceptions=True)
             raise
         states = dict(zip(self.remote_ids, parts))
         states[home] = local

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
@@ -390,20 +391,36 @@ class LLMEngine:
                 forward = self.decode_graphs.forward
             try:
                 logits = await forward(ids, pos, attention, rows)
+            except BaseException:
+                self.remote.abandon_step(step_id)
+                raise
             finally:
                 self.remote.end_step(step_id)
-        await self._until_device_done()
+        try:
+            await self._until_device_done(step_id)
+            await self.remote.finish_step(step_id)
+        except BaseException:
+            self.remote.abandon_step(step_id)
+            raise
         return self._sample(scheduled, logits)
 
-    async def _until_device_done(self) -> None:
+    async def _until_device_done(self, step_id: int) -> None:
         """Let the event loop turn while the device runs the step's queued kernels, instead of
         blocking in the sampler's copy to the host: a daemon serves its peers' attend requests
-        (on a stream of their own) and its clients meanwhile."""
+        (on a stream of their own) and its clients meanwhile. A step whose remote parts are
+        queued on the device (stream waits for a creditor's mailbox) is watched: past the
+        remote's ``step_timeout_s`` its waits are released (the step then fails in
+        ``finish_step``) rather than leave the device waiting for a creditor that is gone."""
         if self.device.type != "cuda":
             return
         done = torch.cuda.Event()
         done.record()
+        timeout_s = self.remote.step_timeout_s
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while not done.query():
+            if deadline is not None and (time.monotonic() >= deadline or self.remote.step_failed(step_id)):
+                self.remote.release_step(step_id)
+                deadline = None
             await asyncio.sleep(0)
 
     def _sample(self, scheduled: SchedulerOutput, logits: torch.Tensor) -> list[int]:

@@ -67,6 +67,8 @@ class ErrorCode(StrEnum):
     # the receiver came to copy them: the sender may use those slots again.
     EXPIRED = "expired"
     DEVICE_POOL_UNAVAILABLE = "device_pool_unavailable"
+    STEP_MAILBOX_UNAVAILABLE = "step_mailbox_unavailable"  # no mailbox can be made or shared here
+    STEP_REFUSED = "step_refused"  # a StepBegin naming a mailbox or segments not here
 
 
 class MoveRejectReason(StrEnum):
@@ -672,6 +674,97 @@ class DevicePoolOffer:
         _require(len(self.dtype) <= 16, "dtype is a short name")
 
 
+# --- the step protocol: one host message per step, the layers through a mailbox -----------------
+
+
+@dataclass(frozen=True)
+class StepMailboxOpen:
+    """Home -> creditor on the same host: make a mailbox for this home's steps (``step_mailbox``).
+    Answer: ``StepMailboxOpened``; ErrorReply (step_mailbox_unavailable) where the creditor
+    cannot make or share one (another host, turned off): the home then attends by messages."""
+
+    TYPE: ClassVar[str] = "step_mailbox_open"
+    VERSION: ClassVar[int] = 1
+
+    home_inst_id: int  # sender
+    creditor_inst_id: int  # receiver
+    num_layers: int  # layers, one query slot and one result slot each
+    max_rows: int  # query rows a step may send, rows
+    num_heads: int  # query heads
+    head_dim: int  # elements
+    dtype: str  # the queries' and outputs' dtype name
+    host_id: str  # the home's host (its boot id): a mailbox is shared only on one host
+
+    def __post_init__(self) -> None:
+        _require_not_negative("home_inst_id and creditor_inst_id", self.home_inst_id, self.creditor_inst_id)
+        _require(0 < self.num_layers <= 4096 and 0 < self.max_rows <= 65536, "num_layers and max_rows out of range")
+        _require(0 < self.num_heads <= 1024 and 0 < self.head_dim <= 1024, "num_heads and head_dim out of range")
+        _require(len(self.host_id) <= 128 and len(self.dtype) <= 32, "host_id and dtype are short")
+
+
+@dataclass(frozen=True)
+class StepMailboxOpened:
+    """Creditor -> home: the mailbox, made in the creditor's memory and shared through CUDA IPC
+    (``device``: one offer of a uint8 tensor of ``nbytes``) or, for a creditor on the host, a
+    shared-memory file (``host_path``)."""
+
+    TYPE: ClassVar[str] = "step_mailbox_opened"
+    VERSION: ClassVar[int] = 1
+
+    mailbox_id: int  # the creditor's id for it, which every StepBegin names
+    nbytes: int  # the mailbox's size, bytes (its layout follows from the open request)
+    device: tuple[DevicePoolOffer, ...]  # one offer for a device mailbox, none for a host one
+    host_path: str  # the shared-memory file of a host mailbox, "" for a device one
+
+    def __post_init__(self) -> None:
+        _require(self.mailbox_id > 0 and self.nbytes > 0, "mailbox_id and nbytes are > 0")
+        _require((len(self.device) == 1) != bool(self.host_path), "a device offer or a host path, not both")
+        _require(len(self.host_path) <= 4096, "host_path is short")
+
+
+@dataclass(frozen=True)
+class StepBegin:
+    """Home -> creditor, once per decode step: run every layer of this step for these rows.
+
+    The creditor queues the step at once (on a GPU one graph launch on a stream of this home's
+    mailbox) and answers ``Ack``; each layer then waits on the mailbox for its query and leaves
+    its partial output and log-sum-exp there, with no host on either side. ErrorReply
+    (step_refused): the slices name segments not held here, or the mailbox is gone."""
+
+    TYPE: ClassVar[str] = "step_begin"
+    VERSION: ClassVar[int] = 1
+
+    home_inst_id: int  # sender
+    creditor_inst_id: int  # receiver
+    mailbox_id: int  # from StepMailboxOpened
+    step_id: int  # the home's engine step
+    num_layers: int  # layers of the step, all of the mailbox's
+    slices: tuple[AttendSlice, ...]  # requests in row order, as in AttendRequest
+    num_rows: int  # query rows of the step, rows
+
+    def __post_init__(self) -> None:
+        if (self.home_inst_id | self.creditor_inst_id | self.step_id | self.mailbox_id) < 0:
+            raise ValueError("home_inst_id, creditor_inst_id, mailbox_id and step_id must be >= 0")
+        _require(self.num_layers > 0, "num_layers must be > 0")
+        _require(self.num_rows > 0, "a step has at least one row")
+        _require_rows_covered(self.slices, self.num_rows)
+
+
+@dataclass(frozen=True)
+class StepMailboxClose:
+    """Home -> creditor: the mailbox is no longer used (one-way; a creditor also frees one
+    whose step timed out, and one whose home died)."""
+
+    TYPE: ClassVar[str] = "step_mailbox_close"
+    VERSION: ClassVar[int] = 1
+
+    home_inst_id: int  # sender
+    mailbox_id: int  # from StepMailboxOpened
+
+    def __post_init__(self) -> None:
+        _require_not_negative("home_inst_id and mailbox_id", self.home_inst_id, self.mailbox_id)
+
+
 @dataclass(frozen=True)
 class Ack:
     """The request was carried out; for requests whose success has nothing more to say."""
@@ -695,7 +788,8 @@ Message = (
     Heartbeat | HeartbeatReply | AttendRequest | AttendResult | TryMoveKV | MoveReserved
     | MoveRejected | HoldKV | KVHoldReply | KVBlocks | KVBlocksStored | MoveCommit | FreeSegment | AuditHeld | AuditHeldReply | ForwardSegment | MoveKV
     | Drain | Uncordon | Echo | EchoReply | SharedMemoryOffer | HeaderRingOffer | HeaderRingAccepted
-    | HeaderRingOpened | Ack | ErrorReply
+    | HeaderRingOpened | DevicePoolOffer | StepMailboxOpen | StepMailboxOpened | StepBegin | StepMailboxClose | Ack
+    | ErrorReply
 )
 
 MESSAGE_TYPES: dict[str, type] = {
@@ -704,7 +798,8 @@ MESSAGE_TYPES: dict[str, type] = {
         Heartbeat, HeartbeatReply, AttendRequest, AttendResult, TryMoveKV, MoveReserved,
         MoveRejected, HoldKV, KVHoldReply, KVBlocks, KVBlocksStored, MoveCommit, FreeSegment, AuditHeld, AuditHeldReply, ForwardSegment, MoveKV,
         Drain, Uncordon, Echo, EchoReply, SharedMemoryOffer, HeaderRingOffer, HeaderRingAccepted,
-        HeaderRingOpened, DevicePoolOffer, Ack, ErrorReply,
+        HeaderRingOpened, DevicePoolOffer, StepMailboxOpen, StepMailboxOpened, StepBegin, StepMailboxClose, Ack,
+        ErrorReply,
     )
 }
 

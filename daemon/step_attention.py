@@ -1,0 +1,320 @@
+"""The home's side of the step protocol: a creditor of this host attended through a mailbox.
+
+For each step, the first layer's call for a creditor with an open mailbox sends one
+``StepBegin`` (the step's slices) and, from then on, each layer's part is queued, not awaited:
+
+- on a GPU, on the step's stream: the query's copy into the creditor's mailbox and its flag,
+  then (where the step awaits the part, after its own attention) a stream wait for the result
+  flag. The parts are views of the mailbox's result slots, merged in place. No event-loop turn
+  and no host wait between layers: the step is as a local one, its kernels queued ahead.
+- on the host: the query written and flagged, then the result flag polled.
+
+The step's reply (``Ack``) and the mailbox's status are read once, at the step's end
+(``finish_step``): a step the creditor refused, or gave up on, fails there as any lost part
+does (``PeerPartFailed``), and its mailbox is dropped. A step whose device work does not end by
+its deadline is released by ``release_step`` (the engine's watchdog): the result flags are set
+``ABORTED`` from a stream of their own, the device finishes, and the step fails.
+
+A creditor with no mailbox yet is attended by messages while one is opened in the background;
+one that cannot share a mailbox (another host, turned off) is asked again only after
+``REOPEN_AFTER_S``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import torch
+
+from infinite_llm.engine.dist_attention import AttendBatch, RemoteAttention
+from infinite_llm.kernels import AttentionState
+from infinite_llm.transport.errors import TransportError
+from infinite_llm.transport.interface import Transport
+from infinite_llm.transport.messages import (
+    Ack,
+    ErrorReply,
+    StepBegin,
+    StepMailboxClose,
+    StepMailboxOpen,
+    StepMailboxOpened,
+)
+from infinite_llm.transport.step_mailbox import (
+    FLAG_ABORTED,
+    FLAG_EMPTY,
+    FLAG_READY,
+    STATUS_OK,
+    Mailbox,
+    MailboxUnavailable,
+    flag_address,
+    layout_of,
+    open_mailbox,
+    stream_flags,
+)
+from infinite_llm.transport.tensors import TORCH_DTYPE_NAMES
+
+from .peers import Peer, PeerDirectory, PeerPartFailed, TransportRemoteAttention
+
+log = logging.getLogger(__name__)
+
+# A creditor that could not open a mailbox is asked again after this long, s.
+REOPEN_AFTER_S = 30.0
+# A host home's poll of a result flag: turns of the event loop first, then sleeps of this long, s.
+HOST_SPIN_S = 0.002
+HOST_POLL_S = 0.0002
+
+
+@dataclass
+class _Opened:
+    mailbox_id: int
+    mailbox: Mailbox
+    inst_id: int
+
+
+@dataclass
+class _StepOnMailbox:
+    """One creditor's part of one step, through its mailbox."""
+
+    opened: _Opened
+    peer: Peer
+    reply: Awaitable  # the StepBegin's answer
+    num_rows: int
+    deadline: float  # time.monotonic()
+    released: bool = False
+
+
+class MailboxRemoteAttention(RemoteAttention):
+    """Remote parts through creditors' mailboxes where they have one, else by ``messages``."""
+
+    def __init__(self, messages: TransportRemoteAttention, transport: Transport, peers: PeerDirectory, *,
+                 num_layers: int, num_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                 max_rows: int, timeout_s: float, host_id: str, clock: Callable[[], float] = time.monotonic) -> None:
+        self.messages = messages
+        self.transport = transport
+        self.peers = peers
+        self.num_layers = num_layers
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = device
+        self.max_rows = max_rows
+        self.timeout_s = timeout_s
+        self.host_id = host_id
+        self.clock = clock
+        self._opened: dict[int, _Opened] = {}  # creditor inst id -> its mailbox for this home
+        self._opening: dict[int, asyncio.Task] = {}
+        self._refused_until: dict[int, float] = {}
+        self._steps: dict[tuple[int, int], _StepOnMailbox] = {}  # (step id, engine id) -> the part
+        self._side_stream: torch.cuda.Stream | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self.steps_on_mailboxes = 0
+        self.steps_failed = 0
+
+    # Where the engine's watchdog looks for how long a step's device work may take.
+    @property
+    def step_timeout_s(self) -> float:
+        return self.timeout_s
+
+    def has_mailbox(self, inst_id: int) -> bool:
+        return inst_id in self._opened
+
+    # ---- opening ---------------------------------------------------------------------------
+    def _ensure_opening(self, peer: Peer) -> None:
+        if peer.inst_id in self._opening or self.clock() < self._refused_until.get(peer.inst_id, 0.0):
+            return
+        self._opening[peer.inst_id] = asyncio.ensure_future(self._open(peer))
+
+    async def _open(self, peer: Peer) -> None:
+        try:
+            request = StepMailboxOpen(self.peers.own_inst_id, peer.inst_id, self.num_layers, self.max_rows,
+                                      self.num_heads, self.head_dim, TORCH_DTYPE_NAMES[self.dtype], self.host_id)
+            reply = await self.transport.request(peer.address, request, timeout_s=self.timeout_s)
+            if not isinstance(reply, StepMailboxOpened):
+                raise MailboxUnavailable(reply.detail if isinstance(reply, ErrorReply) else
+                                         f"answered {type(reply).__name__}")
+            layout = layout_of(self.num_layers, self.max_rows, self.num_heads, self.head_dim,
+                               TORCH_DTYPE_NAMES[self.dtype])
+            mailbox = open_mailbox(layout, reply.nbytes, self.device, reply.device[0] if reply.device else None,
+                                   reply.host_path)
+            self._opened[peer.inst_id] = _Opened(reply.mailbox_id, mailbox, peer.inst_id)
+            log.info("instance %d: step mailbox %d open, its layers go through it", peer.inst_id, reply.mailbox_id)
+        except (MailboxUnavailable, TransportError, ValueError) as e:
+            log.info("instance %d: no step mailbox (%s); attending by messages", peer.inst_id, e)
+            self._refused_until[peer.inst_id] = self.clock() + REOPEN_AFTER_S
+        finally:
+            self._opening.pop(peer.inst_id, None)
+
+    def _drop(self, inst_id: int, why: str) -> None:
+        opened = self._opened.pop(inst_id, None)
+        if opened is None:
+            return
+        log.warning("instance %d: step mailbox %d dropped: %s", inst_id, opened.mailbox_id, why)
+        try:
+            peer = self.peers.by_inst(inst_id)
+        except KeyError:
+            return
+        self._background(self.transport.send(peer.address, StepMailboxClose(self.peers.own_inst_id, opened.mailbox_id)))
+
+    def _background(self, coroutine) -> None:
+        """Run ``coroutine`` as a task whose failure is logged, not raised (a close that cannot
+        reach a creditor: the creditor's watchdog or its view of this home's death frees it)."""
+        task = asyncio.ensure_future(coroutine)
+        self._tasks.add(task)
+
+        def done(t: asyncio.Task) -> None:
+            self._tasks.discard(t)
+            if not t.cancelled() and t.exception() is not None:
+                log.info("closing a step mailbox: %s", t.exception())
+        task.add_done_callback(done)
+
+    # ---- a step ----------------------------------------------------------------------------
+    def _begin(self, batch: AttendBatch) -> _StepOnMailbox | None:
+        peer = self.peers.by_engine(batch.instance_id)
+        opened = self._opened.get(peer.inst_id)
+        if opened is None:
+            self._ensure_opening(peer)
+            return None
+        if batch.num_rows_host > self.max_rows:
+            return None
+        slices = self.messages._slices_of(batch)
+        message = StepBegin(self.peers.own_inst_id, peer.inst_id, opened.mailbox_id, batch.step_id,
+                            self.num_layers, slices, batch.num_rows_host)
+        reply = self.transport.request_soon(peer.address, message, timeout_s=self.timeout_s)
+        step = _StepOnMailbox(opened, peer, asyncio.ensure_future(reply), batch.num_rows_host,
+                              self.clock() + self.timeout_s)
+        self._steps[(batch.step_id, batch.instance_id)] = step
+        self.steps_on_mailboxes += 1
+        return step
+
+    def start(self, batch: AttendBatch, layer: int, q: torch.Tensor, sm_scale: float) -> Awaitable[AttentionState]:
+        key = (batch.step_id, batch.instance_id)
+        step = self._steps.get(key)
+        if step is None and layer == 0:
+            step = self._begin(batch)
+        if step is None:
+            return self.messages.start(batch, layer, q, sm_scale)
+        mailbox, n = step.opened.mailbox, step.num_rows
+        mailbox.q[layer, :n].copy_(q)
+        if mailbox.is_cuda:
+            stream_flags().write(flag_address(mailbox.q_flags, layer), FLAG_READY)
+        else:
+            mailbox.q_flags[layer] = FLAG_READY
+        return self._collect(step, layer)
+
+    async def attend(self, batch: AttendBatch, layer: int, q: torch.Tensor, sm_scale: float) -> AttentionState:
+        return await self.start(batch, layer, q, sm_scale)
+
+    async def _collect(self, step: _StepOnMailbox, layer: int) -> AttentionState:
+        """The layer's part: on a GPU queued behind a stream wait (returns at once); on the host
+        once its flag is set."""
+        mailbox, n = step.opened.mailbox, step.num_rows
+        if mailbox.is_cuda:
+            flags = stream_flags()
+            result_flag = flag_address(mailbox.result_flags, layer)
+            flags.wait(result_flag, FLAG_READY)
+            flags.write(result_flag, FLAG_EMPTY)
+        else:
+            spin_until = time.monotonic() + HOST_SPIN_S
+            while int(mailbox.result_flags[layer]) < FLAG_READY:
+                if _refused(step.reply):
+                    step.released = True
+                    raise PeerPartFailed(step.peer.inst_id, step.peer.engine_id,
+                                         RuntimeError(f"the creditor refused the step: {_reply_problem(step.reply)}"))
+                if self.clock() >= step.deadline:
+                    step.released = True
+                    raise PeerPartFailed(step.peer.inst_id, step.peer.engine_id,
+                                         TimeoutError(f"layer {layer} not answered within {self.timeout_s} s"))
+                await asyncio.sleep(0 if time.monotonic() < spin_until else HOST_POLL_S)
+            mailbox.result_flags[layer] = FLAG_EMPTY
+        return AttentionState(mailbox.out[layer, :n], mailbox.lse[layer, :n])
+
+    def release_step(self, step_id: int) -> bool:
+        """The step's device work is past its deadline: every wait it queued on a mailbox ends
+        (result flags ``ABORTED``, set from a stream of their own), and the step will fail in
+        ``finish_step``. True where it had such waits."""
+        released = False
+        for (sid, _), step in self._steps.items():
+            if sid != step_id or not step.opened.mailbox.is_cuda:
+                continue
+            if self._side_stream is None:
+                self._side_stream = torch.cuda.Stream(self.device)
+            flags = stream_flags()
+            for layer in range(self.num_layers):
+                flags.write(flag_address(step.opened.mailbox.result_flags, layer), FLAG_ABORTED, self._side_stream)
+            step.released = released = True
+        return released
+
+    def step_failed(self, step_id: int) -> bool:
+        return any(sid == step_id and _refused(step.reply) for (sid, _), step in self._steps.items())
+
+    async def finish_step(self, step_id: int) -> None:
+        """After the step's device work: every mailbox part's reply and status. Raises
+        PeerPartFailed for the first part that did not come (its mailbox is dropped)."""
+        failures: list[PeerPartFailed] = []
+        for key in [k for k in self._steps if k[0] == step_id]:
+            step = self._steps.pop(key)
+            problem: Exception | None = None
+            try:
+                reply = await step.reply
+                if not isinstance(reply, Ack):
+                    problem = RuntimeError(reply.detail if isinstance(reply, ErrorReply) else
+                                           f"answered {type(reply).__name__}")
+            except TransportError as e:
+                problem = e
+            if problem is None and step.released:
+                problem = TimeoutError(f"the step's parts did not come within {self.timeout_s} s")
+            if problem is None and int(step.opened.mailbox.status[0]) != STATUS_OK:
+                problem = TimeoutError("the creditor gave the step up (its watchdog)")
+            if problem is not None:
+                self.steps_failed += 1
+                self._drop(step.opened.inst_id, str(problem))
+                failures.append(PeerPartFailed(step.peer.inst_id, step.peer.engine_id, problem))
+        if failures:
+            raise failures[0]
+
+    def end_step(self, step_id: int) -> None:
+        self.messages.end_step(step_id)
+
+    def abandon_step(self, step_id: int) -> None:
+        """A step that failed before ``finish_step``: its mailboxes' flags no longer follow the
+        protocol (queries flagged that no result answers), so they are dropped."""
+        for key in [k for k in self._steps if k[0] == step_id]:
+            step = self._steps.pop(key)
+            if isinstance(step.reply, asyncio.Future):
+                step.reply.add_done_callback(_retrieve)
+            self._drop(step.opened.inst_id, "its step failed")
+
+    def forget_peer(self, inst_id: int) -> None:
+        self._drop(inst_id, "the peer is gone")
+
+    async def close(self) -> None:
+        for task in list(self._opening.values()):
+            task.cancel()
+        await asyncio.gather(*self._opening.values(), return_exceptions=True)
+        for inst_id in list(self._opened):
+            self._drop(inst_id, "this instance stops")
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def _retrieve(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
+def _refused(reply: Awaitable) -> bool:
+    """Whether a StepBegin's answer came and is not ``Ack``."""
+    if not isinstance(reply, asyncio.Future) or not reply.done():
+        return False
+    return reply.cancelled() or reply.exception() is not None or not isinstance(reply.result(), Ack)
+
+
+def _reply_problem(reply: asyncio.Future) -> str:
+    if reply.cancelled():
+        return "cancelled"
+    if reply.exception() is not None:
+        return str(reply.exception())
+    result = reply.result()
+    return result.detail if isinstance(result, ErrorReply) else f"answered {type(result).__name__}"

@@ -1,0 +1,363 @@
+"""The creditor's side of the step protocol: a home's whole step served from its mailbox.
+
+A home of this host opens one mailbox here (``StepMailboxOpen``), then sends one
+``StepBegin`` per decode step. The step's plan is the one ``CreditorAttention`` makes for an
+attend request of the same slices (kept from step to step, its tables rewritten in place), and
+its layers are queued at once:
+
+- on a GPU, on a stream of the mailbox's own (the highest priority): per layer, a stream wait
+  for the layer's query flag, the attention, the result and its flag. The first step of a plan
+  runs eagerly (which also compiles its kernels); the next ones replay the same work captured
+  as one CUDA graph. The stream waits occupy no multiprocessor: this instance's own steps, and
+  other homes' mailboxes, run on beside them.
+- on the host, on a thread of the mailbox's own, which polls the flags.
+
+A step that is not over by its deadline (``timeout_s`` from its ``StepBegin``: the home died,
+or stopped mid-step) is given up by the watchdog (``check_deadlines``, called by the daemon
+every fraction of the timeout): the mailbox's status says so, its query flags are set
+``ABORTED`` so that every wait ends, and the mailbox is freed once its work is done. Its home,
+if alive, reads the status at the end of the step and fails the step rather than merge parts
+computed from stale queries.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from infinite_llm.kernels import MicroAttentionPlan, run_micro_attention
+from infinite_llm.transport import graph_capture
+from infinite_llm.transport.messages import (
+    Ack,
+    ErrorCode,
+    ErrorReply,
+    Message,
+    StepBegin,
+    StepMailboxClose,
+    StepMailboxOpen,
+    StepMailboxOpened,
+)
+from infinite_llm.transport.step_mailbox import (
+    FLAG_ABORTED,
+    FLAG_EMPTY,
+    FLAG_READY,
+    STATUS_TIMED_OUT,
+    Mailbox,
+    MailboxUnavailable,
+    flag_address,
+    layout_of,
+    make_mailbox,
+    remove_host_file,
+    stream_flags,
+)
+from infinite_llm.transport.tensors import TORCH_DTYPE_NAMES
+
+from .creditor import AttendError, CreditorAttention
+
+log = logging.getLogger(__name__)
+
+# Mailboxes kept at once, over every home: a home keeps one per creditor.
+MAX_MAILBOXES = 64
+# A host worker's poll: spins this long, then sleeps this long between looks, s.
+HOST_SPIN_S = 0.002
+HOST_POLL_S = 0.0002
+
+
+class StepRefused(AttendError):
+    """A ``StepBegin`` that names a mailbox that is not here, or segments that are not held."""
+
+
+@dataclass
+class _Step:
+    step_id: int
+    deadline: float  # on the server's clock
+    done: torch.cuda.Event | threading.Event  # the step's last layer is over
+
+
+@dataclass
+class _Served:
+    """One home's mailbox, kept until the home closes it, dies or a step times out."""
+
+    mailbox_id: int
+    home_inst_id: int
+    mailbox: Mailbox
+    host_path: str
+    stream: torch.cuda.Stream | None  # a GPU mailbox's stream
+    graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, MicroAttentionPlan]] = field(default_factory=dict)
+    eager: set[tuple[int, int]] = field(default_factory=set)  # (plan, rows) served once without a graph
+    graph_pool: tuple | None = None
+    step: _Step | None = None
+    worker: threading.Thread | None = None
+    work: queue.Queue | None = None  # a host mailbox's steps: (plan, num_rows, _Step), None to stop
+    abort: threading.Event = field(default_factory=threading.Event)
+    aborted: bool = False
+
+
+class StepServer:
+    """Serves ``StepMailboxOpen``, ``StepBegin`` and ``StepMailboxClose`` from the planner's
+    pool and ledger (a ``CreditorAttention`` of its own: its plans are this server's)."""
+
+    def __init__(self, planner: CreditorAttention, *, host_id: str, timeout_s: float,
+                 host_dir: Path | None = None, clock: Callable[[], float] = time.monotonic,
+                 cuda_graphs: bool = True, max_mailboxes: int = MAX_MAILBOXES) -> None:
+        self.planner = planner
+        self.pool = planner.kv_pool
+        self.host_id = host_id
+        self.timeout_s = timeout_s
+        self.host_dir = host_dir
+        self.clock = clock
+        self.cuda_graphs = cuda_graphs and self.pool.is_cuda
+        self.max_mailboxes = max_mailboxes
+        self._served: dict[int, _Served] = {}  # mailbox id -> it
+        self._retired: list[_Served] = []  # given up, freed once their work is done
+        self._ids = itertools.count(1)
+        self.steps_begun = 0
+        self.graph_replays = 0
+        self.timeouts = 0  # steps given up by the watchdog
+
+    @property
+    def num_mailboxes(self) -> int:
+        return len(self._served)
+
+    # ---- messages --------------------------------------------------------------------------
+    def handle(self, message: StepMailboxOpen | StepBegin | StepMailboxClose) -> Message | None:
+        """The answer to one of the step protocol's messages: a refusal is an ErrorReply
+        (step_mailbox_unavailable, step_refused), never a failure of the handler."""
+        if isinstance(message, StepBegin):
+            try:
+                return self.begin(message)
+            except AttendError as exc:
+                return ErrorReply(ErrorCode.STEP_REFUSED, str(exc))
+        if isinstance(message, StepMailboxOpen):
+            try:
+                return self.open(message)
+            except MailboxUnavailable as exc:
+                return ErrorReply(ErrorCode.STEP_MAILBOX_UNAVAILABLE, str(exc))
+        if isinstance(message, StepMailboxClose):
+            self.close(message)
+            return None
+        raise TypeError(f"{type(message).__name__} is not a message of the step protocol")
+
+    def open(self, message: StepMailboxOpen) -> StepMailboxOpened:
+        """A new mailbox for the home (replacing its earlier one). MailboxUnavailable where the
+        home is on another host or its model is not this pool's."""
+        if message.host_id != self.host_id:
+            raise MailboxUnavailable("the home is on another host")
+        _, num_layers, _, _, num_kv_heads, head_dim = self.pool.shape
+        dtype = TORCH_DTYPE_NAMES.get(self.pool.dtype)
+        if (message.num_layers, message.head_dim, message.dtype) != (num_layers, head_dim, dtype) \
+                or message.num_heads != self.planner.num_heads:
+            raise MailboxUnavailable(
+                f"the home's model ({message.num_layers} layers, {message.num_heads} heads of {message.head_dim}, "
+                f"{message.dtype}) is not this pool's ({num_layers}, {self.planner.num_heads} of {head_dim}, {dtype})")
+        try:
+            layout = layout_of(message.num_layers, message.max_rows, message.num_heads, message.head_dim, message.dtype)
+        except ValueError as e:
+            raise MailboxUnavailable(str(e)) from None
+        for served in [s for s in self._served.values() if s.home_inst_id == message.home_inst_id]:
+            self._retire(served, "the home opened another")
+        if len(self._served) >= self.max_mailboxes:
+            raise MailboxUnavailable(f"{self.max_mailboxes} mailboxes are open here")
+        mailbox_id = next(self._ids)
+        mailbox, offer, host_path = make_mailbox(layout, self.pool.device, mailbox_id, self.host_dir)
+        served = _Served(mailbox_id, message.home_inst_id, mailbox, host_path,
+                         torch.cuda.Stream(self.pool.device, priority=-16) if self.pool.is_cuda else None)
+        if served.stream is None:
+            served.work = queue.Queue()
+            served.worker = threading.Thread(target=self._host_worker, args=(served,), daemon=True,
+                                             name=f"step-mailbox-{mailbox_id}")
+            served.worker.start()
+        self._served[mailbox_id] = served
+        log.info("step mailbox %d opened for instance %d (%d bytes, %s)", mailbox_id, message.home_inst_id,
+                 layout.nbytes, "device" if offer is not None else host_path)
+        return StepMailboxOpened(mailbox_id, layout.nbytes, (offer,) if offer is not None else (), host_path)
+
+    def begin(self, message: StepBegin) -> Ack:
+        """Queue the step's layers. StepRefused where the mailbox is not here, the step is not
+        the mailbox's or its slices name segments not held here (the home then fails the step
+        and attends by messages)."""
+        served = self._served.get(message.mailbox_id)
+        if served is None or served.home_inst_id != message.home_inst_id:
+            raise StepRefused(f"mailbox {message.mailbox_id} of instance {message.home_inst_id} is not open here")
+        layout = served.mailbox.layout
+        if message.num_layers != layout.num_layers or message.num_rows > layout.max_rows:
+            raise StepRefused(f"a step of {message.num_layers} layers and {message.num_rows} rows for a mailbox of "
+                              f"{layout.num_layers} and {layout.max_rows}")
+        if served.step is not None and not _is_done(served.step.done):
+            # Steps of a home are one at a time: the home began this one before the last was over.
+            self._retire(served, f"step {message.step_id} began before step {served.step.step_id} was over")
+            raise StepRefused(f"step {message.step_id} began while step {served.step.step_id} ran")
+        step = _Step(message.step_id, self.clock() + self.timeout_s,
+                     torch.cuda.Event() if served.stream is not None else threading.Event())
+        if served.stream is None:
+            plan = self.planner.plan_for(message.home_inst_id, message.slices)
+            served.step = step
+            served.work.put((plan, message.num_rows, step))
+        else:
+            with torch.cuda.stream(served.stream):
+                # The plan's tables are rewritten on this stream: after the last step's layers.
+                plan = self.planner.plan_for(message.home_inst_id, message.slices).plan
+                self._queue_layers(served, plan, message.num_rows)
+                step.done.record(served.stream)
+            served.step = step
+        self.steps_begun += 1
+        return Ack()
+
+    def close(self, message: StepMailboxClose) -> None:
+        served = self._served.get(message.mailbox_id)
+        if served is not None and served.home_inst_id == message.home_inst_id:
+            self._retire(served, "the home closed it")
+
+    def forget(self, home_inst_id: int) -> None:
+        """The home is gone: its mailboxes are given up."""
+        for served in [s for s in self._served.values() if s.home_inst_id == home_inst_id]:
+            self._retire(served, f"instance {home_inst_id} is gone")
+
+    def close_all(self) -> None:
+        for served in list(self._served.values()):
+            self._retire(served, "this instance stops")
+        self._free_retired()
+
+    # ---- the watchdog -------------------------------------------------------------------------
+    def check_deadlines(self) -> list[tuple[int, int]]:
+        """Give up every step past its deadline; free retired mailboxes whose work is done.
+        Returns (home, step id) of each step given up now."""
+        now = self.clock()
+        given_up = []
+        for served in list(self._served.values()):
+            step = served.step
+            if step is None or _is_done(step.done):
+                continue
+            if now >= step.deadline:
+                given_up.append((served.home_inst_id, step.step_id))
+                self.timeouts += 1
+                log.warning("step %d of instance %d did not end within %.1f s: mailbox %d given up",
+                            step.step_id, served.home_inst_id, self.timeout_s, served.mailbox_id)
+                self._retire(served, "its step timed out")
+        self._free_retired()
+        return given_up
+
+    def _retire(self, served: _Served, why: str) -> None:
+        """Stop using ``served``: its waits are released (status TIMED_OUT where a step is in
+        flight, so its home merges nothing of it), and it is freed once its work is done."""
+        self._served.pop(served.mailbox_id, None)
+        in_flight = served.step is not None and not _is_done(served.step.done)
+        mailbox = served.mailbox
+        if served.stream is not None:
+            if in_flight:
+                flags = stream_flags()
+                side = torch.cuda.Stream(self.pool.device)
+                # Not on the mailbox's stream, which is the one waiting.
+                flags.write(mailbox.status.data_ptr(), STATUS_TIMED_OUT, side)
+                for layer in range(mailbox.layout.num_layers):
+                    flags.write(flag_address(mailbox.q_flags, layer), FLAG_ABORTED, side)
+        else:
+            served.abort.set()
+            served.work.put(None)
+        served.aborted = in_flight
+        remove_host_file(served.host_path)  # the mappings stay valid until their memory is dropped
+        log.info("step mailbox %d of instance %d closed: %s", served.mailbox_id, served.home_inst_id, why)
+        self._retired.append(served)
+        self._free_retired()
+
+    def _free_retired(self) -> None:
+        kept = []
+        for served in self._retired:
+            if served.step is not None and not _is_done(served.step.done):
+                kept.append(served)  # its memory stays mapped (here) until its work is over
+        self._retired = kept
+
+    # ---- the layers -------------------------------------------------------------------------
+    def _queue_layers(self, served: _Served, plan: MicroAttentionPlan, num_rows: int) -> None:
+        """The step's layers on ``served.stream`` (current): eagerly the first time a plan
+        serves this many rows, then from the graph captured the second time."""
+        key = (id(plan), num_rows)
+        captured = served.graphs.get(key)
+        if captured is not None and captured[1] is plan:
+            captured[0].replay()
+            self.graph_replays += 1
+            return
+        if self.cuda_graphs and key in served.eager:
+            if served.graph_pool is None:
+                served.graph_pool = torch.cuda.graph_pool_handle()
+            # A plan replaced takes its graphs with it (keys of plans no longer kept are dropped).
+            served.graphs = {k: v for k, v in served.graphs.items() if v[1] is plan}
+            graph = torch.cuda.CUDAGraph()
+            try:
+                graph_capture.capture(graph, served.graph_pool, lambda: self._layers(served.mailbox, plan, num_rows))
+            except Exception as exc:  # noqa: BLE001  (serving goes on, eagerly)
+                log.warning("step mailbox %d: capturing the step failed, serving eagerly: %s", served.mailbox_id, exc)
+                self.cuda_graphs = False
+            else:
+                served.graphs[key] = (graph, plan)
+                graph.replay()
+                self.graph_replays += 1
+                return
+        self._layers(served.mailbox, plan, num_rows)
+        served.eager = {k for k in served.eager if k[0] == id(plan)} | {key}
+
+    def _layers(self, mailbox: Mailbox, plan: MicroAttentionPlan, num_rows: int) -> None:
+        flags = stream_flags()
+        for layer in range(mailbox.layout.num_layers):
+            q_flag = flag_address(mailbox.q_flags, layer)
+            flags.wait(q_flag, FLAG_READY)
+            flags.write(q_flag, FLAG_EMPTY)
+            self._attend(mailbox, plan, layer, num_rows)
+            flags.write(flag_address(mailbox.result_flags, layer), FLAG_READY)
+
+    def _attend(self, mailbox: Mailbox, plan: MicroAttentionPlan, layer: int, num_rows: int) -> None:
+        state = run_micro_attention(plan, mailbox.q[layer, :num_rows], self.pool, layer,
+                                    sm_scale=self.planner.sm_scale, out_dtype=self.pool.dtype)
+        mailbox.out[layer, :num_rows].copy_(state.out)
+        mailbox.lse[layer, :num_rows].copy_(state.lse)
+
+    def _host_worker(self, served: _Served) -> None:
+        """A host mailbox's steps, one at a time, on this thread: the event loop's thread only
+        queues them, and serves on while the layers run."""
+        mailbox = served.mailbox
+        while True:
+            item = served.work.get()
+            if item is None:
+                return
+            plan, num_rows, step = item
+            try:
+                for layer in range(mailbox.layout.num_layers):
+                    if not self._host_wait(served, layer, step.deadline):
+                        mailbox.status[0] = STATUS_TIMED_OUT
+                        mailbox.result_flags[layer:] = FLAG_ABORTED  # the home's waits end too
+                        return
+                    mailbox.q_flags[layer] = FLAG_EMPTY
+                    self._attend(mailbox, plan.plan, layer, num_rows)
+                    mailbox.result_flags[layer] = FLAG_READY
+            except Exception:  # noqa: BLE001  (the home's wait ends; its step fails on the status)
+                log.exception("step mailbox %d: step %d failed", served.mailbox_id, step.step_id)
+                mailbox.status[0] = STATUS_TIMED_OUT
+                mailbox.result_flags[:] = FLAG_ABORTED
+                return
+            finally:
+                step.done.set()
+
+    def _host_wait(self, served: _Served, layer: int, deadline: float) -> bool:
+        """Until the layer's query is in (True), the mailbox is given up or the deadline passed."""
+        flags = served.mailbox.q_flags
+        spin_until = time.monotonic() + HOST_SPIN_S
+        while int(flags[layer]) < FLAG_READY:
+            if served.abort.is_set() or self.clock() >= deadline:
+                return False
+            if time.monotonic() < spin_until:
+                time.sleep(0)
+            else:
+                served.abort.wait(HOST_POLL_S)
+        return not served.abort.is_set() or int(flags[layer]) == FLAG_READY
+
+
+def _is_done(done: torch.cuda.Event | threading.Event) -> bool:
+    return done.is_set() if isinstance(done, threading.Event) else done.query()

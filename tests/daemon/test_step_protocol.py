@@ -1,0 +1,239 @@
+"""The step protocol on the in-memory transport: one StepBegin a step, the layers through a
+host mailbox (the creditor's worker thread on one side, the home's polls on the other)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from infinite_llm.daemon.creditor import CreditorAttention
+from infinite_llm.daemon.metrics import InstanceMetrics
+from infinite_llm.daemon.peers import PeerDirectory, PeerPartFailed, TransportRemoteAttention
+from infinite_llm.daemon.step_attention import MailboxRemoteAttention
+from infinite_llm.daemon.step_server import StepServer
+from infinite_llm.engine.dist_attention import AttendBatch
+from infinite_llm.transport.errors import RemoteError
+from infinite_llm.transport.memory import InMemoryNetwork
+from infinite_llm.transport.messages import (
+    AttendRequest,
+    AttendSlice,
+    ErrorCode,
+    ErrorReply,
+    StepBegin,
+    StepMailboxClose,
+    StepMailboxOpen,
+    StepMailboxOpened,
+)
+from infinite_llm.transport.step_mailbox import STATUS_TIMED_OUT
+
+from test_creditor import BLOCK_SIZE, HEAD_DIM, NUM_HEADS, NUM_LAYERS, attention_over, hold, make_creditor
+
+HOME, CREDITOR = 1, 2
+TIMEOUT_S = 5.0
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now_s = 100.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+def batch_of(step_id: int, engine_id: int, rows: list[tuple[str, int, int]]) -> AttendBatch:
+    """An AttendBatch as the home's layout makes it, for the fields the remote side reads:
+    per entry (request id, its segment's token_start, keys)."""
+    n = len(rows)
+    z = torch.zeros(n, dtype=torch.int32)
+    return AttendBatch(step_id, engine_id, torch.zeros(n, 1, dtype=torch.int32), z, z,
+                       torch.arange(n + 1, dtype=torch.int32), None, 1, max(r[2] for r in rows),
+                       entry_keys=tuple((r[0], r[1]) for r in rows),
+                       entry_rows=tuple((i, 1, r[2]) for i, r in enumerate(rows)))
+
+
+class Pair:
+    """A home and a creditor on one in-memory network; the creditor holds two requests' blocks."""
+
+    def __init__(self, tmp_path) -> None:
+        self.clock = Clock()
+        self.network = InMemoryNetwork()
+        self.ledger, self.pool, self.creditor = make_creditor(12)
+        self.seg_a = hold(self.ledger, HOME, 7, 0, 3)
+        self.seg_b = hold(self.ledger, HOME, 8, 0, 2)
+        self.server = StepServer(CreditorAttention(self.ledger, self.pool, NUM_HEADS), host_id="host-a",
+                                 timeout_s=TIMEOUT_S, host_dir=tmp_path, clock=self.clock)
+        self.creditor_transport = self.network.transport()
+        self.home_transport = self.network.transport()
+        self.peers = PeerDirectory(HOME)
+        self.peer = self.peers.update(CREDITOR, self.creditor_transport.address, 0, False)
+        self.remote = MailboxRemoteAttention(
+            TransportRemoteAttention(self.home_transport, self.peers, BLOCK_SIZE, InstanceMetrics(), TIMEOUT_S),
+            self.home_transport, self.peers, num_layers=NUM_LAYERS, num_heads=NUM_HEADS, head_dim=HEAD_DIM,
+            dtype=torch.float32, device=torch.device("cpu"), max_rows=4, timeout_s=TIMEOUT_S, host_id="host-a",
+            clock=self.clock)
+        self.attend_requests = 0
+
+    def handle(self, message):
+        if isinstance(message, AttendRequest):
+            self.attend_requests += 1
+            return self.creditor.attend(message)
+        return self.server.handle(message)
+
+    async def start(self) -> None:
+        await self.creditor_transport.start(self.handle)
+        await self.home_transport.start(lambda m: None)
+
+    def batch(self, step_id: int) -> AttendBatch:
+        # request 7: 10 of its 12 held tokens; request 8: all 8
+        return batch_of(step_id, self.peer.engine_id, [("7", 0, 10), ("8", 0, 8)])
+
+    def expected(self, layer: int, q: torch.Tensor):
+        out_a, lse_a = attention_over(self.pool, self.seg_a.block_ids, 10, layer, q[:1])
+        out_b, lse_b = attention_over(self.pool, self.seg_b.block_ids, 8, layer, q[1:])
+        return torch.cat([out_a, out_b]), torch.cat([lse_a, lse_b])
+
+    async def step(self, step_id: int, layers: int = NUM_LAYERS, check: bool = True) -> None:
+        batch = self.batch(step_id)
+        for layer in range(layers):
+            q = torch.randn(2, NUM_HEADS, HEAD_DIM)
+            state = await self.remote.start(batch, layer, q, HEAD_DIM ** -0.5)
+            if check:
+                out, lse = self.expected(layer, q)
+                torch.testing.assert_close(state.out.double(), out, atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(state.lse.double(), lse, atol=1e-5, rtol=1e-5)
+        self.remote.end_step(step_id)
+        await self.remote.finish_step(step_id)
+
+    async def until_open(self) -> None:
+        for _ in range(1000):
+            if self.remote.has_mailbox(CREDITOR):
+                return
+            await asyncio.sleep(0.001)
+        raise AssertionError("the mailbox did not open")
+
+    async def close(self) -> None:
+        await self.remote.close()
+        self.server.close_all()
+        await self.home_transport.close()
+        await self.creditor_transport.close()
+
+
+def run(coroutine):
+    return asyncio.run(asyncio.wait_for(coroutine, 60))
+
+
+def test_a_step_goes_by_messages_while_the_mailbox_opens_then_through_it(tmp_path) -> None:
+    async def scenario():
+        pair = Pair(tmp_path)
+        await pair.start()
+        await pair.step(1)  # no mailbox yet: one AttendRequest a layer, the mailbox opening meanwhile
+        assert pair.attend_requests == NUM_LAYERS
+        await pair.until_open()
+        assert pair.server.num_mailboxes == 1
+        for step_id in (2, 3, 4):
+            await pair.step(step_id)
+        # Three steps, one StepBegin each and no AttendRequest: every layer went through the mailbox.
+        assert pair.attend_requests == NUM_LAYERS
+        assert pair.server.steps_begun == 3 and pair.remote.steps_on_mailboxes == 3
+        types = [e.message_type for e in pair.network.trace if e.dst == pair.creditor_transport.address]
+        assert types.count(StepBegin.TYPE) == 3 and types.count(StepMailboxOpen.TYPE) == 1
+        # The plan is the one kept from step to step.
+        assert pair.server.planner.plans_made == 1
+        await pair.close()
+        assert not list(tmp_path.iterdir())  # the mailbox's file went with it
+    run(scenario())
+
+
+def test_a_step_whose_queries_stop_coming_is_given_up_and_its_mailbox_freed(tmp_path) -> None:
+    async def scenario():
+        pair = Pair(tmp_path)
+        await pair.start()
+        await pair.step(1)
+        await pair.until_open()
+        # The home sends the step and its first layer, then goes quiet (as a home that died).
+        batch = pair.batch(2)
+        q = torch.randn(2, NUM_HEADS, HEAD_DIM)
+        await pair.remote.start(batch, 0, q, HEAD_DIM ** -0.5)
+        assert pair.server.check_deadlines() == []
+        pair.clock.now_s += TIMEOUT_S + 0.1
+        assert pair.server.check_deadlines() == [(HOME, 2)]
+        assert pair.server.timeouts == 1 and pair.server.num_mailboxes == 0
+        # The home, alive after all, learns it at the step's end and merges nothing of it.
+        opened = pair.remote._opened[CREDITOR]
+        for _ in range(1000):
+            if int(opened.mailbox.status[0]) == STATUS_TIMED_OUT:
+                break
+            await asyncio.sleep(0.001)
+        with pytest.raises(PeerPartFailed, match="gave the step up"):
+            await pair.remote.finish_step(2)
+        assert not pair.remote.has_mailbox(CREDITOR)
+        await asyncio.sleep(0.01)
+        assert not list(tmp_path.iterdir())
+        await pair.close()
+    run(scenario())
+
+
+def test_a_step_over_segments_not_held_is_refused_and_the_home_fails_it_at_once(tmp_path) -> None:
+    async def scenario():
+        pair = Pair(tmp_path)
+        await pair.start()
+        await pair.step(1)
+        await pair.until_open()
+        bad = batch_of(2, pair.peer.engine_id, [("9", 0, 4)])  # request 9 has nothing here
+        with pytest.raises(PeerPartFailed, match="refused the step"):
+            await pair.remote.start(bad, 0, torch.randn(1, NUM_HEADS, HEAD_DIM), 1.0)
+        assert pair.remote.step_failed(2)
+        with pytest.raises(PeerPartFailed):
+            await pair.remote.finish_step(2)
+        assert not pair.remote.has_mailbox(CREDITOR)
+        await pair.close()
+    run(scenario())
+
+
+def test_bad_step_messages_get_error_replies(tmp_path) -> None:
+    async def scenario():
+        pair = Pair(tmp_path)
+        await pair.start()
+        to = pair.creditor_transport.address
+        slices = (AttendSlice(7, 0, 1, 0, 4),)
+
+        async def ask(message):
+            try:
+                return await pair.home_transport.request(to, message, timeout_s=TIMEOUT_S)
+            except RemoteError as e:  # the transport raises an ErrorReply as this
+                return ErrorReply(e.code, e.detail)
+
+        reply = await ask(StepBegin(HOME, CREDITOR, 99, 1, NUM_LAYERS, slices, 1))
+        assert isinstance(reply, ErrorReply) and reply.code == ErrorCode.STEP_REFUSED
+        reply = await ask(StepMailboxOpen(HOME, CREDITOR, NUM_LAYERS, 4, NUM_HEADS, HEAD_DIM, "float32", "host-b"))
+        assert isinstance(reply, ErrorReply) and reply.code == ErrorCode.STEP_MAILBOX_UNAVAILABLE
+        assert "another host" in reply.detail
+        reply = await ask(StepMailboxOpen(HOME, CREDITOR, NUM_LAYERS + 1, 4, NUM_HEADS, HEAD_DIM, "float32", "host-a"))
+        assert isinstance(reply, ErrorReply) and reply.code == ErrorCode.STEP_MAILBOX_UNAVAILABLE
+        reply = await ask(StepMailboxOpen(HOME, CREDITOR, NUM_LAYERS, 4, NUM_HEADS, HEAD_DIM, "float32", "host-a"))
+        assert isinstance(reply, StepMailboxOpened) and reply.host_path
+        # A step of more rows than the mailbox has, and one of another home, are refused.
+        many = tuple(AttendSlice(7, i, 1, 0, 4) for i in range(5))
+        reply = await ask(StepBegin(HOME, CREDITOR, reply.mailbox_id, 1, NUM_LAYERS, many, 5))
+        assert isinstance(reply, ErrorReply) and reply.code == ErrorCode.STEP_REFUSED
+        reply2 = await ask(StepBegin(HOME + 5, CREDITOR, 1, 1, NUM_LAYERS, slices, 1))
+        assert isinstance(reply2, ErrorReply) and reply2.code == ErrorCode.STEP_REFUSED
+        await pair.home_transport.send(to, StepMailboxClose(HOME, 1))
+        for _ in range(100):
+            if pair.server.num_mailboxes == 0:
+                break
+            await asyncio.sleep(0.001)
+        assert pair.server.num_mailboxes == 0
+        await pair.close()
+    run(scenario())
+
+
+@pytest.mark.parametrize("field, value", [("num_layers", 0), ("max_rows", 0), ("home_inst_id", -1)])
+def test_an_open_request_out_of_range_is_refused_when_made(field, value) -> None:
+    fields = dict(home_inst_id=1, creditor_inst_id=2, num_layers=2, max_rows=4, num_heads=4, head_dim=8,
+                  dtype="float32", host_id="h")
+    fields[field] = value
+    with pytest.raises(ValueError):
+        StepMailboxOpen(**fields)
