@@ -1108,6 +1108,23 @@ class InstanceDaemon:
         m.tokens_per_second.set(sum(n for _, n in self._tokens_window[1:]) / span if span > 0 else 0.0)
 
     # ---- the local API's reads and commands ----------------------------------------------------
+    def _step_protocol_status(self) -> dict[str, Any]:
+        """The step protocol's figures: as a home (steps whose creditors' parts went through a
+        mailbox, and those that failed there) and as a creditor (mailboxes open here, steps
+        queued, steps given up by the watchdog)."""
+        remote = self.remote if isinstance(self.remote, MailboxRemoteAttention) else None
+        server = self.step_server
+        return {
+            "mode": "mailboxes" if remote is not None else "messages",
+            "home_steps_on_mailboxes": remote.steps_on_mailboxes if remote else 0,
+            "home_steps_failed": remote.steps_failed if remote else 0,
+            "home_mailboxes": remote.mailbox_peers if remote else [],
+            "creditor_mailboxes": server.num_mailboxes if server else 0,
+            "creditor_steps_begun": server.steps_begun if server else 0,
+            "creditor_graph_replays": server.graph_replays if server else 0,
+            "creditor_steps_timed_out": server.timeouts if server else 0,
+        }
+
     def status(self) -> dict[str, Any]:
         engine, bm = self.engine, self.engine.block_manager
         home = engine.home_instance_id
@@ -1137,6 +1154,7 @@ class InstanceDaemon:
             },
             "requests": requests,
             "peer_shared_memory": self.transport.shared_memory_status(),
+            "step_protocol": self._step_protocol_status(),
             "holds": [{"home_instance_id": home, "request_id": req, "num_blocks": hold.num_blocks}
                       for (home, req), hold in self.ledger.holds.items()],
             "held_segments": [{"home_instance_id": s.home_inst_id, "request_id": s.req_id, "segment_id": s.segment_id,

@@ -121,6 +121,11 @@ class MailboxRemoteAttention(RemoteAttention):
     def has_mailbox(self, inst_id: int) -> bool:
         return inst_id in self._opened
 
+    @property
+    def mailbox_peers(self) -> list[int]:
+        """The creditors this home has a mailbox at, by instance id."""
+        return sorted(self._opened)
+
     # ---- opening ---------------------------------------------------------------------------
     def _ensure_opening(self, peer: Peer) -> None:
         if peer.inst_id in self._opening or self.clock() < self._refused_until.get(peer.inst_id, 0.0):

@@ -1,0 +1,70 @@
+"""Real `infinited` processes on loopback UCX, attending through step mailboxes (host memory on
+the CPU, device memory on a GPU): one StepBegin per step to each creditor, the layers through
+the mailbox, and greedy tokens identical to one instance's."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from infinite_llm.daemon.local_cluster import LocalCluster, passkey_prompt
+from infinite_llm.engine.config import EngineConfig
+from infinite_llm.engine.engine import LLMEngine
+from infinite_llm.engine.loader import load_checkpoint
+from infinite_llm.engine.sampling import SamplingParams
+
+POOL_BLOCKS = 36  # 576 tokens per instance: the long prompt (about 75 blocks) spills over all three
+LONG_PROMPT = passkey_prompt(75)
+NEW_TOKENS = 24
+
+
+def generate_split(cluster: LocalCluster) -> tuple[list[int], str, set[int]]:
+    home = cluster[1]
+    result: dict = {}
+    thread = threading.Thread(target=lambda: result.update(out=home.generate(LONG_PROMPT, max_tokens=NEW_TOKENS)))
+    thread.start()
+    seen_on: set[int] = set()
+    deadline = time.monotonic() + 240
+    while thread.is_alive() and time.monotonic() < deadline:
+        for request in home.status()["requests"]:
+            seen_on |= {s["instance_id"] for s in request["segments"]}
+        time.sleep(0.05)
+    thread.join(timeout=300)
+    assert not thread.is_alive(), "the request did not finish"
+    tokens, text = result["out"]
+    return tokens, text, seen_on
+
+
+def reference_tokens() -> list[int]:
+    torch.set_num_threads(1)
+    engine = LLMEngine(load_checkpoint(None, show_progress=False),
+                       EngineConfig(block_size=16, pool_blocks=(512,), max_num_batched_tokens=128))
+    (output,) = engine.generate([LONG_PROMPT], SamplingParams(max_tokens=NEW_TOKENS))
+    return list(output.token_ids)
+
+
+def test_a_split_request_decodes_through_mailboxes_and_matches_one_instance(tmp_path):
+    cluster = LocalCluster(tmp_path, num_instances=3, pool_blocks=POOL_BLOCKS,
+                           extra_args=["--remote-attention", "mailboxes"])
+    try:
+        cluster.wait_ready()
+        tokens, text, seen_on = generate_split(cluster)
+        home = cluster[1].status()["step_protocol"]
+        creditors = {i: cluster[i].status()["step_protocol"] for i in (2, 3)}
+    finally:
+        cluster.stop()
+    assert seen_on >= {1, 2, 3}, f"the request's segments were seen only on {seen_on}"
+    assert tokens == reference_tokens()
+    assert "green" in text  # box 42 is green
+    assert home["mode"] == "mailboxes" and home["home_steps_failed"] == 0
+    # Decode steps went through both creditors' mailboxes: one StepBegin a step each, no
+    # AttendRequest a layer (the first steps go by messages while a mailbox opens).
+    assert home["home_mailboxes"] == [2, 3]
+    for i, c in creditors.items():
+        assert c["creditor_mailboxes"] == 1, (i, c)
+        assert c["creditor_steps_begun"] >= NEW_TOKENS // 4, (i, c)
+        assert c["creditor_steps_timed_out"] == 0, (i, c)
+    assert home["home_steps_on_mailboxes"] == sum(c["creditor_steps_begun"] for c in creditors.values())
