@@ -33,6 +33,8 @@ for what in "$@"; do
           --new-tokens 96 --instances ${INSTANCES:-1,2} --max-num-batched-tokens 8192 --remote-attention $mode
         for f in bench/results/daemon-*-$mode.json; do cp "$f" "$OUT/$(basename "$f" .json)-120k.json"; done
       done ;;
+    steptests)
+      timeout 120 python3 -m pytest -q -x -p no:cacheprovider tests/daemon/test_step_mailbox_gpu.py 2>&1 | tail -30 ;;
     tests)
       timeout 400 python3 -m pytest -q -m gpu -p no:cacheprovider tests/daemon tests/engine tests/transport/test_device_pools.py ;;
   esac
