@@ -882,7 +882,7 @@ class InstanceDaemon:
 
     def _tick(self) -> None:
         now = time.monotonic()
-        for home, step_id in self.step_server.check_deadlines():
+        for home, step_id in (self.step_server.check_deadlines() if self.step_server is not None else ()):
             log.warning("instance %d's step %d did not end here within %.1f s: its mailbox was freed", home,
                         step_id, self.config.timeouts.peer_request_s)
         self.ledger.release_expired(now)
@@ -901,7 +901,7 @@ class InstanceDaemon:
         for home, freed in self.ledger.free_lost_debtors(now, self.config.timeouts.debtor_lost_s).items():
             log.warning("instance %d went silent: freed %d blocks held for it", home, freed)
             self.creditor.forget(home)
-            self.step_server.forget(home)
+            self._forget_steps_of(home)
         self._audit_held(now)
         self.lender.renew_holds(now)
         self._update_metrics(now)
@@ -959,7 +959,7 @@ class InstanceDaemon:
         freed = self.ledger.note_home_run(home_inst_id, run_id)
         if freed is not None:
             self.creditor.forget(home_inst_id)
-            self.step_server.forget(home_inst_id)
+            self._forget_steps_of(home_inst_id)
             log.warning("instance %d restarted (its run is new): freed %d blocks held for its previous run",
                         home_inst_id, freed)
 
@@ -978,7 +978,7 @@ class InstanceDaemon:
                 continue  # what is held here is the new run's: the old run's went at its first request
             freed = self.ledger.forget_home(inst_id)
             self.creditor.forget(inst_id)
-            self.step_server.forget(inst_id)
+            self._forget_steps_of(inst_id)
             log.warning("instance %d restarted (pid %d, before %d): freed %d blocks held for its previous run",
                         inst_id, member.pid, before[1], freed)
 
@@ -1108,6 +1108,11 @@ class InstanceDaemon:
         m.tokens_per_second.set(sum(n for _, n in self._tokens_window[1:]) / span if span > 0 else 0.0)
 
     # ---- the local API's reads and commands ----------------------------------------------------
+    def _forget_steps_of(self, home_inst_id: int) -> None:
+        """The home is gone or restarted: its step mailboxes here are given up."""
+        if self.step_server is not None:
+            self.step_server.forget(home_inst_id)
+
     def _step_protocol_status(self) -> dict[str, Any]:
         """The step protocol's figures: as a home (steps whose creditors' parts went through a
         mailbox, and those that failed there) and as a creditor (mailboxes open here, steps
