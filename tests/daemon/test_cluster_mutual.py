@@ -32,9 +32,13 @@ NEW_TOKENS = 64
 MOVED_BLOCKS = 5
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    cluster = LocalCluster(tmp_path_factory.mktemp("pair"), num_instances=2, pool_blocks=POOL_BLOCKS)
+# Each home attends over the other's KV by a message a layer, or through step mailboxes (one
+# StepBegin a step; each instance's creditor work on a thread of its own beside its own step).
+@pytest.fixture(scope="module", params=["messages", "mailboxes"])
+def pair(tmp_path_factory, request):
+    cluster = LocalCluster(tmp_path_factory.mktemp("pair"), num_instances=2, pool_blocks=POOL_BLOCKS,
+                           extra_args=["--remote-attention", request.param])
+    cluster.remote_attention = request.param
     try:
         cluster.wait_ready()
         yield cluster
@@ -101,6 +105,11 @@ def test_moves_both_ways_under_load_without_deadlock(pair):
     for t in threads:
         t.join(timeout=300)
     assert not any(t.is_alive() for t in threads), "a home never finished: the instances deadlocked"
+    if pair.remote_attention == "mailboxes":
+        for i in PROMPTS:
+            steps = pair[i].status()["step_protocol"]
+            assert steps["home_steps_on_mailboxes"] > 0 and steps["creditor_steps_begun"] > 0, (i, steps)
+            assert steps["home_steps_failed"] == 0 and steps["creditor_steps_timed_out"] == 0, (i, steps)
 
     torch.set_num_threads(1)
     reference = LLMEngine(load_checkpoint(None, show_progress=False),
