@@ -78,6 +78,18 @@ def sample_messages() -> list[m.Message]:
         m.DevicePoolOffer(pool_id=0, device=0, handle="ab" * 64, storage_bytes=1 << 30, storage_offset_bytes=512,
                           ref_counter="2f746f726368", ref_counter_offset=8, event="cd" * 64, event_sync_required=True,
                           dtype="bfloat16", shape=(1024, 16, 2, 16, 8, 128), offset=0),
+        m.StepMailboxOpen(home_inst_id=2, creditor_inst_id=5, num_layers=16, max_rows=64, num_heads=32,
+                          head_dim=64, dtype="bfloat16", host_id="0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0"),
+        m.StepMailboxOpened(mailbox_id=3, nbytes=1 << 20, host_path="",
+                            device=(m.DevicePoolOffer(pool_id=0, device=0, handle="ef" * 64, storage_bytes=1 << 20,
+                                                      storage_offset_bytes=0, ref_counter="2f746f726368",
+                                                      ref_counter_offset=8, event="01" * 64,
+                                                      event_sync_required=False, dtype="uint8", shape=(1 << 20,),
+                                                      offset=0),)),
+        m.StepMailboxOpened(mailbox_id=4, nbytes=4096, device=(), host_path="/dev/shm/infinite-llm-mailbox-1-4"),
+        m.StepBegin(home_inst_id=2, creditor_inst_id=5, mailbox_id=3, step_id=91, num_layers=16,
+                    slices=(m.AttendSlice(11, 0, 1, 1, 48), m.AttendSlice(13, 1, 2, 0, 16)), num_rows=3),
+        m.StepMailboxClose(home_inst_id=2, mailbox_id=3),
         m.Ack(),
         m.ErrorReply(code=m.ErrorCode.STALE_EPOCH, detail="epoch 16 < 17"),
     ]
@@ -141,8 +153,12 @@ def test_non_contiguous_tensor_is_refused_on_send():
     lambda: m.ForwardSegment(1, 1, 2, 11, 0, 3, "127.0.0.1", 41000, 9, ()),
     lambda: m.ForwardSegment(1, 1, 2, 11, 0, 3, "127.0.0.1", 70000, 9, (1,)),
     lambda: m.ForwardSegment(1, 1, 2, 11, 0, 2, "127.0.0.1", 41000, 9, (1,)),
+    lambda: m.StepMailboxOpen(2, 5, 0, 64, 32, 64, "bfloat16", "host"),
+    lambda: m.StepMailboxOpened(3, 4096, (), ""),
+    lambda: m.StepBegin(2, 5, 3, 91, 16, (m.AttendSlice(11, 0, 1, 0, 48),), 2),
 ], ids=["rows_short", "rows_gap", "lse_dtype", "lse_shape", "run_size", "commit_segment", "move_to_self",
-        "full_with_removals", "forward_no_blocks", "forward_bad_port", "forward_to_home"])
+        "full_with_removals", "forward_no_blocks", "forward_bad_port", "forward_to_home",
+        "mailbox_no_layers", "mailbox_nowhere", "step_rows_short"])
 def test_messages_check_their_own_fields(bad):
     with pytest.raises(ValueError):
         bad()
