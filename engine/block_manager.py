@@ -9,6 +9,12 @@ A request's block table is a list of :class:`Segment` in token order. Every segm
 multiple of ``block_size``; consecutive segments on one instance are merged. New tokens go into
 the last segment, which is on the home instance (a new home segment is opened when the last one
 was lent out).
+
+An instance lost with the blocks it held (a creditor killed) leaves lost ranges in the tables of
+the requests that had segments there: :meth:`BlockManager.drop_instance` takes those segments
+out, and the request recomputes the ranges in token order (:meth:`BlockManager.fill_lost` gives
+each chunk home blocks) before it decodes again. A table with a lost range has a gap there:
+nothing attends over it, and nothing but a recompute chunk may run for the request meanwhile.
 """
 
 from __future__ import annotations
@@ -137,6 +143,8 @@ class BlockManager:
         self._allocators = [BlockAllocator(i, n) for i, n in enumerate(pool_blocks)]
         self._tables: dict[str, list[Segment]] = {}
         self._pending: dict[tuple[str, int], SegmentMove] = {}  # (request, token_start) -> move
+        # request -> token ranges [start, end) whose KV was lost, in token order, not adjacent
+        self._lost: dict[str, list[tuple[int, int]]] = {}
         self._on_remote_free = on_remote_free
 
     # ---- queries -------------------------------------------------------------------------
@@ -178,9 +186,91 @@ class BlockManager:
         return any(s.instance_id != self.home_instance_id for s in self._tables.get(request_id, ()))
 
     def num_tokens(self, request_id: str) -> int:
-        """Tokens of the request that have a KV slot."""
+        """Tokens of the request that have a KV slot (a lost range at the end counts: its
+        slots come back as it is recomputed)."""
         table = self._tables.get(request_id)
-        return table[-1].token_end if table else 0
+        lost = self._lost.get(request_id)
+        return max(table[-1].token_end if table else 0, lost[-1][1] if lost else 0)
+
+    # ---- lost ranges ---------------------------------------------------------------------
+    def drop_instance(self, instance_id: int) -> dict[str, list[Segment]]:
+        """The instance is gone with the blocks it held: every segment there becomes a lost
+        range of its request, and pending moves to or from it are cancelled. Blocks of a pool in
+        this process go back to its free list. Returns the segments lost, per request."""
+        for move in [m for m in self._pending.values() if instance_id in (m.src_instance_id, m.dst_instance_id)]:
+            self.abort_move(move)
+        lost: dict[str, list[Segment]] = {}
+        for request_id, table in self._tables.items():
+            gone = [s for s in table if s.instance_id == instance_id]
+            if not gone:
+                continue
+            self._tables[request_id] = [s for s in table if s.instance_id != instance_id]
+            if self.is_local(instance_id):
+                for segment in gone:
+                    self._allocator(instance_id).free(segment.block_ids)
+            ranges = sorted(self._lost.get(request_id, []) + [(s.token_start, s.token_end) for s in gone])
+            merged: list[tuple[int, int]] = []
+            for start, end in ranges:
+                if merged and merged[-1][1] == start:
+                    merged[-1] = (merged[-1][0], end)
+                else:
+                    merged.append((start, end))
+            self._lost[request_id] = merged
+            lost[request_id] = gone
+        return lost
+
+    def lost_range(self, request_id: str) -> tuple[int, int] | None:
+        """The request's first lost range ``(token_start, token_end)``, the next to recompute;
+        None when it has none."""
+        ranges = self._lost.get(request_id)
+        return ranges[0] if ranges else None
+
+    def has_lost(self, request_id: str) -> bool:
+        return request_id in self._lost
+
+    def num_lost_tokens(self, request_id: str) -> int:
+        return sum(end - start for start, end in self._lost.get(request_id, ()))
+
+    def num_lost_blocks(self, request_id: str) -> int:
+        """Home blocks the request's lost ranges take when recomputed."""
+        return sum(-(-(end - start) // self.block_size) for start, end in self._lost.get(request_id, ()))
+
+    def fill_end(self, request_id: str, num_tokens: int) -> int:
+        """Where a recompute chunk of at most ``num_tokens`` tokens from the first lost range's
+        start ends: at the range's end, or at a block boundary before it (the rest of the range
+        then starts a block); the start itself when not one block fits."""
+        start, end = self._lost[request_id][0]
+        if start + num_tokens >= end:
+            return end
+        return start + num_tokens // self.block_size * self.block_size
+
+    def can_fill(self, request_id: str, end: int) -> bool:
+        """Whether the home pool has the blocks for ``fill_lost(request_id, end)``."""
+        start, _ = self._lost[request_id][0]
+        return -(-(end - start) // self.block_size) <= self.num_free_blocks(self.home_instance_id)
+
+    def fill_lost(self, request_id: str, end: int) -> Segment:
+        """Give the first lost range's tokens up to ``end`` home blocks (a ``fill_end``): their
+        K and V are then written by a recompute chunk. Returns the new home segment."""
+        ranges = self._lost[request_id]
+        start, stop = ranges[0]
+        if not start < end <= stop or (end < stop and end % self.block_size):
+            raise ValueError(f"request {request_id}: cannot recompute [{start}, {end}) of its lost range "
+                             f"[{start}, {stop}): the end must be past the start, in the range and on a block "
+                             "boundary unless it is the range's end")
+        block_ids = tuple(self._allocator(self.home_instance_id).allocate(-(-(end - start) // self.block_size)))
+        segment = Segment(self.home_instance_id, block_ids, start, end - start)
+        table = self._tables[request_id]
+        index = next((i for i, s in enumerate(table) if s.token_start > start), len(table))
+        table.insert(index, segment)
+        self._tables[request_id] = _coalesce(table, self.is_local)
+        if end == stop:
+            del ranges[0]
+            if not ranges:
+                del self._lost[request_id]
+        else:
+            ranges[0] = (end, stop)
+        return segment
 
     def blocks_needed(self, request_id: str, num_tokens: int) -> int:
         """New home blocks that ``allocate(request_id, num_tokens)`` would take."""
@@ -224,6 +314,7 @@ class BlockManager:
         """Return every block of the request, on every instance; pending moves are cancelled."""
         for key in [k for k in self._pending if k[0] == request_id]:
             self.abort_move(self._pending[key])
+        self._lost.pop(request_id, None)
         for segment in self._tables.pop(request_id, []):
             if self.is_local(segment.instance_id):
                 self._allocator(segment.instance_id).free(segment.block_ids)
@@ -244,17 +335,21 @@ class BlockManager:
 
     # ---- slots ---------------------------------------------------------------------------
     def slot_mapping(self, request_id: str, start: int, end: int) -> list[int]:
-        """Home-pool slots (``block_id * block_size + offset``) of positions ``[start, end)``."""
-        tail = self._tables[request_id][-1]
-        if tail.instance_id != self.home_instance_id or start < tail.token_start or end > tail.token_end:
+        """Home-pool slots (``block_id * block_size + offset``) of positions ``[start, end)``,
+        which one home segment must hold (the tail, or a lost range being recomputed)."""
+        table = self._tables[request_id]
+        segment = table[-1]
+        if not segment.token_start <= start < segment.token_end:
+            segment = next((s for s in table if s.token_start <= start < s.token_end), segment)
+        if segment.instance_id != self.home_instance_id or start < segment.token_start or end > segment.token_end:
             raise ValueError(
-                f"request {request_id}: positions [{start}, {end}) are not in its home tail "
-                f"[{tail.token_start}, {tail.token_end}) on instance {tail.instance_id}"
+                f"request {request_id}: positions [{start}, {end}) are not in one home segment "
+                f"([{segment.token_start}, {segment.token_end}) is on instance {segment.instance_id})"
             )
         slots = []
         for pos in range(start, end):
-            offset = pos - tail.token_start
-            slots.append(tail.block_ids[offset // self.block_size] * self.block_size + offset % self.block_size)
+            offset = pos - segment.token_start
+            slots.append(segment.block_ids[offset // self.block_size] * self.block_size + offset % self.block_size)
         return slots
 
     # ---- lending -------------------------------------------------------------------------

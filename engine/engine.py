@@ -68,6 +68,33 @@ class RequestOutput:
         return "".join(self._text_pieces[:self._num_text_pieces])
 
 
+@dataclass(frozen=True)
+class LostKV:
+    """What :meth:`LLMEngine.recover_lost` found: the requests that recompute their lost
+    tokens, and those that cannot (the cluster has not the memory for them)."""
+
+    recomputing: dict[str, int]  # request id -> tokens to recompute
+    unrecoverable: tuple[str, ...]  # requests the caller must end (abort): their lost KV fits nowhere
+    segments: dict[str, tuple[Segment, ...]]  # request id -> its segments that were on the instance
+
+
+@dataclass(frozen=True)
+class Recovered:
+    """A request whose lost KV is recomputed: it decodes again from here."""
+
+    request_id: str
+    num_segments: int  # lost segments recomputed
+    num_tokens: int  # tokens recomputed
+    seconds: float  # from the loss to the last recompute chunk's end
+
+
+@dataclass
+class _Recovery:
+    started_at: float  # time.monotonic()
+    num_segments: int
+    num_tokens: int
+
+
 @dataclass
 class _RequestState:
     detokenizer: IncrementalDetokenizer
@@ -140,6 +167,8 @@ class LLMEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         # Next-token logits ([vocab] float32) of each request sampled in the last step.
         self.last_step_logits: dict[str, torch.Tensor] = {}
+        self._recoveries: dict[str, _Recovery] = {}
+        self.recovered: deque[Recovered] = deque()  # recoveries done, for the caller to take
 
     @classmethod
     def from_path(cls, path: str | None = None, config: EngineConfig = EngineConfig(), *,
@@ -220,6 +249,7 @@ class LLMEngine:
         ``stream`` or ``generate`` waiting on it receives that output and ends."""
         request = self.scheduler.requests.get(request_id)
         state = self._states.pop(request_id, None)
+        self._recoveries.pop(request_id, None)
         if request is not None:
             self.scheduler.finish(request_id)
             if self.lender is not None:
@@ -260,6 +290,46 @@ class LLMEngine:
         self.block_manager.commit_move(move)
         return move
 
+    # ---- a lost instance -----------------------------------------------------------------
+    def recover_lost(self, instance_id: int, blocks_elsewhere: int | None = None) -> LostKV:
+        """The instance ``instance_id`` (a creditor pool) is lost with the KV it held: the
+        running requests with segments there recompute those tokens, from their token ids, in
+        chunks that attend over the KV that survived (at home and on other creditors), before
+        they decode again. Requests whose lost KV the cluster cannot hold are returned to be
+        ended: more lost blocks than are free at home and ``blocks_elsewhere`` (the other
+        creditors' free blocks; default: the in-process pools'), the ones with the most lost
+        first. Called between steps."""
+        if instance_id == self.home_instance_id:
+            raise ValueError("the home instance cannot be lost to itself")
+        bm = self.block_manager
+        lost = bm.drop_instance(instance_id)
+        if not lost:
+            return LostKV({}, (), {})
+        if blocks_elsewhere is None:
+            blocks_elsewhere = sum(bm.num_free_blocks(i) for i in bm.instance_ids
+                                   if i not in (self.home_instance_id, instance_id))
+        room = bm.num_free_blocks(self.home_instance_id) + blocks_elsewhere
+        unrecoverable = []
+        for request_id in sorted(lost, key=lambda r: (bm.num_lost_blocks(r), r)):
+            need = bm.num_lost_blocks(request_id)
+            if need > room:
+                unrecoverable.append(request_id)
+            else:
+                room -= need
+        now = time.monotonic()
+        recomputing = {}
+        for request_id, segments in lost.items():
+            if request_id in unrecoverable:
+                continue
+            num_tokens = sum(s.num_tokens for s in segments)
+            recomputing[request_id] = num_tokens
+            previous = self._recoveries.get(request_id)  # lost again while recomputing: one recovery
+            self._recoveries[request_id] = _Recovery(
+                previous.started_at if previous else now,
+                (previous.num_segments if previous else 0) + len(segments),
+                (previous.num_tokens if previous else 0) + num_tokens)
+        return LostKV(recomputing, tuple(unrecoverable), {r: tuple(segments) for r, segments in lost.items()})
+
     def _prompt_fits_free_memory(self, request: Request) -> bool:
         """With peers: a waiting request starts only when its whole context fits the home's free
         blocks (less those other homes' starting requests count on) and the blocks peers keep for
@@ -286,8 +356,8 @@ class LLMEngine:
         bm = self.block_manager
         promised = 0
         for r in self.scheduler.running:
-            if r.is_prefilling:
-                rest = bm.blocks_needed(r.request_id, r.num_tokens)
+            if r.is_prefilling or bm.has_lost(r.request_id):
+                rest = bm.blocks_needed(r.request_id, r.num_tokens) + bm.num_lost_blocks(r.request_id)
                 promised += max(0, rest - self.lender.blocks_kept_elsewhere(r.request_id, 0))
         return promised
 
@@ -301,9 +371,10 @@ class LLMEngine:
         running = self.scheduler.running
         head = self.scheduler.waiting[0] if self.scheduler.waiting else None
         # A block per running request (a decode may open one), and a whole chunk while a prompt
-        # is being prefilled, or recomputed with its outputs after a preemption.
+        # is being prefilled, or recomputed with its outputs after a preemption, or a lost range
+        # of its KV recomputed.
         wanted = len(running) + 1
-        if any(r.is_prefilling for r in running):
+        if any(r.is_prefilling or bm.has_lost(r.request_id) for r in running):
             wanted += -(-self.config.max_num_batched_tokens // self.config.block_size)
         if head is not None:
             wanted = max(wanted, len(running) + bm.blocks_needed(head.request_id, head.num_computed_tokens + min(
@@ -359,6 +430,9 @@ class LLMEngine:
         for chunk in scheduled.chunks:
             request = requests[chunk.request_id]
             end = chunk.start + chunk.num_tokens
+            if not chunk.recomputes and self.block_manager.has_lost(chunk.request_id):
+                raise RuntimeError(f"request {chunk.request_id} was scheduled past its lost KV, which it "
+                                   "must recompute first")
             token_ids += request.token_ids_between(chunk.start, end)
             positions += range(chunk.start, end)
             slots += self.block_manager.slot_mapping(chunk.request_id, chunk.start, end)
@@ -436,9 +510,14 @@ class LLMEngine:
         tokens = iter(sampled)
         for chunk in scheduled.chunks:
             request = self.scheduler.requests[chunk.request_id]
+            if chunk.recomputes:
+                self._recomputed(chunk.request_id)
+                continue
             request.num_computed_tokens = chunk.start + chunk.num_tokens
             if not chunk.samples:
                 continue
+            if chunk.request_id in self._recoveries:  # preempted while recomputing: all of it was again
+                self._recomputed(chunk.request_id)
             token = next(tokens)
             request.output_token_ids.append(token)
             output = self._advance(request, token)
@@ -447,6 +526,15 @@ class LLMEngine:
             if collected is not None:
                 collected.append(output)
         return outputs
+
+    def _recomputed(self, request_id: str) -> None:
+        """A recompute chunk of the request ran: once no lost range is left, its recovery is done."""
+        if self.block_manager.has_lost(request_id):
+            return
+        recovery = self._recoveries.pop(request_id, None)
+        if recovery is not None:
+            self.recovered.append(Recovered(request_id, recovery.num_segments, recovery.num_tokens,
+                                            time.monotonic() - recovery.started_at))
 
     def _advance(self, request: Request, token: int) -> RequestOutput:
         """Append one token to the request's text and decide whether it is done."""

@@ -19,6 +19,12 @@ n > 1 such requests decode in one step of n while other requests run; the steps 
 the others alone, at the pace of the home's own device, unless the others get nothing (then the
 split ones run rather than leave the step empty). (Prompt chunks always run: a long prompt held
 back would hold up the queue behind it.)
+
+A running request whose KV lost a range (an instance holding it died) recomputes the range
+before anything else of it runs: its chunks take the range's tokens, in token order, into new
+home blocks, and sample nothing. It gets home blocks as a prefill does: the newest running
+request gives its blocks back when there are too few, the request itself last (it then
+recomputes everything from the start, as after any preemption).
 """
 
 from __future__ import annotations
@@ -84,6 +90,7 @@ class ScheduledChunk:
     start: int
     num_tokens: int
     samples: bool  # the chunk reaches the request's last known token: a new token is sampled
+    recomputes: bool = False  # tokens of a lost range, computed again: the request's progress stays
 
 
 @dataclass(frozen=True)
@@ -159,6 +166,12 @@ class Scheduler:
             if not selected(request):
                 index += 1
                 continue
+            if self.block_manager.has_lost(request.request_id):
+                budget = self._schedule_recompute(request, budget, chunks, preempted)
+                if request.status is not RequestStatus.RUNNING:
+                    break
+                index += 1
+                continue
             end = request.num_computed_tokens + min(request.num_tokens - request.num_computed_tokens, budget)
             while not self.block_manager.can_allocate(request.request_id, end):
                 victim = self.running[-1]
@@ -181,6 +194,30 @@ class Scheduler:
             budget -= num_new
             index += 1
         return budget
+
+    def _schedule_recompute(self, request: Request, budget: int, chunks: list[ScheduledChunk],
+                            preempted: list[str]) -> int:
+        """The next chunk of the request's first lost range, within ``budget``; return the
+        budget left. Too small a budget for one block of the range leaves it to the next step."""
+        bm = self.block_manager
+        request_id = request.request_id
+        start, _ = bm.lost_range(request_id)
+        end = bm.fill_end(request_id, budget)
+        if end <= start:
+            return budget
+        while not bm.can_fill(request_id, end):
+            victim = self.running[-1]
+            if victim is request:
+                end = bm.fill_end(request_id, bm.num_free_blocks(bm.home_instance_id) * bm.block_size)
+                if end > start:
+                    break
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is request:
+                return budget
+        bm.fill_lost(request_id, end)
+        chunks.append(ScheduledChunk(request_id, start, end - start, samples=False, recomputes=True))
+        return budget - (end - start)
 
     def _admit(self, budget: int, chunks: list[ScheduledChunk]) -> None:
         """Start waiting requests while the budget, ``max_num_seqs`` and the home pool allow;
@@ -219,7 +256,8 @@ class Scheduler:
         if self.split_decode_interval == 1 or self._num_steps % self.split_decode_interval == 0:
             return set()
         held = {r.request_id for r in self.running
-                if r.num_tokens - r.num_computed_tokens == 1 and self.block_manager.is_split(r.request_id)}
+                if r.num_tokens - r.num_computed_tokens == 1 and self.block_manager.is_split(r.request_id)
+                and not self.block_manager.has_lost(r.request_id)}
         return held if len(held) < len(self.running) else set()
 
     def finish(self, request_id: str) -> None:
