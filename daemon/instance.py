@@ -86,11 +86,15 @@ from .sd_notify import SystemdNotifier
 
 log = logging.getLogger(__name__)
 
-# A step whose creditor part failed runs again up to this many times in a row before the
-# requests with KV on that creditor end (a peer busy in a long step of its own, or reconnecting,
-# recovers within a retry; a dead one leaves the cluster's membership and ends them at once).
+# A step whose creditor part failed runs again up to this many times in a row before that
+# creditor counts as lost and the requests with KV there recompute it (a peer busy in a long
+# step of its own, or reconnecting, recovers within a retry; a dead one leaves the cluster's
+# membership and counts as lost at once).
 PEER_STEP_RETRIES = 3
 PEER_RETRY_PAUSE_S = 0.1  # before the n-th retry of a step: n times this
+# A creditor counted lost takes no blocks for this long, or until it restarts: its entry in the
+# membership outlives a killed process by up to a lease, and a move to it would fail meanwhile.
+LOST_PEER_QUARANTINE_S = 30.0
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _TORCH_DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -461,6 +465,8 @@ class InstanceDaemon:
                 continue
             if self._peer_step_failures:
                 self._peers_answered(outputs)
+            if self.engine.recovered:
+                self._note_recovered()
             if not outputs and not engine.scheduler.running:
                 idle_s = min(0.5, max(0.01, 2 * idle_s))
                 self._work.clear()
@@ -498,20 +504,49 @@ class InstanceDaemon:
     def _peer_part_failed(self, exc: PeerPartFailed) -> bool:
         """A creditor's part of the step did not come. The step kept nothing, so it runs again
         (True); after ``PEER_STEP_RETRIES`` failures in a row, or at once if the peer has left
-        the cluster, the requests with KV there end with an error and the others go on (False)."""
+        the cluster, the peer counts as lost: the requests with KV there recompute it and the
+        others go on (False)."""
         failures = self._peer_step_failures.get(exc.inst_id, 0) + 1
         self._peer_step_failures[exc.inst_id] = failures
         gone = exc.inst_id not in self.membership.members()
         if failures < PEER_STEP_RETRIES and not gone:
             log.warning("step retried: the part of instance %d failed (%d in a row): %s", exc.inst_id, failures, exc.error)
             return True
-        bm = self.engine.block_manager
-        stranded = [r for r in list(self.engine.scheduler.requests) if bm.has_request(r)
-                    and any(seg.instance_id == exc.engine_id for seg in bm.block_table(r))]
         self._peer_step_failures.pop(exc.inst_id, None)
-        self._fail_requests(stranded, f"instance {exc.inst_id}, which holds part of their KV, "
-                                      f"{'left the cluster' if gone else f'failed {failures} steps in a row'}: {exc.error}")
+        self._recover_from_lost_peer(exc.inst_id, exc.engine_id, gone,
+                                     f"{'left the cluster' if gone else f'failed {failures} steps in a row'}: {exc.error}")
         return False
+
+    def _recover_from_lost_peer(self, inst_id: int, engine_id: int, gone: bool, why: str) -> None:
+        """The KV that instance ``inst_id`` held for this home's requests is lost: they recompute
+        it from their token ids (``LLMEngine.recover_lost``), into home blocks that later spills
+        move on to peers with room; those whose lost KV the cluster cannot hold end with an
+        error. A peer still in the membership (alive but failing) is told to free the segments."""
+        self.peers.quarantine(inst_id, time.monotonic() + LOST_PEER_QUARANTINE_S)
+        lost = self.engine.recover_lost(engine_id, blocks_elsewhere=self.lender.num_blocks_elsewhere())
+        if not lost.segments:
+            return
+        if not gone:
+            for request_id, segments in lost.segments.items():
+                for segment in segments:
+                    self.lender.release(request_id, segment)
+        if lost.unrecoverable:
+            self._fail_requests(list(lost.unrecoverable),
+                                f"instance {inst_id}, which held part of their KV, {why}; the cluster has no room "
+                                "to recompute it")
+        if lost.recomputing:
+            log.warning("instance %d, which held part of the KV of %d requests, %s: they recompute %d tokens",
+                        inst_id, len(lost.recomputing), why, sum(lost.recomputing.values()))
+
+    def _note_recovered(self) -> None:
+        """Count the requests whose lost KV is recomputed (they decode again)."""
+        while self.engine.recovered:
+            done = self.engine.recovered.popleft()
+            self.metrics.segments_recomputed.inc(done.num_segments)
+            self.metrics.tokens_recomputed.inc(done.num_tokens)
+            self.metrics.recompute_seconds.observe(done.seconds)
+            log.info("request %s recomputed %d tokens of %d lost segments in %.2f s: it decodes again",
+                     done.request_id, done.num_tokens, done.num_segments, done.seconds)
 
     def _peers_answered(self, outputs) -> None:
         """A step completed: the peers that held KV of the requests it advanced answered their
@@ -972,6 +1007,8 @@ class InstanceDaemon:
             run = (member.peer_host, member.pid, member.run_id)
             before = self._member_runs.get(inst_id)
             self._member_runs[inst_id] = run
+            if before is not None and before != run:
+                self.peers.end_quarantine(inst_id)
             if before is None or before == run or inst_id not in self.ledger.last_heard:
                 continue
             if member.run_id and self.ledger.home_runs.get(inst_id) == member.run_id:

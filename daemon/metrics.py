@@ -121,6 +121,15 @@ class InstanceMetrics:
         self.attend_serve_seconds = Histogram(
             "infllm_attend_serve_seconds", "Serving one attend request for another instance (compute), seconds",
             buckets=(2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1), registry=r)
+        self.segments_recomputed = Counter(
+            "infllm_segments_recomputed", "KV segments of this home's requests recomputed after the instance "
+            "holding them was lost", registry=r)
+        self.tokens_recomputed = Counter(
+            "infllm_tokens_recomputed", "Tokens whose KV was recomputed after the instance holding it was lost",
+            registry=r)
+        self.recompute_seconds = Histogram(
+            "infllm_recompute_seconds", "From a creditor's loss to the end of a request's recompute, seconds",
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0), registry=r)
         self.prompt_tokens = Counter("infllm_prompt_tokens", "Prompt tokens prefilled", registry=r)
         self.generated_tokens = Counter("infllm_generated_tokens", "Output tokens generated", registry=r)
         self.tokens_per_second = Gauge(

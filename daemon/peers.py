@@ -70,6 +70,7 @@ class Peer:
     num_blocks_free: int  # last known, blocks
     draining: bool = False
     num_blocks_total: int = 0  # its pool, blocks
+    quarantined_until: float = 0.0  # time.monotonic(): lost lately, lent nothing before then
 
 
 # Blocks an idle instance does not publish as free for others: the padding block of its CUDA
@@ -103,6 +104,25 @@ class PeerDirectory:
     def by_inst(self, inst_id: int) -> Peer:
         return self._by_inst[inst_id]
 
+    def quarantine(self, inst_id: int, until: float) -> None:
+        """A peer lost with the KV it held (its parts failed): no block is lent to it, nor
+        counted on it, before ``until`` (time.monotonic()), or before it restarts. Its entry in
+        the membership may outlive it by a lease; a move to it would fail meanwhile."""
+        peer = self._by_inst.get(inst_id)
+        if peer is not None:
+            peer.quarantined_until = until
+
+    def end_quarantine(self, inst_id: int) -> None:
+        """The peer restarted: it may take blocks again."""
+        peer = self._by_inst.get(inst_id)
+        if peer is not None:
+            peer.quarantined_until = 0.0
+
+    def _usable(self) -> list[Peer]:
+        """Peers that may take blocks: not draining, not quarantined."""
+        now = time.monotonic()
+        return [p for p in self._by_inst.values() if not p.draining and p.quarantined_until <= now]
+
     def by_engine(self, engine_id: int) -> Peer:
         return self._by_engine[engine_id]
 
@@ -114,18 +134,16 @@ class PeerDirectory:
         """Peers that may take blocks (not draining), the most ``room`` first (default: their
         free blocks), the lower instance id first among equals."""
         room = room or (lambda p: p.num_blocks_free)
-        return sorted((p for p in self._by_inst.values() if not p.draining),
-                      key=lambda p: (room(p), -p.inst_id), reverse=True)
+        return sorted(self._usable(), key=lambda p: (room(p), -p.inst_id), reverse=True)
 
     def num_free_blocks(self) -> int:
-        return sum(p.num_blocks_free for p in self._by_inst.values() if not p.draining)
+        return sum(p.num_blocks_free for p in self._usable())
 
     def num_lendable_capacity(self) -> int:
         """The most the peers that are not draining could lend, blocks: their pools less what an
         idle instance keeps for itself (``IDLE_PEER_KEEPS_BLOCKS``), so that a request admitted
         on this capacity can start once the peers are idle."""
-        return sum(max(p.num_blocks_total - IDLE_PEER_KEEPS_BLOCKS, p.num_blocks_free)
-                   for p in self._by_inst.values() if not p.draining)
+        return sum(max(p.num_blocks_total - IDLE_PEER_KEEPS_BLOCKS, p.num_blocks_free) for p in self._usable())
 
 
 _ATTEND_OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

@@ -91,7 +91,49 @@ def test_systemd_sees_ready_watchdog_and_stopping(tmp_path):
             cluster.stop()
 
 
-def test_a_killed_creditor_ends_only_the_requests_with_kv_there(tmp_path):
+def test_a_killed_creditor_loses_no_request(tmp_path):
+    """kill -9 a creditor mid-decode: the home recomputes the KV it held (spilling it on to the
+    other creditor), and the request ends as the undisturbed run did, token for token."""
+    from infinite_llm.daemon.local_cluster import Generation, wait_for
+
+    cluster = LocalCluster(tmp_path, num_instances=3, pool_blocks=POOL_BLOCKS,
+                           extra_args=["--heartbeat-interval-s", "0.5"])
+    try:
+        cluster.wait_ready()
+        home = cluster[1]
+        prompt = passkey_prompt(50)  # 752 tokens: more than the home's 40 blocks of 16 hold
+        reference = Generation(home, prompt, max_tokens=300, timeout_s=300).join()
+        assert len(reference) == 300
+        wait_for("the creditors to free the reference's KV",
+                 lambda: not any(cluster[i].status()["held_segments"] for i in (2, 3)), timeout_s=30)
+        split = Generation(home, prompt, max_tokens=300, timeout_s=300)
+        wait_for("the split request to decode", lambda: len(split.tokens) >= 20, timeout_s=120)
+        holder = wait_for("a creditor to hold part of the request's KV",
+                          lambda: next((cluster[i] for i in (2, 3) if cluster[i].status()["held_segments"]), None))
+        survivor = cluster[5 - holder.inst_id]
+        local = Generation(home, "The sky is", max_tokens=60, timeout_s=300)
+        os.killpg(holder.process.pid, signal.SIGKILL)
+        holder.process.wait(timeout=10)
+        assert split.join() == reference and split.finish_reason == "length"
+        assert len(local.join()) == 60 and local.finish_reason == "length"
+        metrics = home.metrics()
+        assert metrics["infllm_segments_recomputed_total"] >= 1
+        assert metrics["infllm_tokens_recomputed_total"] >= 16
+        assert metrics["infllm_recompute_seconds_count"] == 1
+        assert metrics.get('infllm_requests_finished_total{reason="error"}', 0) == 0
+        log = home.log_path.read_text()
+        assert f"instance {holder.inst_id}, which held part of the KV of 1 requests" in log
+        # Nothing is left behind: the home's pool is free and the survivor holds nothing.
+        wait_for("the survivor to free what it held", lambda: not survivor.status()["held_segments"], timeout_s=30)
+        status = home.status()
+        assert not status["requests"] and status["pool"]["num_blocks_free"] == POOL_BLOCKS
+    finally:
+        cluster.stop()
+
+
+def test_a_killed_creditor_whose_kv_fits_nowhere_ends_only_its_requests(tmp_path):
+    """With the only creditor gone, the home cannot hold the split request's KV: that request
+    ends with a clear error, the others go on."""
     from infinite_llm.daemon.local_cluster import Generation, wait_for
 
     cluster = LocalCluster(tmp_path, num_instances=2, pool_blocks=POOL_BLOCKS,
@@ -111,7 +153,8 @@ def test_a_killed_creditor_ends_only_the_requests_with_kv_there(tmp_path):
         assert time.monotonic() - killed_at < 30
         assert local.join() and len(local.tokens) == 200 and local.finish_reason == "length"
         log = home.log_path.read_text()
-        assert "1 requests ended: instance 2, which holds part of their KV" in log
+        assert "1 requests ended: instance 2, which held part of their KV" in log
+        assert "the cluster has no room to recompute it" in log
         assert not home.status()["requests"]
     finally:
         cluster.stop()
