@@ -16,8 +16,8 @@ for what in "$@"; do
   case $what in
     exchange)
       timeout 240 python3 bench/step_exchange.py --device cuda --keys 61440 --steps 200
-      timeout 120 python3 bench/step_exchange.py --device cuda --keys 16384 --steps 200 --tag -32k
-      timeout 120 python3 bench/step_exchange.py --device cuda --keys 61440 --rows 8 --steps 100 --tag -8rows ;;
+      timeout 120 python3 bench/step_exchange.py --device cuda --keys 16384 --steps 200 --tag=-32k
+      timeout 120 python3 bench/step_exchange.py --device cuda --keys 61440 --rows 8 --steps 100 --tag=-8rows ;;
     model)
       [ -d /tmp/llama1b ] || timeout 200 python3 bench/random_model.py --shape llama3.2-1b \
         --tokenizer .bench-assets/tokenizer --out /tmp/llama1b ;;

@@ -56,6 +56,7 @@ def creditor_main(conn, args_dict: dict, host_dir: str) -> None:
     a = argparse.Namespace(**args_dict)
     device = torch.device(a.device)
     if device.type == "cuda":
+        device = torch.device("cuda", device.index or 0)  # the current device wants an index
         torch.cuda.set_device(device)
     else:
         torch.set_num_threads(1)  # the two processes share the host's cores
@@ -120,6 +121,15 @@ class Timer:
         return time.perf_counter() - self.t0
 
 
+def receive(conn, creditor, timeout_s: float = 120.0):
+    """The creditor's next answer; RuntimeError if it died or said nothing within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not conn.poll(0.5):
+        if not creditor.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"the creditor process {'exited' if not creditor.is_alive() else 'did not answer'}")
+    return conn.recv()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
@@ -147,6 +157,9 @@ def main() -> None:
     from infinite_llm.transport.tensors import TORCH_DTYPE_NAMES
 
     device = torch.device(args.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", device.index or 0)
+        torch.cuda.set_device(device)
     if device.type == "cpu":
         torch.set_num_threads(1)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -157,7 +170,7 @@ def main() -> None:
     creditor.start()
     dtype_name = TORCH_DTYPE_NAMES[dtype]
     parent.send(StepMailboxOpen(1, 2, args.layers, args.rows, args.heads, args.head_dim, dtype_name, "bench"))
-    opened = parent.recv()
+    opened = receive(parent, creditor)
     layout = layout_of(args.layers, args.rows, args.heads, args.head_dim, dtype_name)
     mailbox = open_mailbox(layout, opened.nbytes, device, opened.device[0] if opened.device else None, opened.host_path)
     slices = (server_slice(args),)
@@ -203,7 +216,7 @@ def main() -> None:
         qs = torch.randn(L, n, args.heads, args.head_dim, device=device, dtype=dtype)
         t0 = time.perf_counter()
         parent.send(StepBegin(1, 2, opened.mailbox_id, next(step_ids), L, slices, n))
-        assert parent.recv() == "queued"
+        assert receive(parent, creditor) == "queued"
         begin_s = time.perf_counter() - t0
         timer = Timer(device)
         for layer in range(L):
@@ -247,7 +260,7 @@ def main() -> None:
         results["local"].append(local_step())
         results["copy"].append(copy_step())
     parent.send("serve")
-    serve_s = parent.recv()
+    serve_s = receive(parent, creditor)
     parent.send(None)
     creditor.join(timeout=30)
 

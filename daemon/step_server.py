@@ -301,6 +301,15 @@ class StepServer:
                 graph.replay()
                 self.graph_replays += 1
                 return
+        if key not in served.eager:
+            # Once per plan and row count, before any wait is queued: the layers' kernels run
+            # once and the host waits for them. CUDA loads a kernel's module at its first launch
+            # (lazy loading, the default) and that load waits for the device's streams: launched
+            # behind a wait on a query that the home sends only once this step is acknowledged,
+            # the first launch would wait for the home, and the home for it. (The slot's result
+            # is overwritten by the step itself before its flag says it is there.)
+            self._attend(served.mailbox, plan, 0, num_rows)
+            torch.cuda.current_stream().synchronize()
         self._layers(served.mailbox, plan, num_rows)
         served.eager = {k for k in served.eager if k[0] == id(plan)} | {key}
 

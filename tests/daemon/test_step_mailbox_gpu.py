@@ -92,6 +92,28 @@ def _reference(pool, block_ids, num_tokens, layer, q):
     return torch.einsum("rhn,nhd->rhd", torch.softmax(scores, -1), v), torch.logsumexp(scores, -1)
 
 
+def _answer(conn, process, timeout_s: float = 60.0):
+    """The creditor's next answer, within ``timeout_s``; fails if it died or hangs."""
+    deadline = time.monotonic() + timeout_s
+    while not conn.poll(0.2):
+        assert process.is_alive(), "the creditor process died"
+        assert time.monotonic() < deadline, "the creditor did not answer"
+    return conn.recv()
+
+
+def _synchronize(stream: torch.cuda.Stream | None = None, timeout_s: float = 30.0) -> None:
+    """Wait for the stream (default: every stream of the device) within ``timeout_s``: a wait
+    on a flag that never comes fails the test rather than hang it."""
+    done = torch.cuda.Event()
+    done.record(stream)
+    deadline = time.monotonic() + timeout_s
+    while not done.query():
+        assert time.monotonic() < deadline, "the device did not finish the step"
+        time.sleep(0.001)
+    if stream is None:
+        torch.cuda.synchronize()
+
+
 def test_two_processes_exchange_every_layer_through_a_device_mailbox_and_a_dead_step_is_released() -> None:
     from infinite_llm.transport.messages import Ack, AttendSlice, StepBegin, StepMailboxOpen
     from infinite_llm.transport.step_mailbox import STATUS_OK, STATUS_TIMED_OUT, layout_of, open_mailbox
@@ -103,14 +125,14 @@ def test_two_processes_exchange_every_layer_through_a_device_mailbox_and_a_dead_
     try:
         home_end.send(2.0)
         home_end.send(StepMailboxOpen(1, 2, NUM_LAYERS, 2, NUM_HEADS, HEAD_DIM, "bfloat16", "h"))
-        opened, pool, block_ids = home_end.recv()
+        opened, pool, block_ids = _answer(home_end, process)
         layout = layout_of(NUM_LAYERS, 2, NUM_HEADS, HEAD_DIM, "bfloat16")
         mailbox = open_mailbox(layout, opened.nbytes, torch.device("cuda"), opened.device[0], "")
         flags = stream_flags()
         slices = (AttendSlice(7, 0, 1, 0, 60),)
         for step_id in range(1, 5):  # eager, captured, then replays
             home_end.send(StepBegin(1, 2, opened.mailbox_id, step_id, NUM_LAYERS, slices, 1))
-            assert isinstance(home_end.recv(), Ack)
+            assert isinstance(_answer(home_end, process), Ack)
             qs = torch.randn(NUM_LAYERS, 1, NUM_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
             results = []
             for layer in range(NUM_LAYERS):
@@ -119,7 +141,7 @@ def test_two_processes_exchange_every_layer_through_a_device_mailbox_and_a_dead_
                 flags.wait(flag_address(mailbox.result_flags, layer), FLAG_READY)
                 flags.write(flag_address(mailbox.result_flags, layer), FLAG_EMPTY)
                 results.append((mailbox.out[layer, :1].clone(), mailbox.lse[layer, :1].clone()))
-            torch.cuda.synchronize()
+            _synchronize(torch.cuda.current_stream())
             assert int(mailbox.status[0]) == STATUS_OK
             for layer, (out, lse) in enumerate(results):
                 ref_out, ref_lse = _reference(pool, block_ids, 60, layer, qs[layer].cpu().float())
@@ -128,7 +150,7 @@ def test_two_processes_exchange_every_layer_through_a_device_mailbox_and_a_dead_
         # A step whose home stops after its first layer: the creditor's watchdog gives it up,
         # and the home, waiting on its stream, is released by its own watchdog.
         home_end.send(StepBegin(1, 2, opened.mailbox_id, 5, NUM_LAYERS, slices, 1))
-        assert isinstance(home_end.recv(), Ack)
+        assert isinstance(_answer(home_end, process), Ack)
         mailbox.q[0, :1].copy_(qs[0])
         flags.write(flag_address(mailbox.q_flags, 0), FLAG_READY)
         waiting = torch.cuda.Stream()
@@ -136,15 +158,15 @@ def test_two_processes_exchange_every_layer_through_a_device_mailbox_and_a_dead_
             flags.wait(flag_address(mailbox.result_flags, 1), FLAG_READY)
         time.sleep(2.5)
         home_end.send("tick")
-        assert home_end.recv() == [(1, 5)]
-        torch.cuda.synchronize()  # the creditor's aborted waits let its graph end, and with it layer 1's flag
+        assert _answer(home_end, process) == [(1, 5)]
+        _synchronize(waiting)  # the creditor's aborted waits let its graph end, and with it layer 1's flag
         assert int(mailbox.status[0]) == STATUS_TIMED_OUT
         with torch.cuda.stream(waiting):
             flags.wait(flag_address(mailbox.result_flags, 3), FLAG_READY + 5)  # never set by anyone
         flags.write(flag_address(mailbox.result_flags, 3), FLAG_ABORTED + 5, torch.cuda.Stream())
-        waiting.synchronize()
+        _synchronize(waiting)
         home_end.send(None)
-        begun, replays, timeouts = home_end.recv()
+        begun, replays, timeouts = _answer(home_end, process)
         assert (begun, timeouts) == (5, 1) and replays >= 3
     finally:
         process.join(timeout=30)
