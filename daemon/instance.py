@@ -62,6 +62,7 @@ from infinite_llm.transport.messages import (
 )
 from infinite_llm.transport.step_mailbox import host_id
 
+from . import failpoints
 from .config import InstanceConfig, peer_spin_for
 from .creditor import CreditorAttention
 from .step_attention import MailboxRemoteAttention
@@ -652,7 +653,10 @@ class InstanceDaemon:
                     self._device_failed(exc)
                 raise
         if isinstance(message, TryMoveKV):
-            return self._try_move(message)
+            reply = self._try_move(message)
+            if isinstance(reply, MoveReserved):
+                failpoints.reached("move.reserved")
+            return reply
         if isinstance(message, HoldKV):
             self._note_home_run(message.home_inst_id, message.home_run)
             now = time.monotonic()
@@ -671,10 +675,12 @@ class InstanceDaemon:
             if message.commit_segment_id >= 0:  # the home's own move: committed with its data
                 self.ledger.commit(message.reservation_id, reservation.home_inst_id, reservation.req_id,
                                    message.commit_segment_id, time.monotonic())
+            failpoints.reached("move.stored")
             return KVBlocksStored(message.move_id, message.reservation_id, sum(r.num_blocks for r in message.runs))
         if isinstance(message, MoveCommit):
             self.ledger.commit(message.reservation_id, message.home_inst_id, message.req_id, message.segment_id,
                                time.monotonic())
+            failpoints.reached("move.committed")
             return None
         if isinstance(message, FreeSegment):
             if not self.ledger.free_segment(message.home_inst_id, message.req_id, message.segment_id,

@@ -127,6 +127,7 @@ class LocalCluster:
         self.socket_dir.chmod(0o755)
         self.state_dir = root / "state"
         self.instances: dict[int, Instance] = {}
+        self._launch: dict[int, tuple[list[str], dict[str, str]]] = {}  # instance id -> its command and env
         env = dict(os.environ, UCX_WARN_UNUSED_ENV_VARS="n", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         if device == "cpu":
             env["UCX_TLS"] = "tcp,sm,self"  # no GPU: TCP and shared memory on loopback
@@ -158,9 +159,38 @@ class LocalCluster:
                     "--max-num-batched-tokens", str(max_num_batched_tokens), "--device", devices[inst_id - 1],
                     "--http-port", "0", "--socket-path", str(socket_path), "--state-dir", str(self.state_dir),
                     "--peer-host", "127.0.0.1", *(extra_args or []), *instance_args[inst_id - 1]]
+            self._launch[inst_id] = (args, env)
             with open(log_path, "w") as log:
                 process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
             self.instances[inst_id] = Instance(inst_id, process, socket_path, log_path)
+
+    def restart(self, inst_id: int, extra_env: dict[str, str] | None = None, timeout_s: float = START_TIMEOUT_S) -> Instance:
+        """Start instance ``inst_id`` again, as it was started (plus ``extra_env``), once its
+        process has ended (killed by a test); returns it once it serves again. Its log goes on
+        in the same file."""
+        inst = self.instances[inst_id]
+        if inst.process.poll() is None:
+            raise RuntimeError(f"instance {inst_id} is still running")
+        args, env = self._launch[inst_id]
+        before = inst.process.pid
+        with open(inst.log_path, "a") as log:
+            process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=dict(env, **(extra_env or {})),
+                                       start_new_session=True)
+        inst.process = process
+        member_path = self.state_dir / "members" / f"{inst_id}.json"
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise RuntimeError(f"instance {inst_id} exited: {inst.log_path.read_text()[-3000:]}")
+            try:
+                member = json.loads(member_path.read_text())
+            except (OSError, ValueError):
+                member = {}
+            if member.get("pid") == process.pid and member.get("pid") != before:
+                inst.http_port = member["http_port"]
+                return inst
+            time.sleep(0.2)
+        raise TimeoutError(f"instance {inst_id} did not serve again within {timeout_s} s")
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
         """Every instance has published itself and sees every other one as a peer."""

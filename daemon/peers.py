@@ -57,6 +57,7 @@ from infinite_llm.transport.messages import (
 )
 
 from .ledger import CreditorLedger
+from . import failpoints
 from .metrics import InstanceMetrics
 
 log = logging.getLogger(__name__)
@@ -639,6 +640,7 @@ class TransportLender:
                 kv_data_timeout_s(self.timeout_s, num_blocks * block_nbytes))
             if not isinstance(stored, KVBlocksStored) or stored.num_blocks != num_blocks:
                 raise RuntimeError(f"instance {peer.inst_id} stored {stored!r}")
+            failpoints.reached("home.sent")
         except (TransportError, RuntimeError, TimeoutError) as exc:
             self._abandon(engine, move, peer)
             log.warning("move of request %s to instance %d failed: %s", request_id, peer.inst_id, exc)
@@ -896,6 +898,7 @@ async def forward_segment(transport: Transport, ledger: CreditorLedger, pool: to
         raise ValueError(f"segment {message.segment_id} of request {message.req_id} has {len(segment.block_ids)} "
                          f"blocks here, {len(message.dst_block_ids)} were reserved")
     nbytes = pool[0].nbytes * len(segment.block_ids)
+    failpoints.reached("forward.begin")
     try:
         stored = await packer.send(
             transport, PeerAddress(message.dst_host, message.dst_port), pool, segment.block_ids, message.dst_block_ids,
@@ -909,4 +912,5 @@ async def forward_segment(transport: Transport, ledger: CreditorLedger, pool: to
     if not isinstance(stored, KVBlocksStored):
         raise RuntimeError(f"instance {message.dst_inst_id} answered the blocks with {type(stored).__name__}")
     ledger.heard_from(message.home_inst_id, time.monotonic())
+    failpoints.reached("forward.sent")
     return stored
