@@ -343,6 +343,9 @@ class EtcdMembership:
         self.request_timeout_s = request_timeout_s  # each etcd request, s
         self._connection = EtcdConnection(endpoints, request_timeout_s)
         self._lease = None
+        # time.monotonic() until which the lease surely lives: its last grant or refresh was
+        # sent then less its TTL ago. Past it, etcd may have deleted this instance's record.
+        self._lease_good_until = 0.0
         self._members: dict[int, Member] = {}
         self._leader: LeaderInfo | None = None
         self._pending: Member | None = None  # the newest record not yet written
@@ -409,6 +412,12 @@ class EtcdMembership:
         if self._pending is not None and self._pending.inst_id == inst_id:
             self._pending = None
         self._wake.set()
+
+    def registered(self) -> bool:
+        """Whether this instance's record surely stands: its lease was granted or refreshed less
+        than a TTL ago. Cut off from etcd (a partition) it is not, once a TTL has passed: the
+        others no longer see it, and it takes no new work."""
+        return time.monotonic() < self._lease_good_until
 
     def members(self) -> dict[int, Member]:
         """Live members by instance id (those whose lease has not expired)."""
@@ -499,8 +508,12 @@ class EtcdMembership:
             if self._published is not None and self._published.inst_id == inst_id:
                 self._published = None
         if self._lease is not None:
+            sent_at = time.monotonic()
             reply = await with_timeout(client.refresh_lease(self._lease.id), timeout_s)
-            if reply is None or reply.TTL <= 0:
+            if reply is not None and reply.TTL > 0:
+                self._lease_good_until = sent_at + reply.TTL
+            else:
+                self._lease_good_until = 0.0
                 # Expired (this process was paused or cut off for a TTL): etcd deleted the
                 # record with it. A new lease, and the record again.
                 log.warning("the membership lease expired: registering again")
@@ -512,7 +525,9 @@ class EtcdMembership:
             return
         try:
             if self._lease is None:
+                sent_at = time.monotonic()
                 self._lease = await with_timeout(client.lease(self.lease_ttl_s), timeout_s)
+                self._lease_good_until = sent_at + self.lease_ttl_s
             await with_timeout(client.put(self.keys.member(member.inst_id), encode_member(member), lease=self._lease.id),
                            timeout_s)
         except BaseException:

@@ -192,6 +192,7 @@ class InstanceDaemon:
         self._moves_in_flight: set[asyncio.Task] = set()
         self._device_failure: BaseException | None = None  # a sticky device error: stop and exit 1
         self._pending_aborts: set[str] = set()  # requests whose clients left, ended at the next step boundary
+        self._registered_once = False  # the first registration is done (before it, start-up is under way)
         self._peer_step_failures: dict[int, int] = {}  # cluster id -> steps failed in a row for its part
         self._connecting: dict[int, asyncio.Task] = {}  # cluster id -> connection being opened ahead of use
         # Audits of the segments held here for other homes: home -> when it was first seen
@@ -235,6 +236,7 @@ class InstanceDaemon:
                 raise StartupError(f"instance {self.config.instance_id} could not register within "
                                    f"{registration_s:g} s (three etcd request timeouts): is the discovery "
                                    "(etcd or the state directory) reachable?")
+            self._registered_once = True
             self.notifier.ready(f"instance {self.config.instance_id} serving on {self.transport.address}")
             log.info("instance %d ready: peers at %s, HTTP on %s:%d, socket %s", self.config.instance_id,
                      self.transport.address, self.config.http_host, self.http_port, self.config.socket_path)
@@ -583,6 +585,12 @@ class InstanceDaemon:
     def _refuse_while_draining(self) -> None:
         if self.draining:
             raise RequestRefused("this instance is draining and admits no new requests", status=503)
+        if self._registered_once and not self.membership.registered():
+            # Cut off from the cluster's etcd for a lease: the others have dropped this instance,
+            # no peer lends to it or counts on it, and a request here would compete with the
+            # cluster for nothing. It takes work again once it registers again.
+            raise RequestRefused("this instance lost its cluster membership (its etcd lease expired): it admits "
+                                 "no new requests until it registers again", status=503)
 
     async def generate(self, prompt: str | tuple[int, ...] | None, messages: Sequence[dict[str, str]] | None,
                        params: SamplingParams, refuse_past_context: bool = False) -> AsyncIterator[GenerationEvent]:

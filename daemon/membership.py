@@ -51,6 +51,10 @@ class LocalMembership:
     async def close(self) -> None:
         """Nothing held open; ``withdraw`` removes the record."""
 
+    def registered(self) -> bool:
+        """A record in a local folder stands as long as this process runs."""
+        return True
+
     def publish(self, member: Member) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self.folder / f"{member.inst_id}.json"
