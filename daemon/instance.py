@@ -937,6 +937,8 @@ class InstanceDaemon:
         self.ledger.release_expired(now)
         self._publish()
         members = self.membership.members()
+        for inst_id in self.peers.retain_members(set(members)):
+            log.info("instance %d left the membership: it takes no blocks from here", inst_id)
         for member in members.values():
             if member.inst_id != self.config.instance_id:
                 peer = self.peers.update(member.inst_id, PeerAddress(member.peer_host, member.peer_port),

@@ -72,6 +72,10 @@ class Peer:
     draining: bool = False
     num_blocks_total: int = 0  # its pool, blocks
     quarantined_until: float = 0.0  # time.monotonic(): lost lately, lent nothing before then
+    # In the membership at its last reading. One that left (stopped, or its lease or record
+    # expired) keeps its entry, for the segments that name its engine id, but takes no block:
+    # its last published free blocks are not room anyone has.
+    in_membership: bool = True
 
 
 # Blocks an idle instance does not publish as free for others: the padding block of its CUDA
@@ -100,7 +104,20 @@ class PeerDirectory:
         else:
             peer.address, peer.num_blocks_free, peer.draining = address, num_blocks_free, draining
             peer.num_blocks_total = num_blocks_total
+        peer.in_membership = True
         return peer
+
+    def retain_members(self, member_ids: set[int]) -> list[int]:
+        """The membership now lists ``member_ids``: every other peer counts as gone (it takes no
+        block, and no room is counted on it) until it is listed again. Returns the ids of the
+        peers found gone by this reading."""
+        left = []
+        for peer in self._by_inst.values():
+            present = peer.inst_id in member_ids
+            if peer.in_membership and not present:
+                left.append(peer.inst_id)
+            peer.in_membership = present
+        return left
 
     def by_inst(self, inst_id: int) -> Peer:
         return self._by_inst[inst_id]
@@ -120,9 +137,10 @@ class PeerDirectory:
             peer.quarantined_until = 0.0
 
     def _usable(self) -> list[Peer]:
-        """Peers that may take blocks: not draining, not quarantined."""
+        """Peers that may take blocks: in the membership, not draining, not quarantined."""
         now = time.monotonic()
-        return [p for p in self._by_inst.values() if not p.draining and p.quarantined_until <= now]
+        return [p for p in self._by_inst.values()
+                if p.in_membership and not p.draining and p.quarantined_until <= now]
 
     def by_engine(self, engine_id: int) -> Peer:
         return self._by_engine[engine_id]
@@ -444,6 +462,7 @@ class TransportLender:
 
     async def _set_hold(self, inst_id: int, request_id: str, num_blocks: int) -> int:
         """Ask peer ``inst_id`` to keep ``num_blocks`` for the request; the blocks it keeps."""
+        peer = None
         try:
             peer = self.peers.by_inst(inst_id)
             reply = await self.transport.request(peer.address, HoldKV(self.peers.own_inst_id, int(request_id), num_blocks,
@@ -451,6 +470,9 @@ class TransportLender:
                                                  timeout_s=self.timeout_s)
         except (KeyError, TransportError) as exc:
             log.warning("hold of %d blocks for request %s on instance %d: %s", num_blocks, request_id, inst_id, exc)
+            if peer is not None and num_blocks > 0:
+                # Unreachable: no room is counted there until it publishes its free blocks again.
+                peer.num_blocks_free = 0
             return 0
         if not isinstance(reply, KVHoldReply):
             raise RuntimeError(f"instance {inst_id} answered a hold with {reply!r}")

@@ -5,7 +5,8 @@ gManager leader to drain it: instance 1 moves those segments to instance 3 betwe
 request finishes with the tokens of an undisturbed run, instance 2 exits 0 well within its
 drain_s and the gManager forgets it. Then, with no gManager running, SIGTERM to instance 3 while
 it holds blocks of another request of instance 1: it waits its (short) drain_s, warns that the
-blocks are lost to their home, and exits 0.
+blocks are lost to their home, and exits 0; the home, with no room left anywhere to recompute
+them, ends that request with an error.
 """
 
 from __future__ import annotations
@@ -153,7 +154,8 @@ def test_sigterm_without_a_leader_exits_at_the_deadline_and_says_what_is_lost(cl
     assert "no gManager leader is known" in log, log[-3000:]
     assert re.search(rf"WARNING infinite_llm.daemon.instance: stop deadline \(drain_s {SHORT_DRAIN_S:.0f} s\) "
                      r"passed holding \d+ blocks in \d+ segments? for instance 1: lost to their homes", log), log[-3000:]
-    # The home's request fails without its blocks; the home itself serves on.
+    # The home cannot recompute the lost blocks: instance 2 left, instance 3 is gone and its
+    # own pool is too small. The request fails with that said; the home itself serves on.
     run.thread.join(timeout=WAIT_S)
     assert not run.thread.is_alive() and run.finish_reason == "error", (run.finish_reason, run.error)
     wait_for("instance 1 runs nothing", lambda: cluster[1].status()["requests"] == [], timeout_s=10)

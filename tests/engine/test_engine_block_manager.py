@@ -107,12 +107,15 @@ def test_lend_refuses_bad_requests():
         bm.take_back("a", 0)
 
 
-def test_slot_mapping_refuses_positions_outside_the_home_tail():
+def test_slot_mapping_refuses_positions_outside_a_home_segment():
     bm = BlockManager(block_size=4, pool_blocks=[4, 4])
     bm.allocate("a", 8)
     bm.commit_move(bm.lend("a", 1, 1, num_written=8))
-    with pytest.raises(ValueError, match=r"positions \[0, 2\) are not in its home tail \[4, 8\)"):
+    with pytest.raises(ValueError, match=r"positions \[0, 2\) are not in one home segment \(\[0, 4\) is on instance 1\)"):
         bm.slot_mapping("a", 0, 2)
+    with pytest.raises(ValueError, match=r"positions \[2, 6\) are not in one home segment"):
+        bm.slot_mapping("a", 2, 6)
+    assert len(bm.slot_mapping("a", 4, 8)) == 4
 
 
 def test_plan_spill_takes_the_largest_lenders_first():
