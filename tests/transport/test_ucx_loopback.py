@@ -34,6 +34,7 @@ ucxx = pytest.importorskip("ucxx")
 from infinite_llm.transport import ucx  # noqa: E402  (after the skip)
 from infinite_llm.transport.ucx import UcxTransport  # noqa: E402
 from ucx_testlib import started  # noqa: E402
+from hostile_frames import peer_refuses, send_raw_and_read_refusal  # noqa: E402
 
 STARTUP_TIMEOUT_S = 30.0
 
@@ -269,41 +270,6 @@ def test_listener_restart_is_reached_again(ucx_loop, start_peer, client):
 
 
 # --- a live listener refuses malformed frames with ErrorReply and closes the connection ---
-
-
-def peer_refuses(data: bytes) -> bool:
-    """Whether the listener must refuse ``data``: it sees the announced length, zero-padded."""
-    limits = codec.FrameLimits()
-    if len(data) >= codec.PREAMBLE.size:
-        announced = codec.frame_length(data[:codec.PREAMBLE.size])
-        if announced > limits.max_header_bytes:
-            return True
-        data = data[:announced] + bytes(max(0, announced - len(data)))
-    else:
-        data = data + bytes(codec.PREAMBLE.size - len(data))
-    try:
-        codec.decode_header(data, limits)
-    except Exception:  # noqa: BLE001  (any refusal counts here)
-        return True
-    return False
-
-
-async def send_raw_and_read_refusal(address: PeerAddress, data: bytes) -> m.ErrorReply:
-    endpoint = await ucxx.create_endpoint(address.host, address.port)
-    try:
-        async with asyncio.timeout(5):
-            await endpoint.send(np.frombuffer(data, dtype=np.uint8) if data
-                                else np.zeros(0, np.uint8))
-            reply_buffer = np.zeros(1 << 16, dtype=np.uint8)
-            await endpoint.recv(reply_buffer)
-        header = codec.decode_header(
-            reply_buffer[:codec.frame_length(reply_buffer[:codec.PREAMBLE.size])].tobytes(),
-            codec.FrameLimits())
-        # It answers the refused frame where the listener could read its id, else nothing.
-        assert header.reply_to is None or type(header.reply_to) is int
-        return header.message
-    finally:
-        endpoint.abort()
 
 
 def test_live_listener_refuses_an_oversized_frame(ucx_loop, start_peer, client):
