@@ -1172,11 +1172,15 @@ class InstanceDaemon:
         queued, steps given up by the watchdog)."""
         remote = self.remote if isinstance(self.remote, MailboxRemoteAttention) else None
         server = self.step_server
+        graphs = self.engine.split_decode_graphs if self.engine is not None else None
         return {
             "mode": "mailboxes" if remote is not None else "messages",
             "home_steps_on_mailboxes": remote.steps_on_mailboxes if remote else 0,
             "home_steps_failed": remote.steps_failed if remote else 0,
             "home_mailboxes": remote.mailbox_peers if remote else [],
+            # Split decode steps run as one graph, remote parts included, and graphs captured.
+            "home_step_graph_replays": graphs.replays if graphs else 0,
+            "home_step_graph_captures": graphs.captures if graphs else 0,
             "creditor_mailboxes": server.num_mailboxes if server else 0,
             "creditor_steps_begun": server.steps_begun if server else 0,
             "creditor_graph_replays": server.graph_replays if server else 0,

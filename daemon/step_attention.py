@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from infinite_llm.engine.dist_attention import AttendBatch, RemoteAttention
+from infinite_llm.engine.dist_attention import AttendBatch, DevicePart, RemoteAttention
 from infinite_llm.kernels import AttentionState
 from infinite_llm.transport.errors import TransportError
 from infinite_llm.transport.interface import Transport
@@ -74,6 +74,26 @@ class _Opened:
     inst_id: int
 
 
+class _MailboxPart(DevicePart):
+    """A creditor's device mailbox as a step graph's part: flags set and awaited by stream
+    memory operations, which a graph captures."""
+
+    def __init__(self, opened: _Opened) -> None:
+        mailbox = opened.mailbox
+        self.key = (opened.inst_id, opened.mailbox_id)
+        self.q, self.out, self.lse = mailbox.q, mailbox.out, mailbox.lse
+        self._q_flags, self._result_flags = mailbox.q_flags, mailbox.result_flags
+        self._flags = stream_flags()
+
+    def announce_query(self, layer: int) -> None:
+        self._flags.write(flag_address(self._q_flags, layer), FLAG_READY)
+
+    def await_result(self, layer: int) -> None:
+        result_flag = flag_address(self._result_flags, layer)
+        self._flags.wait(result_flag, FLAG_READY)
+        self._flags.write(result_flag, FLAG_EMPTY)
+
+
 @dataclass
 class _StepOnMailbox:
     """One creditor's part of one step, through its mailbox."""
@@ -108,6 +128,7 @@ class MailboxRemoteAttention(RemoteAttention):
         self._opening: dict[int, asyncio.Task] = {}
         self._refused_until: dict[int, float] = {}
         self._steps: dict[tuple[int, int], _StepOnMailbox] = {}  # (step id, engine id) -> the part
+        self._parts: dict[tuple[int, int], _MailboxPart] = {}  # (inst id, mailbox id) -> its graph part
         self._side_stream: torch.cuda.Stream | None = None
         self._tasks: set[asyncio.Task] = set()
         self.steps_on_mailboxes = 0
@@ -156,6 +177,7 @@ class MailboxRemoteAttention(RemoteAttention):
         opened = self._opened.pop(inst_id, None)
         if opened is None:
             return
+        self._parts.pop((inst_id, opened.mailbox_id), None)
         log.warning("instance %d: step mailbox %d dropped: %s", inst_id, opened.mailbox_id, why)
         try:
             peer = self.peers.by_inst(inst_id)
@@ -193,6 +215,31 @@ class MailboxRemoteAttention(RemoteAttention):
         self._steps[(batch.step_id, batch.instance_id)] = step
         self.steps_on_mailboxes += 1
         return step
+
+    def begin_device_step(self, batches) -> list[DevicePart] | None:
+        """Every batch's creditor with a device mailbox open: a StepBegin to each, and their
+        parts for the step's graph. Else None, nothing sent (and mailboxes opened where
+        missing, for the steps to come)."""
+        opened = []
+        for batch in batches:
+            peer = self.peers.by_engine(batch.instance_id)
+            mailbox = self._opened.get(peer.inst_id)
+            if mailbox is None:
+                self._ensure_opening(peer)
+            opened.append(mailbox)
+        if any(o is None or not o.mailbox.is_cuda for o in opened) or \
+                any(batch.num_rows_host > self.max_rows for batch in batches):
+            return None
+        parts = []
+        for batch, o in zip(batches, opened):
+            if self._begin(batch) is None:  # not reached: checked above
+                raise RuntimeError(f"step {batch.step_id}: mailbox {o.mailbox_id} could not begin")
+            key = (o.inst_id, o.mailbox_id)
+            parts.append(self._parts.get(key) or self._parts.setdefault(key, _MailboxPart(o)))
+        return parts
+
+    def live_device_parts(self) -> set:
+        return {(o.inst_id, o.mailbox_id) for o in self._opened.values()}
 
     def start(self, batch: AttendBatch, layer: int, q: torch.Tensor, sm_scale: float) -> Awaitable[AttentionState]:
         key = (batch.step_id, batch.instance_id)

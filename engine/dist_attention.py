@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Hashable
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -127,6 +127,45 @@ class RemoteAttention(abc.ABC):
 
     def abandon_step(self, step_id: int) -> None:
         """The step failed before ``finish_step``: let go of what its queued parts hold."""
+
+    def begin_device_step(self, batches: Sequence[AttendBatch]) -> list[DevicePart] | None:
+        """Where every batch's creditor takes this step's layers on the device (a mailbox the
+        home's stream writes and waits on): the step begun with each of them and their parts, in
+        the order of ``batches``. None, and nothing begun, where any of them cannot (the step
+        then goes layer by layer through ``start``)."""
+        return None
+
+    def live_device_parts(self) -> set[Hashable]:
+        """The ``key`` of every device part that may still be given out: a graph captured over
+        a part whose key is not here reads memory that is gone, and is dropped."""
+        return set()
+
+
+class DevicePart(abc.ABC):
+    """A creditor's part of a decode step queued on the home's stream, capturable in a graph.
+
+    Per layer: the rows of the query written into ``q[layer, :rows]``, ``announce_query``;
+    later ``await_result`` and the part read from ``out[layer, :rows]`` and
+    ``lse[layer, :rows]``. The creditor attends for the rows its ``StepBegin`` named, the
+    batch's entries in order. The tensors stay where they are while ``key`` is live.
+    """
+
+    key: Hashable  # unique for the life of the memory below
+    q: torch.Tensor  # [num_layers, max_rows, num_heads, head_dim], the step's dtype
+    out: torch.Tensor  # [num_layers, max_rows, num_heads, head_dim], the step's dtype
+    lse: torch.Tensor  # [num_layers, max_rows, num_heads] float32, natural log
+
+    @property
+    def max_rows(self) -> int:
+        return self.q.shape[1]
+
+    @abc.abstractmethod
+    def announce_query(self, layer: int) -> None:
+        """Queue on the current stream: the layer's query rows are there."""
+
+    @abc.abstractmethod
+    def await_result(self, layer: int) -> None:
+        """Queue on the current stream: wait for the layer's part, then mark it taken."""
 
 
 class InProcessRemoteAttention(RemoteAttention):

@@ -21,11 +21,11 @@ from infinite_llm.kernels import KVPoolShape, allocate_kv_pool
 
 from .block_manager import BlockManager, Segment, SegmentMove
 from .config import EngineConfig
-from .dist_attention import (BlockIdArrays, DistAttention, InProcessRemoteAttention, RemoteAttention,
-                             build_step_attention)
+from .dist_attention import (BlockIdArrays, DevicePart, DistAttention, InProcessRemoteAttention, RemoteAttention,
+                             StepAttention, build_step_attention)
 from .loader import Checkpoint, load_checkpoint
 from .model import LlamaModel
-from .cuda_graphs import DEFAULT_BATCH_SIZES, LocalDecodeGraphs, PiecewiseDecodeGraphs
+from .cuda_graphs import DEFAULT_BATCH_SIZES, LocalDecodeGraphs, PiecewiseDecodeGraphs, SplitDecodeGraphs
 from .lending import KVLender
 from .sampling import Sampler, SamplingParams
 from .scheduler import Request, Scheduler, SchedulerOutput
@@ -149,12 +149,16 @@ class LLMEngine:
         self.sampler = Sampler()
         self.decode_graphs: PiecewiseDecodeGraphs | None = None
         self.local_decode_graphs: LocalDecodeGraphs | None = None
+        self.split_decode_graphs: SplitDecodeGraphs | None = None
         if self.device.type == "cuda" and config.cuda_graphs:
             sizes = tuple(b for b in DEFAULT_BATCH_SIZES if b < config.max_num_seqs) + (config.max_num_seqs,)
             self.decode_graphs = PiecewiseDecodeGraphs(self.model, sizes)
             # One home block is never given to a request: padded rows of graph steps write there.
             (padding_block,) = self.block_manager.reserve_home_blocks(1)
             self.local_decode_graphs = LocalDecodeGraphs(
+                self.model, self.pools[self.home_instance_id], padding_block * config.block_size, sizes,
+                -(-self.max_model_len // config.block_size))
+            self.split_decode_graphs = SplitDecodeGraphs(
                 self.model, self.pools[self.home_instance_id], padding_block * config.block_size, sizes,
                 -(-self.max_model_len // config.block_size))
         self._states: dict[str, _RequestState] = {}
@@ -456,6 +460,18 @@ class LLMEngine:
             logits = self.local_decode_graphs.forward(ids, pos, layout.slot_mapping, home_batch.block_tables,
                                                       home_batch.kv_lens, rows)
             self.remote.end_step(step_id)
+        elif (device_parts := self._begin_device_step(decode, layout)) is not None:
+            # Every creditor of the step takes it on the device: the whole step, remote parts
+            # included, is one graph.
+            remote_ids = [i for i in layout.batches if i != self.home_instance_id]
+            try:
+                logits = self.split_decode_graphs.forward(ids, pos, layout, self.home_instance_id, remote_ids,
+                                                          device_parts, rows)
+            except BaseException:
+                self.remote.abandon_step(step_id)
+                raise
+            finally:
+                self.remote.end_step(step_id)
         else:
             # Planned only here: the whole-step graph above reads the layout's tables itself.
             attention = DistAttention(layout, self.pools[self.home_instance_id], self.home_instance_id, self.remote,
@@ -477,6 +493,15 @@ class LLMEngine:
             self.remote.abandon_step(step_id)
             raise
         return self._sample(scheduled, logits)
+
+    def _begin_device_step(self, decode: bool, layout: StepAttention) -> list[DevicePart] | None:
+        """A split decode step begun with creditors that all take it on the device (their
+        parts, in the layout's order of instances), or None: the step goes layer by layer."""
+        graphs = self.split_decode_graphs
+        if not decode or graphs is None or len(layout.batches) == 1 or not graphs.can_run(layout, self.home_instance_id):
+            return None
+        graphs.forget_parts(self.remote.live_device_parts())
+        return self.remote.begin_device_step([b for i, b in layout.batches.items() if i != self.home_instance_id])
 
     async def _until_device_done(self, step_id: int) -> None:
         """Let the event loop turn while the device runs the step's queued kernels, instead of

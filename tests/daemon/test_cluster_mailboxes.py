@@ -4,6 +4,7 @@ the mailbox, and greedy tokens identical to one instance's."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -38,10 +39,11 @@ def generate_split(cluster: LocalCluster) -> tuple[list[int], str, set[int]]:
     return tokens, text, seen_on
 
 
-def reference_tokens() -> list[int]:
+def reference_tokens(device: str = "cpu", model: str | None = None) -> list[int]:
     torch.set_num_threads(1)
-    engine = LLMEngine(load_checkpoint(None, show_progress=False),
-                       EngineConfig(block_size=16, pool_blocks=(512,), max_num_batched_tokens=128))
+    engine = LLMEngine(load_checkpoint(model, show_progress=False),
+                       EngineConfig(block_size=16, pool_blocks=(512,), max_num_batched_tokens=128, device=device,
+                                    dtype="float32"))
     (output,) = engine.generate([LONG_PROMPT], SamplingParams(max_tokens=NEW_TOKENS))
     return list(output.token_ids)
 
@@ -68,3 +70,34 @@ def test_a_split_request_decodes_through_mailboxes_and_matches_one_instance(tmp_
         assert c["creditor_steps_begun"] >= NEW_TOKENS // 4, (i, c)
         assert c["creditor_steps_timed_out"] == 0, (i, c)
     assert home["home_steps_on_mailboxes"] == sum(c["creditor_steps_begun"] for c in creditors.values())
+
+
+# Two instances: one part here and one on the creditor per row (the two-part merge); three:
+# three parts per row (the general merge).
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("num_instances,pool_blocks", [(2, 48), (3, POOL_BLOCKS)])
+def test_on_a_gpu_a_split_decode_step_is_one_graph_and_matches_one_instance(tmp_path, num_instances, pool_blocks):
+    # The GPU machine may lack the embedded model's package: a SmolLM2-shaped folder
+    # (bench/random_model.py) named by INFLLM_GPU_TEST_MODEL stands in for it.
+    model = os.environ.get("INFLLM_GPU_TEST_MODEL")
+    cluster = LocalCluster(tmp_path, num_instances=num_instances, pool_blocks=pool_blocks, device="cuda",
+                           extra_args=["--remote-attention", "mailboxes", "--dtype", "float32"]
+                           + (["--model", model] if model else []))
+    try:
+        cluster.wait_ready()
+        tokens, text, seen_on = generate_split(cluster)
+        home = cluster[1].status()["step_protocol"]
+        creditors = {i: cluster[i].status()["step_protocol"] for i in range(2, num_instances + 1)}
+    finally:
+        cluster.stop()
+    assert seen_on >= set(range(1, num_instances + 1)), f"the request's segments were seen only on {seen_on}"
+    assert tokens == reference_tokens("cuda", model)
+    assert home["mode"] == "mailboxes" and home["home_steps_failed"] == 0
+    # Once the mailboxes are open, each decode step is one graph replay at the home (the first
+    # steps go by messages while they open) and one graph launch at each creditor.
+    assert home["home_step_graph_replays"] >= NEW_TOKENS // 2, home
+    assert home["home_step_graph_captures"] <= 4, home
+    for i, c in creditors.items():
+        assert c["creditor_steps_timed_out"] == 0, (i, c)
+        assert c["creditor_graph_replays"] >= NEW_TOKENS // 4, (i, c)
