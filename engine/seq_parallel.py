@@ -19,7 +19,8 @@ document; they only score, see below). Per layer:
   block may be shorter; it is zero-padded for the all-gather and the padding cut off again;
 - the passing blocks are all-gathered;
 - the chunk's rows attend to the anchor block's document keys and the passing blocks of the
-  hosts before this one (no mask: all are earlier), and causally to their own chunk, merged by
+  hosts before this one (no mask: all are earlier), and causally to their own chunk: on CUDA in
+  one launch of ``kernels.prefix_causal_attention``, elsewhere as two attentions merged by
   log-sum-exp.
 
 So a host's attention is about its own chunk's, and only ``passing_len`` keys per host cross
@@ -40,14 +41,14 @@ the CPU).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-from infinite_llm.kernels import AttentionState, merge_attention_states
+from infinite_llm.kernels import AttentionState, merge_attention_states, prefix_causal_attention
 
 from .model import LlamaModel
 
@@ -198,15 +199,21 @@ def _merge(parts: list[AttentionState], dtype: torch.dtype) -> torch.Tensor:
 @dataclass(frozen=True)
 class APBConfig:
     anchor_len: int  # document tokens at the head of every host's rows but the first's
-    passing_len: int  # keys per KV head each host passes to the later hosts, per layer
+    passing_len: int  # keys per KV head each host passes to the later hosts, per layer (0: none)
     observe_len: int = 32  # with no query rows: the chunk's last rows that score its keys
     pool_width: int = 7  # scores are max-pooled over this many neighbouring keys (odd)
+    # "attention": keys ranked by the attention the scoring rows pay them (APB's own);
+    # "random": a random choice of as many keys, the ablation baseline of the accuracy bench.
+    scorer: str = "attention"
+    seed: int = 0  # the random scorer's seed (with the layer and host, one choice each)
 
     def __post_init__(self) -> None:
         if self.anchor_len < 0:
             raise ValueError(f"anchor_len must be >= 0, got {self.anchor_len}")
-        if self.passing_len <= 0:
-            raise ValueError(f"passing_len must be > 0, got {self.passing_len}")
+        if self.passing_len < 0:
+            raise ValueError(f"passing_len must be >= 0, got {self.passing_len}")
+        if self.scorer not in ("attention", "random"):
+            raise ValueError(f"scorer must be 'attention' or 'random', got {self.scorer!r}")
         if self.observe_len <= 0:
             raise ValueError(f"observe_len must be > 0, got {self.observe_len}")
         if self.pool_width <= 0 or self.pool_width % 2 == 0:
@@ -231,7 +238,8 @@ class HostPrefill:
 
 def passing_block(k: torch.Tensor, v: torch.Tensor, score_q: torch.Tensor, score_pos: torch.Tensor,
                   key_pos: torch.Tensor, config: APBConfig, sm_scale: float, *,
-                  first_candidate: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                  first_candidate: int = 0, generator: torch.Generator | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``passing_len`` keys of a chunk that its scoring rows attend to most, per KV head.
 
     Args:
@@ -242,6 +250,7 @@ def passing_block(k: torch.Tensor, v: torch.Tensor, score_q: torch.Tensor, score
         first_candidate: keys ``[:first_candidate]`` take part in the softmax but are never
             passed (host 0's anchor tokens: every later host holds them already, as its anchor
             block, and would count them twice).
+        generator: with ``config.scorer == "random"``, the CPU generator that draws the keys.
 
     Returns:
         ``(k, v)`` each ``[min(passing_len, n - first_candidate), kv_heads, head_dim]``, per head
@@ -254,6 +263,11 @@ def passing_block(k: torch.Tensor, v: torch.Tensor, score_q: torch.Tensor, score
     keep = min(config.passing_len, num_candidates)
     if keep == num_candidates:
         return k[first_candidate:], v[first_candidate:]
+    if config.scorer == "random":
+        drawn = torch.stack([torch.randperm(num_candidates, generator=generator)[:keep] for _ in range(kv_heads)])
+        chosen = drawn.sort(dim=-1).values.to(k.device) + first_candidate  # [kv_heads, keep]
+        index = chosen.t().unsqueeze(-1).expand(keep, kv_heads, head_dim)
+        return k.gather(0, index), v.gather(0, index)
     group = score_q.shape[1] // kv_heads
     # [kv_heads, group * s, head_dim] x [kv_heads, head_dim, n]: probabilities of every scoring row.
     q = score_q.float().view(-1, kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(kv_heads, -1, head_dim)
@@ -271,7 +285,8 @@ def passing_block(k: torch.Tensor, v: torch.Tensor, score_q: torch.Tensor, score
 
 
 async def apb_prefill(model: LlamaModel, group: HostGroup, chunk_ids: torch.Tensor, anchor_ids: torch.Tensor,
-                      query_ids: torch.Tensor, config: APBConfig) -> HostPrefill:
+                      query_ids: torch.Tensor, config: APBConfig,
+                      kv_sink: Callable[[int, torch.Tensor, torch.Tensor], object] | None = None) -> HostPrefill:
     """Prefill this host's chunk of the document with APB.
 
     Args:
@@ -285,6 +300,10 @@ async def apb_prefill(model: LlamaModel, group: HostGroup, chunk_ids: torch.Tens
             rows sit at positions ``doc_len ... doc_len + query_len - 1``, ``doc_len`` being all
             chunks' tokens together.
         config: anchor and passing lengths.
+        kv_sink: if given, called as ``kv_sink(layer, k, v)`` with each layer's chunk K and V
+            (``[chunk_len, kv_heads, head_dim]``, views that live until the next layer) instead
+            of keeping them: a server writes them into its KV pool as they are made, and
+            ``HostPrefill.kv`` is then empty.
 
     Returns:
         The host's :class:`HostPrefill` for its chunk rows (positions ``chunk_start ...
@@ -315,6 +334,8 @@ async def apb_prefill(model: LlamaModel, group: HostGroup, chunk_ids: torch.Tens
     first_candidate = [config.anchor_len] + [0] * (group.size - 1)
     pass_lens = [min(config.passing_len, n - skip) for n, skip in zip(chunk_lens, first_candidate)]
     pass_width = max(pass_lens)  # all_gather takes one shape: shorter blocks are zero-padded to it
+    # The random scorer draws on the CPU, the same keys whatever the device, one stream per host.
+    generator = torch.Generator().manual_seed(config.seed * 1_000_003 + group.rank) if config.scorer == "random" else None
 
     anchor_len = config.anchor_len if group.rank > 0 else 0
     query_len = query_ids.shape[0]
@@ -337,24 +358,38 @@ async def apb_prefill(model: LlamaModel, group: HostGroup, chunk_ids: torch.Tens
     for layer in range(c.num_layers):
         q, k, v = model.pre_attention(layer, hidden, positions)
         k_local, v_local = k[block_len:], v[block_len:]
-        k_pass, v_pass = passing_block(k_local, v_local, q[score_rows], score_pos, local_pos, config, model.sm_scale,
-                                       first_candidate=first_candidate[group.rank])
-        # sent: [2 (k, v), pass_width, kv_heads, head_dim], rows past pass_lens[rank] zero.
-        sent = F.pad(torch.stack([k_pass, v_pass]), (0, 0, 0, 0, 0, pass_width - k_pass.shape[0]))
-        gathered = await group.all_gather(sent)
-        # The padding is cut off here, so it never takes part in the attention.
-        earlier = [block[:, :n] for block, n in zip(gathered[:group.rank], pass_lens)]
+        if pass_width:
+            k_pass, v_pass = passing_block(k_local, v_local, q[score_rows], score_pos, local_pos, config,
+                                           model.sm_scale, first_candidate=first_candidate[group.rank],
+                                           generator=generator)
+            # sent: [2 (k, v), pass_width, kv_heads, head_dim], rows past pass_lens[rank] zero.
+            sent = F.pad(torch.stack([k_pass, v_pass]), (0, 0, 0, 0, 0, pass_width - k_pass.shape[0]))
+            gathered = await group.all_gather(sent)
+            # The padding is cut off here, so it never takes part in the attention.
+            earlier = [block[:, :n] for block, n in zip(gathered[:group.rank], pass_lens)]
+        else:
+            earlier = []  # no passing blocks: each host sees the anchor and its own chunk only
         prefix_k = torch.cat([k[:anchor_len], *(g[0] for g in earlier)])
         prefix_v = torch.cat([v[:anchor_len], *(g[1] for g in earlier)])
         block_out = attention_with_lse(q[:block_len], k[:block_len], v[:block_len], causal=True,
                                        sm_scale=model.sm_scale).out
-        own = attention_with_lse(q[block_len:], k_local, v_local, causal=True, sm_scale=model.sm_scale)
-        parts = [own]
-        if prefix_k.shape[0]:
-            parts.append(attention_with_lse(q[block_len:], prefix_k, prefix_v, causal=False, sm_scale=model.sm_scale))
-        attn_out = torch.cat([block_out, _merge(parts, q.dtype)])
+        if device.type == "cuda":
+            # One Triton launch over [prefix; chunk] keys: the prefix unmasked, the chunk causal.
+            chunk_out = prefix_causal_attention(q[block_len:], torch.cat([prefix_k, k_local]),
+                                                torch.cat([prefix_v, v_local]), prefix_len=prefix_k.shape[0],
+                                                sm_scale=model.sm_scale).out
+        else:
+            parts = [attention_with_lse(q[block_len:], k_local, v_local, causal=True, sm_scale=model.sm_scale)]
+            if prefix_k.shape[0]:
+                parts.append(attention_with_lse(q[block_len:], prefix_k, prefix_v, causal=False,
+                                                sm_scale=model.sm_scale))
+            chunk_out = _merge(parts, q.dtype)
+        attn_out = torch.cat([block_out, chunk_out])
         hidden = model.post_attention(layer, hidden, attn_out)
-        kept.append((k_local.contiguous(), v_local.contiguous()))
+        if kv_sink is None:
+            kept.append((k_local.contiguous(), v_local.contiguous()))
+        else:
+            kv_sink(layer, k_local, v_local)
     return HostPrefill(kept, local_pos, hidden[block_len:])
 
 
@@ -413,4 +448,31 @@ async def exact_prefill(model: LlamaModel, prompt_ids: torch.Tensor) -> HostPref
         out = attention_with_lse(q, k, v, causal=True, sm_scale=model.sm_scale).out
         hidden = model.post_attention(layer, hidden, out)
         kept.append((k, v.contiguous()))
+    return HostPrefill(kept, positions, hidden)
+
+
+async def extend_prefill(model: LlamaModel, past_kv: list[tuple[torch.Tensor, torch.Tensor]],
+                         ids: torch.Tensor) -> HostPrefill:
+    """Exact prefill of ``ids`` (``[n]`` int64) after a context whose KV is ``past_kv``.
+
+    ``past_kv``: per layer ``(k, v)`` each ``[p, kv_heads, head_dim]``, the context's tokens at
+    positions ``0 .. p - 1`` in order (the hosts' chunks of an APB or ring prefill, concatenated).
+    The new rows sit at positions ``p .. p + n - 1``, attend to the whole context and causally
+    to each other. Returns their :class:`HostPrefill` (``kv``: the new rows' K and V only); a
+    reference for what the serving path computes through DistAttention, and what the accuracy
+    bench decodes with.
+    """
+    device = model.device
+    past_len = past_kv[0][0].shape[0] if past_kv else 0
+    positions = torch.arange(past_len, past_len + ids.shape[0], device=device)
+    hidden = model.embed(ids.to(device))
+    kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for layer in range(model.config.num_layers):
+        q, k, v = model.pre_attention(layer, hidden, positions)
+        parts = [attention_with_lse(q, k, v, causal=True, sm_scale=model.sm_scale)]
+        if past_len:
+            parts.append(attention_with_lse(q, past_kv[layer][0], past_kv[layer][1], causal=False,
+                                            sm_scale=model.sm_scale))
+        hidden = model.post_attention(layer, hidden, _merge(parts, q.dtype))
+        kept.append((k.contiguous(), v.contiguous()))
     return HostPrefill(kept, positions, hidden)

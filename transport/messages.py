@@ -766,6 +766,91 @@ class StepMailboxClose:
 
 
 @dataclass(frozen=True)
+class APBChunkPrefill:
+    """Home -> each other host of an APB prefill: compute chunk ``rank`` of the document into
+    the blocks reserved for it here (a ``TryMoveKV`` made the reservation), meeting the other
+    hosts per layer through ``APBPassing``; answered with ``APBChunkDone`` once the chunk's KV
+    is this instance's held segment of the request, or an ``ErrorReply``."""
+
+    TYPE: ClassVar[str] = "apb_chunk_prefill"
+    VERSION: ClassVar[int] = 1
+    TENSORS: ClassVar[tuple[str, ...]] = ("token_ids",)
+
+    home_inst_id: int  # the request's home (sender)
+    req_id: int  # request id, unique per home instance
+    home_run: int  # the home's run (its membership record's run_id)
+    rank: int  # this host's chunk, 0-based, in document order
+    host_inst_ids: tuple[int, ...]  # every host, in rank order (the home is one of them)
+    reservation_id: int  # the blocks here that the chunk's KV fills, in token order
+    token_start: int  # the chunk's first position, a multiple of block_size
+    anchor_len: int  # tokens at the head of token_ids: the document's first tokens (0 on rank 0)
+    query_len: int  # tokens after the anchor: the query, which scores the passing blocks
+    chunk_len: int  # tokens after the query: this host's chunk
+    passing_len: int  # keys per KV head each host passes on, per layer (0: none)
+    pool_width: int  # scores max-pooled over this many neighbouring keys (odd)
+    observe_len: int  # with no query: the chunk's last rows that score its keys
+    scorer: str  # "attention" or "random"
+    seed: int  # the random scorer's seed
+    layer_timeout_ms: int  # the longest a host waits for the others' passing blocks of a layer
+    token_ids: WireArray  # [anchor_len + query_len + chunk_len] int64
+
+    def __post_init__(self) -> None:
+        _require_not_negative("home_inst_id, req_id, home_run, rank, reservation_id, token_start, anchor_len, "
+                              "query_len, passing_len, seed", self.home_inst_id, self.req_id, self.home_run,
+                              self.rank, self.reservation_id, self.token_start, self.anchor_len, self.query_len,
+                              self.passing_len, self.seed)
+        _require(self.chunk_len > 0, "chunk_len must be positive")
+        _require(0 < len(self.host_inst_ids) == len(set(self.host_inst_ids)), "host_inst_ids must be distinct, "
+                 "at least one")
+        _require(self.rank < len(self.host_inst_ids), "rank must name one of host_inst_ids")
+        _require(self.pool_width > 0 and self.pool_width % 2 == 1, "pool_width must be a positive odd number")
+        _require(self.observe_len > 0 and self.layer_timeout_ms > 0, "observe_len and layer_timeout_ms must be "
+                 "positive")
+        _require(self.scorer in ("attention", "random"), "scorer must be 'attention' or 'random'")
+        _require(tuple(self.token_ids.shape) == (self.anchor_len + self.query_len + self.chunk_len,),
+                 "token_ids must be [anchor_len + query_len + chunk_len]")
+
+
+@dataclass(frozen=True)
+class APBChunkDone:
+    """Host -> home: the chunk's KV is written and held here as the request's segment
+    ``token_start // block_size`` (committed from ``reservation_id``)."""
+
+    TYPE: ClassVar[str] = "apb_chunk_done"
+    VERSION: ClassVar[int] = 1
+
+    req_id: int  # echoed
+    reservation_id: int  # echoed: the held copy's id
+    num_tokens: int  # tokens written, the chunk's
+    passing_bytes: int  # bytes of passing blocks this host sent, all layers and hosts
+    compute_ms: int  # this host's time from the start to the last layer's end
+
+    def __post_init__(self) -> None:
+        _require_not_negative("req_id, reservation_id, num_tokens, passing_bytes and compute_ms", self.req_id,
+                              self.reservation_id, self.num_tokens, self.passing_bytes, self.compute_ms)
+
+
+@dataclass(frozen=True)
+class APBPassing:
+    """Host -> host of one APB prefill: one round of its collectives (the chunk lengths before
+    layer 0, then each layer's passing block), answered with ``Ack`` once it is buffered."""
+
+    TYPE: ClassVar[str] = "apb_passing"
+    VERSION: ClassVar[int] = 1
+    TENSORS: ClassVar[tuple[str, ...]] = ("data",)
+
+    home_inst_id: int  # the request's home
+    req_id: int  # request id, unique per home instance
+    round: int  # the collective's number in the prefill, from 0
+    src_rank: int  # the sender's rank
+    data: WireArray  # the sender's tensor for this round (any shape; one dtype and shape per round)
+
+    def __post_init__(self) -> None:
+        _require_not_negative("home_inst_id, req_id, round and src_rank", self.home_inst_id, self.req_id,
+                              self.round, self.src_rank)
+
+
+@dataclass(frozen=True)
 class Ack:
     """The request was carried out; for requests whose success has nothing more to say."""
 
@@ -788,7 +873,8 @@ Message = (
     Heartbeat | HeartbeatReply | AttendRequest | AttendResult | TryMoveKV | MoveReserved
     | MoveRejected | HoldKV | KVHoldReply | KVBlocks | KVBlocksStored | MoveCommit | FreeSegment | AuditHeld | AuditHeldReply | ForwardSegment | MoveKV
     | Drain | Uncordon | Echo | EchoReply | SharedMemoryOffer | HeaderRingOffer | HeaderRingAccepted
-    | HeaderRingOpened | DevicePoolOffer | StepMailboxOpen | StepMailboxOpened | StepBegin | StepMailboxClose | Ack
+    | HeaderRingOpened | DevicePoolOffer | StepMailboxOpen | StepMailboxOpened | StepBegin | StepMailboxClose | APBChunkPrefill
+    | APBChunkDone | APBPassing | Ack
     | ErrorReply
 )
 
@@ -798,7 +884,8 @@ MESSAGE_TYPES: dict[str, type] = {
         Heartbeat, HeartbeatReply, AttendRequest, AttendResult, TryMoveKV, MoveReserved,
         MoveRejected, HoldKV, KVHoldReply, KVBlocks, KVBlocksStored, MoveCommit, FreeSegment, AuditHeld, AuditHeldReply, ForwardSegment, MoveKV,
         Drain, Uncordon, Echo, EchoReply, SharedMemoryOffer, HeaderRingOffer, HeaderRingAccepted,
-        HeaderRingOpened, DevicePoolOffer, StepMailboxOpen, StepMailboxOpened, StepBegin, StepMailboxClose, Ack,
+        HeaderRingOpened, DevicePoolOffer, StepMailboxOpen, StepMailboxOpened, StepBegin, StepMailboxClose, APBChunkPrefill,
+        APBChunkDone, APBPassing, Ack,
         ErrorReply,
     )
 }

@@ -14,6 +14,7 @@ from infinite_llm.engine.seq_parallel import (
     APBConfig,
     LocalHostGroup,
     apb_prefill,
+    extend_prefill,
     attention_with_lse,
     exact_prefill,
     passing_block,
@@ -285,7 +286,9 @@ def test_passing_block_keeps_the_most_attended_keys_per_head(first_candidate):
 
 def test_bad_apb_input_is_refused():
     with pytest.raises(ValueError, match="passing_len"):
-        APBConfig(anchor_len=0, passing_len=0)
+        APBConfig(anchor_len=0, passing_len=-1)
+    with pytest.raises(ValueError, match="scorer"):
+        APBConfig(anchor_len=0, passing_len=4, scorer="best")
     with pytest.raises(ValueError, match="pool_width"):
         APBConfig(anchor_len=0, passing_len=4, pool_width=4)
     model = tiny_model()
@@ -296,3 +299,57 @@ def test_bad_apb_input_is_refused():
         run_hosts(1, lambda g: apb_prefill(model, g, ids[:0], ids[:0], ids[:0], APBConfig(0, 4)))
     with pytest.raises(ValueError, match="multiple of 2 \\* hosts"):
         run_hosts(2, lambda g: ring_prefill(model, g, torch.arange(10)))
+
+
+def test_apb_without_passing_blocks_sees_the_anchor_and_its_own_chunk_only():
+    # Star-Attention-like: no all-gather per layer; host 1's rows equal an exact prefill of
+    # anchor + chunk 1 at their true positions, which the anchor-less host 0 row shows.
+    model = tiny_model()
+    size, chunk, anchor_len = 2, 12, 4
+    prompt = torch.randint(0, model.config.vocab_size, (size * chunk,), generator=torch.Generator().manual_seed(3))
+    config = APBConfig(anchor_len=anchor_len, passing_len=0)
+    groups, hosts = run_recording_hosts(size, lambda g: apb_prefill(model, g, prompt[g.rank * chunk:(g.rank + 1) * chunk],
+                                                                  prompt[:anchor_len], prompt[:0], config))
+    assert all(len(g.sent) == 1 for g in groups)  # only the chunk lengths, before layer 0
+    exact = asyncio.run(exact_prefill(model, prompt[:chunk]))
+    torch.testing.assert_close(hosts[0].hidden, exact.hidden, rtol=1e-4, atol=1e-4)
+    assert hosts[1].positions.tolist() == list(range(chunk, 2 * chunk))
+
+
+def test_apb_random_scorer_passes_as_many_keys_and_is_seeded():
+    model = tiny_model()
+    size, chunk = 3, 16
+    prompt = torch.randint(0, model.config.vocab_size, (size * chunk,), generator=torch.Generator().manual_seed(4))
+
+    def run(seed):
+        config = APBConfig(anchor_len=4, passing_len=5, scorer="random", seed=seed)
+        return run_recording_hosts(size, lambda g: apb_prefill(model, g, prompt[g.rank * chunk:(g.rank + 1) * chunk],
+                                                               prompt[:4], prompt[:0], config))
+    groups_a, hosts_a = run(1)
+    _, hosts_b = run(1)
+    _, hosts_c = run(2)
+    # every per-layer gather carries [2, 5, kv_heads, head_dim]
+    assert all(t.shape[1] == 5 for t in groups_a[0].sent[1:])
+    torch.testing.assert_close(hosts_a[2].hidden, hosts_b[2].hidden)
+    assert not torch.allclose(hosts_a[2].hidden, hosts_c[2].hidden)
+
+
+def test_apb_kv_sink_gets_every_layers_chunk_kv_and_extend_prefill_continues_exactly():
+    model = tiny_model()
+    size, chunk = 2, 10
+    prompt = torch.randint(0, model.config.vocab_size, (size * chunk + 3,), generator=torch.Generator().manual_seed(5))
+    doc, tail = prompt[:size * chunk], prompt[size * chunk:]
+    sunk: dict[int, dict[int, tuple]] = {0: {}, 1: {}}
+    config = APBConfig(anchor_len=0, passing_len=chunk)  # nothing dropped: exact
+
+    def host(g):
+        return apb_prefill(model, g, doc[g.rank * chunk:(g.rank + 1) * chunk], doc[:0], doc[:0], config,
+                           kv_sink=lambda layer, k, v: sunk[g.rank].__setitem__(layer, (k.clone(), v.clone())))
+    hosts = run_hosts(size, host)
+    assert all(h.kv == [] for h in hosts)
+    past = [(torch.cat([sunk[0][layer][0], sunk[1][layer][0]]), torch.cat([sunk[0][layer][1], sunk[1][layer][1]]))
+            for layer in range(model.config.num_layers)]
+    after = asyncio.run(extend_prefill(model, past, tail))
+    exact = asyncio.run(exact_prefill(model, prompt))
+    assert after.positions.tolist() == list(range(size * chunk, size * chunk + 3))
+    torch.testing.assert_close(after.hidden, exact.hidden[size * chunk:], rtol=1e-4, atol=1e-4)

@@ -90,6 +90,12 @@ def sample_messages() -> list[m.Message]:
         m.StepBegin(home_inst_id=2, creditor_inst_id=5, mailbox_id=3, step_id=91, num_layers=16,
                     slices=(m.AttendSlice(11, 0, 1, 1, 48), m.AttendSlice(13, 1, 2, 0, 16)), num_rows=3),
         m.StepMailboxClose(home_inst_id=2, mailbox_id=3),
+        m.APBChunkPrefill(home_inst_id=2, req_id=11, home_run=3, rank=0, host_inst_ids=(5, 2), reservation_id=8,
+                          token_start=0, anchor_len=0, query_len=4, chunk_len=32, passing_len=8, pool_width=7,
+                          observe_len=16, scorer="attention", seed=0, layer_timeout_ms=5000,
+                          token_ids=torch.arange(36, dtype=torch.int64)),
+        m.APBChunkDone(req_id=11, reservation_id=8, num_tokens=32, passing_bytes=4096, compute_ms=12),
+        m.APBPassing(home_inst_id=2, req_id=11, round=1, src_rank=0, data=torch.randn(2, 8, 2, 16).to(torch.bfloat16)),
         m.Ack(),
         m.ErrorReply(code=m.ErrorCode.STALE_EPOCH, detail="epoch 16 < 17"),
     ]

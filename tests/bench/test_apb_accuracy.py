@@ -1,0 +1,84 @@
+"""The APB accuracy benchmark on the CPU with the embedded model: the JSON it writes, and APB
+decoding exactly what exact prefill decodes when its passing blocks drop nothing."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from infinite_llm.bench.apb_accuracy import Method, apb_config, chunk_bounds, summarize
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "apb_accuracy.py"
+METHODS = ["exact", "apb-h2", "nopass-h2", "random-h2"]
+
+
+def _run(out: Path, *args: str) -> dict:
+    subprocess.run([sys.executable, str(BENCH), "--device", "cpu", "--lengths", "512", "--tasks", "passkey,multikey",
+                    "--out", str(out), *args], check=True, timeout=240)
+    return json.loads(out.read_text())
+
+
+def test_the_json_holds_every_method_task_and_length(tmp_path: Path) -> None:
+    result = _run(tmp_path / "acc.json", "--samples", "2", "--methods", ",".join(METHODS))
+    assert result["bench"] == "apb_accuracy" and result["device"] == "cpu" and result["dtype"] == "float32"
+    assert result["prompt_format"] == "raw" and result["model"].endswith(".gguf")
+    assert (result["anchor_frac"], result["passing_frac"], result["seeds"]) == (0.25, 0.125, [0, 1])
+    rows = {(r["method"], r["task"], r["length"]): r for r in result["results"]}
+    assert set(rows) == {(m, t, 512) for m in METHODS for t in ("passkey", "multikey")}
+    for (method, _, _), row in rows.items():
+        assert 0.0 <= row["accuracy"] <= 1.0 and row["samples"] == 2 and row["wall_s"] > 0
+        assert row["accuracy"] == row["correct"] / 2
+        assert 480 <= row["mean_prompt_tokens"] <= 512
+        assert (row["mean_passing_len"] == 0) == (method in ("exact", "nopass-h2"))
+        assert (row["mean_anchor_len"] > 0) == (method != "exact")
+
+    assert len(result["outputs"]) == 4  # 2 tasks x 2 samples
+    for sample in result["outputs"]:
+        assert 480 <= sample["prompt_tokens"] == sample["doc_tokens"] + sample["query_tokens"] <= 512
+        assert set(sample["outputs"]) == set(METHODS)
+        for output in sample["outputs"].values():
+            assert output["correct"] == (sample["answer"] in output["text"])
+    for (method, task, _), row in rows.items():
+        assert row["correct"] == sum(s["outputs"][method]["correct"] for s in result["outputs"] if s["task"] == task)
+
+    assert set(result["percent"]) == set(METHODS)
+    percent = result["percent"]
+    assert result["points_vs_exact"]["apb-h2"]["mean"] == percent["apb-h2"]["mean"] - percent["exact"]["mean"]
+    assert set(result["verdict"]["h2"]) >= {"points_vs_exact", "within_goal_of_exact", "above_nopass", "above_random",
+                                           "goal_met"}
+    assert result["verdict"]["goal_met"] == result["verdict"]["h2"]["goal_met"]
+
+
+def test_apb_that_drops_nothing_decodes_what_exact_decodes(tmp_path: Path) -> None:
+    result = _run(tmp_path / "acc.json", "--samples", "1", "--methods", "exact,apb-h2,apb-h4",
+                  "--passing-frac", "1", "--anchor-frac", "0")
+    for sample in result["outputs"]:
+        texts = {name: output["text"] for name, output in sample["outputs"].items()}
+        assert texts["exact"] and texts["apb-h2"] == texts["exact"] and texts["apb-h4"] == texts["exact"], texts
+
+
+def test_chunks_and_apb_lengths() -> None:
+    assert chunk_bounds(10, 4) == [(0, 2), (2, 5), (5, 7), (7, 10)]
+    config = apb_config(Method("apb-h4", "apb", 4), 10, anchor_frac=1.0, passing_frac=1.0, seed=3)
+    # The anchor fits host 0's chunk; the passing block covers the longest chunk.
+    assert (config.anchor_len, config.passing_len, config.scorer) == (2, 3, "attention")
+    nopass = apb_config(Method("nopass-h2", "nopass", 2), 800, anchor_frac=0.25, passing_frac=0.125, seed=0)
+    assert (nopass.anchor_len, nopass.passing_len) == (100, 0)
+    random = apb_config(Method("random-h2", "random", 2), 800, anchor_frac=0.25, passing_frac=0.125, seed=7)
+    assert (random.passing_len, random.scorer, random.seed) == (50, "random", 7)
+
+
+def test_the_verdict_wants_apb_near_exact_and_above_both_ablations() -> None:
+    methods = [Method("exact", "exact", 1), Method("apb-h2", "apb", 2), Method("nopass-h2", "nopass", 2),
+               Method("random-h2", "random", 2)]
+
+    def verdict(accuracies: dict[str, float]) -> dict:
+        rows = [{"method": m, "task": "passkey", "length": 512, "accuracy": a} for m, a in accuracies.items()]
+        return summarize(rows, methods).verdict
+
+    met = verdict({"exact": 0.9, "apb-h2": 0.89, "nopass-h2": 0.5, "random-h2": 0.6})
+    assert met["h2"]["within_goal_of_exact"] and met["goal_met"] is True
+    assert verdict({"exact": 0.9, "apb-h2": 0.85, "nopass-h2": 0.5, "random-h2": 0.6})["goal_met"] is False
+    assert verdict({"exact": 0.9, "apb-h2": 0.9, "nopass-h2": 0.9, "random-h2": 0.6})["goal_met"] is False
