@@ -131,11 +131,19 @@ class Case:
                                              sm_scale=self.sm_scale)
 
 
+# Tiles ``--sweep`` times beside the autotune list's (block_m, block_n, num_warps, num_stages):
+# deeper pipelines, wider key blocks and 256-row blocks, to see whether the list misses a faster one.
+EXTRA_SWEEP = [(128, 64, 4, 4), (128, 64, 8, 4), (128, 128, 8, 3), (128, 128, 4, 2), (128, 32, 4, 4),
+               (64, 128, 4, 3), (64, 64, 4, 4), (256, 64, 8, 3), (256, 32, 8, 3)]
+
+
 def sweep_configs() -> list[PrefixAttentionConfig]:
+    """The autotune list's configs, then :data:`EXTRA_SWEEP`'s."""
     from infinite_llm.kernels.prefix_attention_kernel import CUDA_CONFIGS
 
-    return [PrefixAttentionConfig(block_m=c.kwargs["BLOCK_M"], block_n=c.kwargs["BLOCK_N"],
-                                  num_warps=c.num_warps, num_stages=c.num_stages) for c in CUDA_CONFIGS]
+    listed = [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in CUDA_CONFIGS]
+    return [PrefixAttentionConfig(block_m=m, block_n=n, num_warps=w, num_stages=st)
+            for m, n, w, st in dict.fromkeys(listed + EXTRA_SWEEP)]
 
 
 def measure(case: Case, device: torch.device, sweep: bool) -> dict:
@@ -153,6 +161,7 @@ def measure(case: Case, device: torch.device, sweep: bool) -> dict:
             "flash_two_calls_merged": (merged.float() - ref.out.float()).abs().max().item(),
         },
     }
+    ref_out = ref.out.float() if sweep and device.type == "cuda" else None
     del ref, got, merged
     timings = {
         "triton": median_ms(case.triton, device),
@@ -164,6 +173,8 @@ def measure(case: Case, device: torch.device, sweep: bool) -> dict:
             name = f"triton_{cfg.block_m}x{cfg.block_n}_w{cfg.num_warps}_s{cfg.num_stages}"
             try:
                 timings[name] = median_ms(lambda: case.triton(cfg), device)
+                err = (case.triton(cfg).out.float() - ref_out).abs().max().item()
+                row["max_abs_error_vs_reference"][name] = err
             except Exception as exc:  # a config that does not fit this GPU's shared memory
                 row.setdefault("failed_configs", {})[name] = repr(exc)[:200]
     row["ms"] = timings

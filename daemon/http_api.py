@@ -26,6 +26,7 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from infinite_llm.engine.sampling import SamplingParams
 
+from .apb_plan import PrefillOptions
 from .local_auth import PeerCredentials, may_mutate, peer_credentials
 from .metrics import InstanceMetrics
 from .openai_protocol import (
@@ -39,6 +40,7 @@ from .openai_protocol import (
     parse_chat_request,
     parse_completion_request,
     parse_messages,
+    parse_prefill,
     parse_prompt,
     usage_chunk,
 )
@@ -67,6 +69,9 @@ class GenerationEvent:
     finish_reason: str | None  # "stop", "length", "abort", or "error" (it failed here) once finished
     num_prompt_tokens: int
     num_output_tokens: int
+    # On a request's first event: how its prompt was prefilled, where that is worth saying
+    # (an APB prefill, or an asked-for APB prefill that fell back to exact); see docs/apb.md.
+    prefill: dict[str, Any] | None = None
 
 
 class InstanceService(Protocol):
@@ -77,11 +82,12 @@ class InstanceService(Protocol):
 
     def generate(
         self, prompt: str | tuple[int, ...] | None, messages: tuple[dict[str, str], ...] | None,
-        params: SamplingParams, refuse_past_context: bool = False,
+        params: SamplingParams, refuse_past_context: bool = False, prefill: PrefillOptions | None = None,
     ) -> AsyncIterator[GenerationEvent]:
         """Stream a request's progress; raises :class:`RequestRefused` before the first event.
         ``refuse_past_context``: refuse a prompt whose tokens and ``params.max_tokens`` exceed
-        the model's context (else the output ends at the context's end)."""
+        the model's context (else the output ends at the context's end). ``prefill``: how to
+        prefill it (None: exact)."""
         ...
 
     def status(self) -> dict[str, Any]: ...
@@ -183,14 +189,14 @@ class OpenAIApp:
             parse = parse_chat_request if chat else parse_completion_request
             req = parse(body, self.service.served_model)
             stream = self.service.generate(req.prompt, req.messages, req.params,
-                                           refuse_past_context=req.max_tokens_given)
+                                           refuse_past_context=req.max_tokens_given, prefill=req.prefill)
             first = await _first_event(stream)
         except OpenAIError as exc:
             return _openai_error(exc)
         events = _events(first, stream)
         if req.stream:
             try:
-                return await self._stream(request, req, events, chat)
+                return await self._stream(request, req, first, events, chat)
             finally:
                 await stream.aclose()  # at once, not when the collector gets to it
         text, last = [], first
@@ -207,17 +213,26 @@ class OpenAIApp:
             return _openai_error(_failed_midway(last))
         render = chat_response if chat else completion_response
         rid = new_id("chatcmpl" if chat else "cmpl")
-        return _json(render(rid, req.model, "".join(text), last.finish_reason, last.num_prompt_tokens, last.num_output_tokens))
+        body = render(rid, req.model, "".join(text), last.finish_reason, last.num_prompt_tokens, last.num_output_tokens)
+        if first.prefill is not None:
+            body["prefill"] = first.prefill
+        return _json(body)
 
-    async def _stream(self, request: web.Request, req: GenerationRequest, events: AsyncIterator[GenerationEvent],
-                      chat: bool) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, req: GenerationRequest, first: GenerationEvent,
+                      events: AsyncIterator[GenerationEvent], chat: bool) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         rid = new_id("chatcmpl" if chat else "cmpl")
         last = None
+        prefill = None  # said once, in the first chunk
         try:
             await response.prepare(request)
             if chat:
-                await _sse(response, chat_chunk(rid, req.model, {"role": "assistant", "content": ""}, None))
+                chunk = chat_chunk(rid, req.model, {"role": "assistant", "content": ""}, None)
+                if first.prefill is not None:
+                    chunk["prefill"] = first.prefill
+                await _sse(response, chunk)
+            else:
+                prefill = first.prefill
             async for event in events:
                 last = event
                 if event.finish_reason == "error":
@@ -232,6 +247,8 @@ class OpenAIApp:
                         chunk = chat_chunk(rid, req.model, delta, event.finish_reason)
                     else:
                         chunk = completion_chunk(rid, req.model, event.new_text, event.finish_reason)
+                        if prefill is not None:
+                            chunk["prefill"], prefill = prefill, None
                     await _sse(response, chunk)
             if req.include_usage and last is not None and last.finish_reason != "error":
                 obj = "chat.completion.chunk" if chat else "text_completion"
@@ -306,7 +323,7 @@ class LocalApp:
             body = await _read_json(request)
             if not isinstance(body, Mapping):
                 raise OpenAIError("the request body must be a JSON object")
-            unknown = sorted(set(body) - {"prompt", "messages", "params"})
+            unknown = sorted(set(body) - {"prompt", "messages", "params", "prefill"})
             if unknown:
                 raise OpenAIError(f"unknown field: {unknown[0]}")
             prompt, messages = body.get("prompt"), body.get("messages")
@@ -325,7 +342,8 @@ class LocalApp:
                 raise OpenAIError(f"params: {exc}") from None
             except ValueError as exc:
                 raise OpenAIError(f"params: {exc}") from None
-            stream = self.service.generate(prompt, messages, params)
+            prefill = parse_local_prefill(body.get("prefill"), chat=messages is not None)
+            stream = self.service.generate(prompt, messages, params, prefill=prefill)
             first = await _first_event(stream)
         except OpenAIError as exc:
             return _json({"error": str(exc)}, status=exc.status)
@@ -334,17 +352,47 @@ class LocalApp:
         try:
             await response.prepare(request)
             async for event in events:
-                await response.write(orjson.dumps({
+                line = {
                     "request_id": event.request_id, "text": event.new_text, "token_ids": list(event.new_token_ids),
                     "finished": event.finished, "finish_reason": event.finish_reason,
                     "prompt_tokens": event.num_prompt_tokens, "completion_tokens": event.num_output_tokens,
-                }) + b"\n")
+                }
+                if event.prefill is not None:
+                    line["prefill"] = event.prefill
+                await response.write(orjson.dumps(line) + b"\n")
         except ConnectionResetError:  # the client left: closing the stream cancels its request
             log.info("generate: the client went away; its request is cancelled")
         finally:
             await events.aclose()
             await stream.aclose()
         return response
+
+
+_LOCAL_PREFILL_FIELDS = {"mode": "prefill", "query": "query", "hosts": "apb_hosts", "anchor_tokens": "apb_anchor_tokens",
+                         "passing_tokens": "apb_passing_tokens", "scorer": "apb_scorer"}
+
+
+def parse_local_prefill(prefill: object, chat: bool) -> PrefillOptions:
+    """The local API's ``prefill`` object (``{"mode", "query", "hosts", "anchor_tokens",
+    "passing_tokens", "scorer"}``, every field optional; None: exact), checked as the OpenAI
+    API's fields are; raises :class:`OpenAIError`."""
+    if prefill is None:
+        return PrefillOptions()
+    if not isinstance(prefill, Mapping):
+        raise OpenAIError("prefill must be an object: {\"mode\": \"apb\" | \"exact\", \"query\", \"hosts\", ...}")
+    unknown = sorted(set(prefill) - set(_LOCAL_PREFILL_FIELDS))
+    if unknown:
+        raise OpenAIError(f"unknown prefill field: {unknown[0]}")
+    if chat and prefill.get("query") is not None:
+        raise OpenAIError("prefill.query is for a prompt: a chat's query is its last user turn")
+    try:
+        return parse_prefill({_LOCAL_PREFILL_FIELDS[k]: v for k, v in prefill.items()}, chat=chat)
+    except OpenAIError as exc:
+        # The OpenAI API's field names, said as the local API's.
+        message = str(exc)
+        wire, local = next(((w, k) for k, w in _LOCAL_PREFILL_FIELDS.items() if message.startswith(w + " ")),
+                           ("", ""))
+        raise OpenAIError(f"prefill.{local}{message[len(wire):]}" if wire else message) from None
 
 
 def systemd_socket() -> socket.socket | None:

@@ -15,12 +15,16 @@ from typing import Any, Mapping
 
 from infinite_llm.engine.sampling import SEED_MIN, SamplingParams
 
+from .apb_plan import PREFILL_MODES, SCORERS, PrefillOptions
+
 _COMMON_FIELDS = {
     "model", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options",
     "stop", "seed", "user", "presence_penalty", "frequency_penalty", "ignore_eos",
 }
-_COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "logprobs", "suffix", "best_of"}
-_CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+# Infinite-LLM's own: how the prompt is prefilled (docs/apb.md), as extra body fields.
+_PREFILL_FIELDS = {"prefill", "apb_hosts", "apb_anchor_tokens", "apb_passing_tokens", "apb_scorer"}
+_COMPLETION_FIELDS = _COMMON_FIELDS | _PREFILL_FIELDS | {"prompt", "query", "echo", "logprobs", "suffix", "best_of"}
+_CHAT_FIELDS = _COMMON_FIELDS | _PREFILL_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
 _ROLES = ("system", "user", "assistant")
 # OpenAI's newer name for the system role; chat templates know only "system".
 _ROLE_ALIASES = {"developer": "system"}
@@ -58,6 +62,7 @@ class GenerationRequest:
     # The client set max_tokens (or max_completion_tokens): a prompt with that many tokens more
     # than the context is refused, as vLLM does, rather than cut short at the context's end.
     max_tokens_given: bool = False
+    prefill: PrefillOptions = PrefillOptions()
 
 
 def _require_object(body: object) -> Mapping[str, Any]:
@@ -192,7 +197,7 @@ def parse_completion_request(body: object, served_model: str) -> GenerationReque
     max_tokens = _integer(body, "max_tokens", None, 1)
     stream, include_usage = _stream_flags(body)
     return GenerationRequest(model, prompt, None, _sampling_params(body, max_tokens), stream, include_usage,
-                             max_tokens_given=max_tokens is not None)
+                             max_tokens_given=max_tokens is not None, prefill=parse_prefill(body, chat=False))
 
 
 def parse_chat_request(body: object, served_model: str) -> GenerationRequest:
@@ -208,7 +213,38 @@ def parse_chat_request(body: object, served_model: str) -> GenerationRequest:
         max_tokens = max_completion_tokens
     stream, include_usage = _stream_flags(body)
     return GenerationRequest(model, None, parsed, _sampling_params(body, max_tokens), stream, include_usage,
-                             max_tokens_given=max_tokens is not None)
+                             max_tokens_given=max_tokens is not None, prefill=parse_prefill(body, chat=True))
+
+
+def parse_prefill(body: Mapping[str, Any], chat: bool) -> PrefillOptions:
+    """The prefill fields of a completion or chat body; raises :class:`OpenAIError`.
+
+    ``prefill``: "exact" (default) or "apb"; ``query`` (completions): the question after the
+    document, a string or token ids (a chat's query is its last user turn); ``apb_hosts``,
+    ``apb_anchor_tokens``, ``apb_passing_tokens``, ``apb_scorer``: APB's settings."""
+    mode = body.get("prefill", "exact")
+    if mode is None:
+        mode = "exact"
+    if mode not in PREFILL_MODES:
+        raise OpenAIError(f"prefill must be one of {', '.join(PREFILL_MODES)}", param="prefill")
+    query = body.get("query") if not chat else None
+    if query is not None:
+        if isinstance(query, str):
+            if not query:
+                raise OpenAIError("query must not be empty", param="query")
+        elif isinstance(query, list) and query and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                       for t in query):
+            query = tuple(query)
+        else:
+            raise OpenAIError("query must be a non-empty string or a list of token ids", param="query")
+    values = {}
+    for name in ("apb_hosts", "apb_anchor_tokens", "apb_passing_tokens"):
+        values[name] = _integer(body, name, None, 1 if name == "apb_hosts" else 0)
+    scorer = body.get("apb_scorer", "attention")
+    if scorer not in SCORERS:
+        raise OpenAIError(f"apb_scorer must be one of {', '.join(SCORERS)}", param="apb_scorer")
+    return PrefillOptions(mode, query, values["apb_hosts"], values["apb_anchor_tokens"], values["apb_passing_tokens"],
+                          scorer)
 
 
 def parse_messages(messages: object) -> tuple[dict[str, str], ...]:

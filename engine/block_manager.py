@@ -321,10 +321,42 @@ class BlockManager:
             elif self._on_remote_free is not None:
                 self._on_remote_free(request_id, segment)
 
+    def adopt(self, request_id: str, segments: Sequence[Segment]) -> None:
+        """Give a new request a table of segments whose KV is already written (an APB prefill
+        computed each chunk where it lies): on peers, copies they hold (``copy_id`` positive);
+        in this process's pools, blocks taken with :meth:`reserve_blocks`, which become the
+        request's. The segments follow each other in token order from token 0, each starting on
+        a block and with blocks enough for its tokens; the last is the home tail the request
+        goes on writing into, if it is in the home pool."""
+        if request_id in self._tables:
+            raise ValueError(f"request {request_id} has a block table already")
+        if not segments:
+            raise ValueError("adopt needs at least one segment")
+        expected_start = 0
+        for segment in segments:
+            if segment.token_start != expected_start:
+                raise ValueError(f"request {request_id}: segment at token {segment.token_start}, expected one at "
+                                 f"{expected_start} (segments must follow each other from token 0)")
+            if segment.token_start % self.block_size:
+                raise ValueError(f"segment at token {segment.token_start} does not start on a block")
+            if not 0 < segment.num_tokens <= len(segment.block_ids) * self.block_size:
+                raise ValueError(f"segment at token {segment.token_start}: {segment.num_tokens} tokens in "
+                                 f"{len(segment.block_ids)} blocks of {self.block_size}")
+            if segment is not segments[-1] and segment.num_tokens != len(segment.block_ids) * self.block_size:
+                raise ValueError(f"segment at token {segment.token_start} is not full but another follows it")
+            if not self.is_local(segment.instance_id):
+                _require_copy_id(segment.copy_id)
+            expected_start = segment.token_end
+        self._tables[request_id] = list(segments)
+
     # ---- blocks held for other instances --------------------------------------------------
     def reserve_home_blocks(self, num_blocks: int) -> list[int] | None:
         """Take home blocks outside every table (a peer's segment held here); None if too few."""
-        allocator = self._allocator(self.home_instance_id)
+        return self.reserve_blocks(self.home_instance_id, num_blocks)
+
+    def reserve_blocks(self, instance_id: int, num_blocks: int) -> list[int] | None:
+        """Take blocks of a pool of this process outside every table; None if too few."""
+        allocator = self._allocator(instance_id)
         if num_blocks > allocator.num_free:
             return None
         return allocator.allocate_contiguous(num_blocks)

@@ -220,6 +220,34 @@ class LLMEngine:
         self._states[request_id] = _RequestState(IncrementalDetokenizer(self.tokenizer))
         return request_id
 
+    def add_prefilled_request(self, token_ids: Sequence[int], params: SamplingParams, request_id: str,
+                              segments: Sequence[Segment], num_computed_tokens: int) -> str:
+        """Queue a request whose first ``num_computed_tokens`` tokens have their K and V written
+        already, in ``segments`` (``BlockManager.adopt``: an APB prefill's chunks, on peers and
+        in the home pool). The scheduler computes the rest (the query) over them as a prefill
+        chunk, then decodes. If it is ever preempted, its blocks are freed and it recomputes
+        its whole prompt exactly, as any preempted request does.
+
+        Raises RequestRejected as ``add_request`` does; ValueError for segments that do not
+        cover exactly the computed tokens (then nothing is kept)."""
+        if not 0 < num_computed_tokens < len(token_ids):
+            raise ValueError(f"num_computed_tokens must leave at least one of the {len(token_ids)} tokens to compute, "
+                             f"got {num_computed_tokens}")
+        if segments and segments[-1].token_end != num_computed_tokens:
+            raise ValueError(f"the segments cover {segments[-1].token_end} tokens, not the {num_computed_tokens} "
+                             "computed")
+        request_id = self.add_request(list(token_ids), params, request_id=request_id)
+        request = self.scheduler.requests[request_id]
+        try:
+            self.block_manager.adopt(request_id, segments)
+        except ValueError:
+            self.scheduler.requests.pop(request_id)
+            self.scheduler.waiting.remove(request)
+            self._states.pop(request_id, None)
+            raise
+        request.num_computed_tokens = num_computed_tokens
+        return request_id
+
     def prompt_token_ids(self, prompt: object) -> list[int]:
         """The token ids of a prompt as ``add_request`` takes it; RequestRejected where it is none
         of its forms. Reads no engine state: a server may call it on a thread of its own (a long

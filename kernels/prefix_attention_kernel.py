@@ -66,24 +66,31 @@ def _attend_key_range(
             s = tl.dot(q, k, input_precision="ieee")
         else:
             s = tl.dot(q, k)
-        s = s * sm_scale_log2
         if MASKED:
+            s = s * sm_scale_log2
             # Keys past key_hi lie past every valid row's last key, so this one test also hides
             # the zeros loaded there. No row reaches a block with m_i = -inf and nothing
             # visible (each sees key 0, or has seen the unmasked keys first): no NaN guard.
             s = tl.where(keys[None, :] <= last_key[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp2(s - m_new[:, None])
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            p = tl.exp2(s - m_new[:, None])
+        else:
+            # The scale is positive, so max(s) * scale is max(s * scale) exactly, and the
+            # scaling folds into one multiply-add per score.
+            m_new = tl.maximum(m_i, tl.max(s, axis=1) * sm_scale_log2)
+            p = tl.exp2(s * sm_scale_log2 - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
+        # Rescale first, then let the matmul accumulate into acc in place (on Hopper, wgmma
+        # adds into the accumulator's registers: no second [BLOCK_M, HEAD_DIM_PAD] tile).
+        acc = acc * alpha[:, None]
         if DOT_IN_FP32:
             # Round p as the GPU path does, then multiply in fp32.
-            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+            acc = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), acc, input_precision="ieee")
         elif IEEE_DOT:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
         else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
+            acc = tl.dot(p.to(v.dtype), v, acc)
         m_i = m_new
         k_ptrs += BLOCK_N * stride_k_tok
         v_ptrs += BLOCK_N * stride_v_tok

@@ -783,7 +783,7 @@ class APBChunkPrefill:
     host_inst_ids: tuple[int, ...]  # every host, in rank order (the home is one of them)
     reservation_id: int  # the blocks here that the chunk's KV fills, in token order
     token_start: int  # the chunk's first position, a multiple of block_size
-    anchor_len: int  # tokens at the head of token_ids: the document's first tokens (0 on rank 0)
+    anchor_len: int  # the anchor's length; on ranks above 0 token_ids begins with those document tokens
     query_len: int  # tokens after the anchor: the query, which scores the passing blocks
     chunk_len: int  # tokens after the query: this host's chunk
     passing_len: int  # keys per KV head each host passes on, per layer (0: none)
@@ -792,7 +792,7 @@ class APBChunkPrefill:
     scorer: str  # "attention" or "random"
     seed: int  # the random scorer's seed
     layer_timeout_ms: int  # the longest a host waits for the others' passing blocks of a layer
-    token_ids: WireArray  # [anchor_len + query_len + chunk_len] int64
+    token_ids: WireArray  # [(anchor_len if rank else 0) + query_len + chunk_len] int64
 
     def __post_init__(self) -> None:
         _require_not_negative("home_inst_id, req_id, home_run, rank, reservation_id, token_start, anchor_len, "
@@ -807,8 +807,10 @@ class APBChunkPrefill:
         _require(self.observe_len > 0 and self.layer_timeout_ms > 0, "observe_len and layer_timeout_ms must be "
                  "positive")
         _require(self.scorer in ("attention", "random"), "scorer must be 'attention' or 'random'")
-        _require(tuple(self.token_ids.shape) == (self.anchor_len + self.query_len + self.chunk_len,),
-                 "token_ids must be [anchor_len + query_len + chunk_len]")
+        _require(self.anchor_len <= self.token_start + self.chunk_len, "the anchor must lie in the document")
+        _require(tuple(self.token_ids.shape) == ((self.anchor_len if self.rank else 0) + self.query_len
+                                                 + self.chunk_len,),
+                 "token_ids must be [anchor tokens (ranks above 0) + query_len + chunk_len]")
 
 
 @dataclass(frozen=True)
