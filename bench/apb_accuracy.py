@@ -42,7 +42,11 @@ length) is built from seed ``--seed + i``; every method sees the same prompts.
 
 Writes ``bench/results/apb_accuracy-<device>.json`` (per method, task and length: accuracy,
 samples, mean prompt tokens, wall time; each sample's decoded texts; the verdict whether APB is
-at most 2 points below exact and above both ablations) and prints a table.
+at most 2 points below exact and above both ablations) and prints a table. The file is
+rewritten after every sample with ``"complete": false``, so a run cut short leaves what it did.
+Runs that split the table (``--tasks``, ``--lengths``, one ``--out`` each, say in parallel on
+one GPU) join into one table with ``--merge PART... [--out PATH]``, which checks that they share
+methods, samples, seeds and settings.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -332,7 +337,7 @@ def format_table(summary: Summary) -> str:
 def device_slug(device: torch.device) -> str:
     if device.type != "cuda":
         return "cpu"
-    return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(device).lower()).strip("-")
+    return _slug(torch.cuda.get_device_name(device))
 
 
 def _synchronize(device: torch.device) -> None:
@@ -341,11 +346,17 @@ def _synchronize(device: torch.device) -> None:
 
 
 async def run(ns: argparse.Namespace, model: LlamaModel, tokenizer: Tokenizer, methods: list[Method],
-              tasks: list[str], lengths: list[int]) -> tuple[list[dict], list[dict]]:
+              tasks: list[str], lengths: list[int],
+              on_sample: Callable[[list[dict], list[dict]], None] | None = None) -> tuple[list[dict], list[dict]]:
     """Every sample of every (task, length) through every method; returns the per-cell rows and
-    the per-sample records (decoded texts included)."""
+    the per-sample records (decoded texts included). ``on_sample(rows, records)``, if given, is
+    called after each sample with the rows of the cells begun so far."""
     cells = {(m.name, t, n): Cell() for t in tasks for n in lengths for m in methods}
     records = []
+
+    def rows_so_far() -> list[dict]:
+        return [cells[(m.name, t, n)].row(m, t, n) for t in tasks for n in lengths for m in methods
+                if cells[(m.name, t, n)].samples]
     for task in tasks:
         for length in lengths:
             for index in range(ns.samples):
@@ -382,6 +393,8 @@ async def run(ns: argparse.Namespace, model: LlamaModel, tokenizer: Tokenizer, m
                 marks = " ".join(f"{name} {'ok' if o['correct'] else 'x'}" for name, o in outputs.items())
                 print(f"[{task} {length} {index + 1}/{ns.samples}] {prompt.num_tokens} tokens, answer "
                       f"{prompt.answer}: {marks}", file=sys.stderr, flush=True)
+                if on_sample is not None:
+                    on_sample(rows_so_far(), records)
     rows = [cells[(m.name, t, n)].row(m, t, n) for t in tasks for n in lengths for m in methods]
     return rows, records
 
@@ -403,6 +416,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                         help="default float32 on the CPU, bfloat16 on CUDA (its flash kernels take no float32)")
     parser.add_argument("--out", default="", help="default bench/results/apb_accuracy-<device>.json")
+    parser.add_argument("--merge", nargs="+", metavar="PART", default=None,
+                        help="run nothing: merge the JSONs of runs over other tasks or lengths (same methods "
+                             "and settings) into one table at --out (default: the parts' device's path)")
     ns = parser.parse_args(argv)
     ns.dtype = ns.dtype or ("bfloat16" if ns.device == "cuda" else "float32")
     if ns.device == "cuda" and ns.dtype == "float32":
@@ -414,8 +430,68 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ns
 
 
+# Settings every part of a merged table must share.
+_MERGE_KEYS = ("bench", "model", "device", "torch", "dtype", "prompt_format", "methods", "samples", "seed",
+               "anchor_frac", "passing_frac", "new_tokens")
+
+
+def result_document(meta: dict, rows: list[dict], records: list[dict], methods: list[Method],
+                    complete: bool) -> tuple[dict, Summary]:
+    """The JSON the bench writes: ``meta`` (settings), the rows, the summary, the samples."""
+    summary = summarize(rows, methods)
+    result = {
+        **meta, "complete": complete,
+        "unit": "accuracy: fraction of samples whose decoded text holds the answer; wall_s: prefill and decode, summed",
+        "results": rows, "percent": summary.percent, "points_vs_exact": summary.points_vs_exact,
+        "verdict": summary.verdict, "outputs": records,
+    }
+    return result, summary
+
+
+def merge_parts(paths: list[str]) -> tuple[dict, Summary]:
+    """One table from the JSONs of runs that split the tasks or lengths between them."""
+    parts = [json.loads(Path(p).read_text()) for p in paths]
+    first = parts[0]
+    for path, part in zip(paths, parts):
+        if differ := [k for k in _MERGE_KEYS if part.get(k) != first.get(k)]:
+            raise ValueError(f"{path} differs from {paths[0]} in {differ}")
+    methods = [parse_method(m) for m in first["methods"]]
+    tasks = [t for t in TASKS if any(t in p["tasks"] for p in parts)]
+    lengths = sorted({n for p in parts for n in p["lengths"]})
+    covered = [(t, n) for p in parts for t in p["tasks"] for n in p["lengths"]]
+    if len(covered) != len(set(covered)):
+        raise ValueError("two parts cover the same (task, length)")
+    order = {(m.name, t, n): i for i, (t, n, m) in enumerate((t, n, m) for t in tasks for n in lengths
+                                                              for m in methods)}
+    rows = sorted((r for p in parts for r in p["results"]), key=lambda r: order[(r["method"], r["task"], r["length"])])
+    records = sorted((r for p in parts for r in p["outputs"]),
+                     key=lambda r: (tasks.index(r["task"]), r["length"], r["index"]))
+    meta = {k: first[k] for k in _MERGE_KEYS} | {
+        "host": first.get("host"), "tasks": tasks, "lengths": lengths, "seeds": first.get("seeds"),
+        "wall_s": max(p["wall_s"] for p in parts),
+        "merged_from": [{"file": Path(path).name, "tasks": p["tasks"], "lengths": p["lengths"], "wall_s": p["wall_s"],
+                         "complete": p.get("complete", True)} for path, p in zip(paths, parts)],
+    }
+    return result_document(meta, rows, records, methods, all(p.get("complete", True) for p in parts))
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
 def main(argv: list[str] | None = None) -> None:
     ns = parse_args(argv)
+    if ns.merge:
+        try:
+            result, summary = merge_parts(ns.merge)
+        except (ValueError, KeyError, OSError) as exc:
+            sys.exit(f"cannot merge: {exc}")
+        out = Path(ns.out or Path(__file__).parent / "results" / f"apb_accuracy-{_slug(result['device'])}.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1) + "\n")
+        print(format_table(summary))
+        print(f"wrote {out}")
+        return
     try:
         methods = [parse_method(m) for m in ns.methods.split(",")]
     except ValueError as exc:
@@ -432,25 +508,31 @@ def main(argv: list[str] | None = None) -> None:
     model = LlamaModel(checkpoint.config, checkpoint.weights, device=device, dtype=getattr(torch, ns.dtype))
     print(f"{Path(checkpoint.source).name} on {device} in {ns.dtype}, {ns.prompt_format} prompts", file=sys.stderr)
 
-    started = time.perf_counter()
-    with torch.inference_mode():
-        rows, records = asyncio.run(run(ns, model, checkpoint.tokenizer, methods, tasks, lengths))
-    summary = summarize(rows, methods)
-
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    result = {
+    meta = {
         "bench": "apb_accuracy", "model": Path(checkpoint.source).name, "device": name, "host": platform.node(),
         "torch": torch.__version__, "dtype": ns.dtype, "prompt_format": ns.prompt_format,
         "tasks": tasks, "lengths": lengths, "methods": [m.name for m in methods], "samples": ns.samples,
         "seed": ns.seed, "seeds": [ns.seed + i for i in range(ns.samples)], "anchor_frac": ns.anchor_frac,
-        "passing_frac": ns.passing_frac, "new_tokens": ns.new_tokens, "wall_s": time.perf_counter() - started,
-        "unit": "accuracy: fraction of samples whose decoded text holds the answer; wall_s: prefill and decode, summed",
-        "results": rows, "percent": summary.percent, "points_vs_exact": summary.points_vs_exact,
-        "verdict": summary.verdict, "outputs": records,
+        "passing_frac": ns.passing_frac, "new_tokens": ns.new_tokens,
     }
     out = Path(ns.out or Path(__file__).parent / "results" / f"apb_accuracy-{device_slug(device)}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    started = time.perf_counter()
+
+    def write(rows: list[dict], records: list[dict], complete: bool) -> Summary:
+        # After every sample too ("complete": false), so that a run cut short leaves its samples.
+        result, summary = result_document({**meta, "wall_s": time.perf_counter() - started}, rows, records,
+                                          methods, complete)
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(json.dumps(result, indent=1) + "\n")
+        tmp.replace(out)
+        return summary
+
+    with torch.inference_mode():
+        rows, records = asyncio.run(run(ns, model, checkpoint.tokenizer, methods, tasks, lengths,
+                                        on_sample=lambda r, s: write(r, s, complete=False)))
+    summary = write(rows, records, complete=True)
     print(format_table(summary))
     print(f"wrote {out}")
 

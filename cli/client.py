@@ -324,12 +324,15 @@ class ClusterClient:
         return self._call_leader(leader, "POST", "/v1/uncordon", {"instance_id": inst_id})
 
     def generate(self, prompt: str | list[dict[str, str]], inst_id: int | None = None,
-                 timeout_s: float = GENERATE_TIMEOUT_S, **params: Any) -> Iterator[dict[str, Any]]:
+                 timeout_s: float = GENERATE_TIMEOUT_S, prefill: dict[str, Any] | None = None,
+                 **params: Any) -> Iterator[dict[str, Any]]:
         """Stream a request's steps from one instance (default: the one with the most free blocks).
 
         ``prompt``: text, or chat messages (rendered with the model's template). ``timeout_s``:
         the longest wait for the first step (a queued request waits for room) or the next one;
-        past it, TimedOut, and the closed connection cancels the request. A request that fails
+        past it, TimedOut, and the closed connection cancels the request. ``prefill``: the local
+        API's prefill object (``{"mode": "apb", "query": ...}``; None: exact); the first step then
+        says how the prompt was prefilled (``step["prefill"]``). A request that fails
         on the instance (finish reason "error" or "abort"), or whose stream ends before its last
         step, is a ClusterError after the steps it made.
         """
@@ -344,6 +347,8 @@ class ClusterClient:
             raise Unreachable(f"no live instance {inst_id} in {self.location}")
         endpoint = _instance_endpoint(members[inst_id])
         body = {"messages" if isinstance(prompt, list) else "prompt": prompt, "params": params}
+        if prefill is not None:
+            body["prefill"] = prefill
         conn = UnixHTTPConnection(endpoint.socket_path, timeout=timeout_s)
         try:
             try:

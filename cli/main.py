@@ -191,15 +191,32 @@ def generate(prompt: str, state_dir: Path = StateDir, instance: Optional[int] = 
              timeout: float = typer.Option(GENERATE_TIMEOUT_S, "--timeout",
                                            help="seconds to wait for the first token (a queued request waits "
                                                 "for room) and for each next one"),
+             prefill: str = typer.Option("exact", "--prefill",
+                                         help="exact, or apb: the document (PROMPT) prefilled over several "
+                                              "instances at once (docs/apb.md)"),
+             query: Optional[str] = typer.Option(None, "--query", help="the question after the document"),
+             apb_hosts: Optional[int] = typer.Option(None, "--apb-hosts", min=1,
+                                                     help="instances to prefill over (default: every live one)"),
              etcd: str = Etcd, etcd_prefix: str = EtcdPrefix) -> None:
-    """Stream a completion of PROMPT from the cluster."""
+    """Stream a completion of PROMPT from the cluster (PROMPT then --query, if given)."""
+    if prefill not in ("exact", "apb"):
+        typer.echo(f"infctl: --prefill must be exact or apb, got {prefill!r}", err=True)
+        raise typer.Exit(2)
+    options: dict[str, object] = {"mode": prefill}
+    if query is not None:
+        options["query"] = query
+    if apb_hosts is not None:
+        options["hosts"] = apb_hosts
 
     def stream() -> None:
         client = _client(state_dir, etcd, etcd_prefix)
         wrote = False
         try:
             for step in client.generate(prompt, instance, timeout_s=timeout, max_tokens=max_tokens,
-                                        temperature=temperature, ignore_eos=ignore_eos):
+                                        temperature=temperature, ignore_eos=ignore_eos,
+                                        prefill=options if (prefill != "exact" or query is not None) else None):
+                if step.get("prefill"):
+                    typer.echo(f"infctl: prefill: {_describe_prefill(step['prefill'])}", err=True)
                 sys.stdout.write(step["text"])
                 sys.stdout.flush()
                 wrote = True
@@ -209,6 +226,14 @@ def generate(prompt: str, state_dir: Path = StateDir, instance: Optional[int] = 
                 sys.stdout.flush()
 
     _run(stream)
+
+
+def _describe_prefill(info: dict) -> str:
+    if info.get("mode") == "apb":
+        hosts = ", ".join(f"instance {h['instance']} tokens {h['tokens'][0]}-{h['tokens'][1]}" for h in info["hosts"])
+        return (f"apb over {len(info['hosts'])} instances ({hosts}), anchor {info['anchor_tokens']}, passing "
+                f"{info['passing_tokens']}, {info['passing_bytes']} bytes passed, {info['seconds']:.3f} s")
+    return f"{info.get('mode')} ({info.get('note')})"
 
 
 def main() -> None:

@@ -75,6 +75,9 @@ class InstanceConfig:
     # Decoding requests whose KV spans peers run in one step of this many while others run: a
     # split step waits on the peers at every layer, and so does its whole batch.
     split_decode_interval: int = 1
+    # The shortest document chunk an APB prefill gives an instance (a request's ``prefill:
+    # "apb"``): a shorter document is prefilled exactly, with a note in the response.
+    apb_min_chunk_tokens: int = 256
     peer_host: str = "127.0.0.1"  # UCX listener, for other instances
     peer_port: int = 0  # 0: any free port (reported in the heartbeat)
     # How long a wait on a peer spins (progressing UCX) before it sleeps on the worker's event
@@ -150,6 +153,7 @@ class InstanceConfig:
         _check_int("max_num_seqs", self.max_num_seqs, minimum=1)
         _check_int("queue_bypass_limit", self.queue_bypass_limit, minimum=0)
         _check_int("split_decode_interval", self.split_decode_interval, minimum=1)
+        _check_int("apb_min_chunk_tokens", self.apb_min_chunk_tokens, minimum=1)
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, minimum=self.block_size)
         _check_int("peer_port", self.peer_port, minimum=0, maximum=65535)
         _check_int("peer_shared_memory_bytes", self.peer_shared_memory_bytes, minimum=0)

@@ -9,6 +9,7 @@ debtors, metrics, the systemd watchdog).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import logging
@@ -23,7 +24,7 @@ from typing import Any, AsyncIterator, Callable, Sequence
 import torch
 from aiohttp import web
 
-from infinite_llm.engine.block_manager import SegmentMove
+from infinite_llm.engine.block_manager import Segment, SegmentMove
 from infinite_llm.engine.config import EngineConfig
 from infinite_llm.engine.engine import LLMEngine, RequestRejected
 from infinite_llm.engine.loader import load_checkpoint
@@ -31,6 +32,9 @@ from infinite_llm.engine.sampling import SamplingParams
 from infinite_llm.transport.errors import PlacementRefused, TransportError
 from infinite_llm.transport.interface import PeerAddress, Transport, TransportConfig
 from infinite_llm.transport.messages import (
+    APBChunkDone,
+    APBChunkPrefill,
+    APBPassing,
     AttendRequest,
     AuditHeld,
     Drain,
@@ -63,6 +67,8 @@ from infinite_llm.transport.messages import (
 from infinite_llm.transport.step_mailbox import host_id
 
 from . import failpoints
+from .apb import APBAborted, APBInbox, TransportHostGroup, prefill_chunk
+from .apb_plan import APBPlan, PrefillOptions, plan_apb
 from .config import InstanceConfig, peer_spin_for
 from .creditor import CreditorAttention
 from .step_attention import MailboxRemoteAttention
@@ -70,7 +76,7 @@ from .step_server import StepServer
 from .handover import HandOver, blocks_held_by_home, describe_held, find_leader_admin
 from .heartbeat import HeartbeatState
 from .http_api import GenerationEvent, LocalApp, OpenAIApp, RequestRefused, start_local_site
-from .ledger import CreditorLedger, EpochFence
+from .ledger import CreditorLedger, EpochFence, LedgerError
 from .local_auth import admin_group_id
 from .membership import Member, membership_for, process_alive
 from .metrics import InstanceMetrics
@@ -203,6 +209,8 @@ class InstanceDaemon:
         # with more segments here than one audit names has them audited in turns)
         self._audit_next: dict[int, tuple[int, int]] = {}
         self._frame_timeout_s = TransportConfig().frame_timeout_s  # the transport's bound on one frame's receive
+        self.apb_inbox = APBInbox()  # passing blocks of the APB prefills this instance takes part in
+        self._prefill_info: dict[str, dict[str, Any]] = {}  # request id -> how it was prefilled, for its first event
 
     # ---- life --------------------------------------------------------------------------
     async def run(self) -> None:
@@ -593,16 +601,19 @@ class InstanceDaemon:
                                  "no new requests until it registers again", status=503)
 
     async def generate(self, prompt: str | tuple[int, ...] | None, messages: Sequence[dict[str, str]] | None,
-                       params: SamplingParams, refuse_past_context: bool = False) -> AsyncIterator[GenerationEvent]:
+                       params: SamplingParams, refuse_past_context: bool = False,
+                       prefill: PrefillOptions | None = None) -> AsyncIterator[GenerationEvent]:
         self._refuse_while_draining()
+        prefill = prefill or PrefillOptions()
         request_id = str(next(self._request_ids))
         source: Any = prompt if prompt is not None else list(messages or ())
         try:
             # On a thread: a prompt of megabytes takes seconds to render and tokenize, and this
             # event loop serves peers' attend requests, heartbeats and the watchdog meanwhile.
-            token_ids = await asyncio.to_thread(self.engine.prompt_token_ids, source)
+            token_ids, doc_len = await asyncio.to_thread(self._prompt_and_document, source, prefill)
             self._refuse_while_draining()  # a drain may have begun while the prompt was tokenized
-            if refuse_past_context and len(token_ids) + params.max_tokens > (context := self.engine.max_model_len):
+            context = self.engine.max_model_len
+            if refuse_past_context and len(token_ids) + params.max_tokens > context:
                 if len(token_ids) >= context:  # the prompt alone: max_tokens is not what to change
                     raise RequestRejected(
                         f"the prompt is too long: {len(token_ids)} tokens. This model's maximum context length is "
@@ -611,9 +622,19 @@ class InstanceDaemon:
                     f"max_tokens is too large: {params.max_tokens}. This model's maximum context length is "
                     f"{context} tokens and the request has {len(token_ids)} input tokens "
                     f"({params.max_tokens} > {context} - {len(token_ids)})")
-            self.engine.add_request(token_ids, params, request_id=request_id)
+            adopted = False
+            if prefill.apb:
+                if len(token_ids) >= context:  # refused before any instance works on it
+                    raise RequestRejected(f"the prompt has {len(token_ids)} tokens; the model's context is {context} "
+                                          "tokens and at least one must be left for the output")
+                adopted = await self._prefill_apb(request_id, token_ids, doc_len, params, prefill)
+            if not adopted:
+                self.engine.add_request(token_ids, params, request_id=request_id)
         except RequestRejected as exc:
             raise RequestRefused(str(exc)) from None
+        except BaseException:
+            self._prefill_info.pop(request_id, None)
+            raise
         num_prompt = len(self.engine.scheduler.requests[request_id].prompt_token_ids)
         self._prompt_tokens[request_id] = num_prompt
         self.metrics.prompt_tokens.inc(num_prompt)
@@ -622,9 +643,12 @@ class InstanceDaemon:
         self._work.set()
         finished = False
         try:
+            info = self._prefill_info.pop(request_id, None)
             while not finished:
                 event = await queue.get()
                 finished = event.finished
+                if info is not None:
+                    event, info = dataclasses.replace(event, prefill=info), None
                 yield event
         finally:
             if not finished:
@@ -634,6 +658,256 @@ class InstanceDaemon:
                 self._work.set()
             self._queues.pop(request_id, None)
             self._prompt_tokens.pop(request_id, None)
+
+    # ---- APB prefill (docs/apb.md) ----------------------------------------------------------
+    def _prompt_and_document(self, source: Any, prefill: PrefillOptions) -> tuple[list[int], int]:
+        """The request's token ids and how many of them are the document, the query after it.
+
+        A completion's query is ``prefill.query``, after the prompt; a chat's, with APB, is its
+        last user turn and what the template puts after it (the turn's end, the assistant's
+        header), each side tokenized on its own. Without a query the document is the prompt."""
+        engine = self.engine
+        if isinstance(source, list) and source and all(isinstance(m, dict) for m in source):
+            token_ids = engine.prompt_token_ids(source)
+            if not prefill.apb:
+                return token_ids, len(token_ids)
+            users = [m for m in source if m.get("role") == "user" and m.get("content")]
+            text = engine.tokenizer.apply_chat_template(source)
+            cut = text.rfind(users[-1]["content"]) if users else -1
+            if cut <= 0:
+                return token_ids, len(token_ids)
+            doc = engine.tokenizer.encode(text[:cut], add_special_tokens=False)
+            query = engine.tokenizer.encode(text[cut:], add_special_tokens=False)
+            return doc + query, len(doc)
+        doc = engine.prompt_token_ids(source)
+        if prefill.query is None:
+            return doc, len(doc)
+        query = (engine.tokenizer.encode(prefill.query, add_special_tokens=False) if isinstance(prefill.query, str)
+                 else list(prefill.query))
+        return doc + query, len(doc)
+
+    async def _prefill_apb(self, request_id: str, token_ids: list[int], doc_len: int, params: SamplingParams,
+                           options: PrefillOptions) -> bool:
+        """Prefill the document over H instances with APB and queue the request over the KV they
+        made (``engine.add_prefilled_request``); True once it is queued. False: it is prefilled
+        exactly instead (the document too short, too few blocks, a host that failed), with the
+        reason in the request's prefill note. RequestRefused (400) for more hosts than are live."""
+        c = self.config
+        peers = self.peers.creditors() if c.share_kv else []
+        live = len(peers) + 1
+        num_hosts = options.hosts if options.hosts is not None else live
+        if num_hosts > live:
+            raise RequestRefused(f"apb_hosts is {num_hosts}, but {live} instances can take part now (this one and "
+                                 f"{len(peers)} live peers that take KV blocks)", status=400)
+        started = time.perf_counter()
+
+        def exact(note: str) -> bool:
+            log.info("request %s: APB prefill not done (%s): prefilled exactly", request_id, note)
+            self._prefill_info[request_id] = {"mode": "exact", "requested": "apb", "note": note}
+            self.metrics.apb_prefills.labels(result="exact").inc()
+            return False
+
+        if not c.share_kv:
+            return exact("this instance does not share KV (share_kv = false), so no peer may hold its chunks")
+        # Without a query the document's last token is computed again, exactly, as the request's
+        # first step: that step samples the first token.
+        num_computed = doc_len if doc_len < len(token_ids) else doc_len - 1
+        plan = plan_apb(num_computed, num_hosts, c.block_size, min_chunk_tokens=c.apb_min_chunk_tokens,
+                        anchor_tokens=options.anchor_tokens, passing_tokens=options.passing_tokens)
+        if isinstance(plan, str):
+            return exact(plan)
+        hosts = peers[:num_hosts - 1]  # the most free blocks first; the home takes the last chunk
+        try:
+            outcome = await self._run_apb(request_id, token_ids, doc_len, num_computed, plan, hosts, options)
+        except (APBAborted, TransportError, TimeoutError, ValueError) as exc:
+            return exact(f"the APB prefill failed: {exc}")
+        segments, passing_bytes = outcome
+        try:
+            self.engine.add_prefilled_request(token_ids, params, request_id, segments, num_computed)
+        except BaseException:
+            self._give_up_apb_segments(request_id, segments)
+            raise
+        finally:
+            for rank, peer in enumerate(hosts):
+                self.lender.stop_counting_on(request_id, plan.chunk(rank)[0], peer)
+        seconds = time.perf_counter() - started
+        self.metrics.apb_prefills.labels(result="apb").inc()
+        self._prefill_info[request_id] = {
+            "mode": "apb",
+            "hosts": [{"instance": inst_id, "tokens": list(plan.chunk(rank))}
+                      for rank, inst_id in enumerate([p.inst_id for p in hosts] + [c.instance_id])],
+            "anchor_tokens": plan.anchor_len, "passing_tokens": plan.passing_len, "passing_bytes": passing_bytes,
+            "seconds": round(seconds, 6), "note": None,
+        }
+        log.info("request %s: APB prefill of %d tokens over instances %s in %.3f s", request_id, num_computed,
+                 [p.inst_id for p in hosts] + [c.instance_id], seconds)
+        return True
+
+    async def _run_apb(self, request_id: str, token_ids: list[int], doc_len: int, num_computed: int, plan: APBPlan,
+                       hosts: list[Peer], options: PrefillOptions) -> tuple[list[Segment], int]:
+        """Reserve every host's blocks, run the hosts' chunks at once, and return the request's
+        segments (peers' held copies, then the home's blocks) and the passing bytes sent. On any
+        failure every block taken is given back before the error is raised."""
+        c = self.config
+        bs = c.block_size
+        own = c.instance_id
+        num_hosts = plan.num_hosts
+        home_rank = num_hosts - 1
+        timeout_s = c.timeouts.peer_request_s
+        total_s = (self.engine.model_config.num_layers + 2) * timeout_s
+        query = token_ids[doc_len:] if num_computed == doc_len else [token_ids[doc_len - 1]]
+        # With no query, the last document token (computed again as the request's first step)
+        # scores the passing blocks in its stead.
+        key = (own, int(request_id))
+        segments: list[Segment] = []
+        home_ids: list[int] | None = None
+        reservations: dict[int, int] = {}  # rank -> reservation id
+        peer_blocks: dict[int, tuple[int, ...]] = {}  # rank -> the blocks reserved there
+        counted: list[tuple[int, Peer]] = []
+
+        async def reserve(rank: int, peer: Peer) -> None:
+            num_blocks = -(-plan.chunk_len(rank) // bs)
+            reply = await self.transport.request(peer.address, TryMoveKV(
+                epoch=0, move_id=self.lender.next_move_id(), req_id=int(request_id), home_inst_id=own, src_inst_id=own,
+                num_blocks=num_blocks, block_nbytes=self.block_nbytes, home_run=self.run_id), timeout_s=timeout_s)
+            if isinstance(reply, MoveRejected):
+                peer.num_blocks_free = reply.num_blocks_free
+                raise ValueError(f"instance {peer.inst_id} has no room for chunk {rank} ({num_blocks} blocks): "
+                                 f"{reply.reason.name.lower()}, {reply.num_blocks_free} blocks free there")
+            if not isinstance(reply, MoveReserved) or len(reply.dst_block_ids) != num_blocks:
+                raise ValueError(f"instance {peer.inst_id} answered a reservation of {num_blocks} blocks with {reply!r}")
+            reservations[rank] = reply.reservation_id
+            peer_blocks[rank] = tuple(reply.dst_block_ids)
+            self.lender.count_on(request_id, plan.chunk(rank)[0], peer)
+            counted.append((rank, peer))
+
+        def chunk_message(rank: int) -> APBChunkPrefill:
+            start, end = plan.chunk(rank)
+            ids = (token_ids[:plan.anchor_len] if rank else []) + query + token_ids[start:end]
+            return APBChunkPrefill(
+                home_inst_id=own, req_id=int(request_id), home_run=self.run_id, rank=rank,
+                host_inst_ids=tuple(p.inst_id for p in hosts) + (own,), reservation_id=reservations.get(rank, 0),
+                token_start=start, anchor_len=plan.anchor_len, query_len=len(query), chunk_len=end - start,
+                passing_len=plan.passing_len, pool_width=7, observe_len=32, scorer=options.scorer,
+                seed=int(request_id), layer_timeout_ms=int(timeout_s * 1000),
+                token_ids=torch.tensor(ids, dtype=torch.int64))
+
+        async def peer_chunk(rank: int, peer: Peer) -> APBChunkDone:
+            message = chunk_message(rank)
+            reply = await self.transport.request(peer.address, message, timeout_s=total_s)
+            if (not isinstance(reply, APBChunkDone) or reply.reservation_id != message.reservation_id
+                    or reply.num_tokens != message.chunk_len):
+                raise ValueError(f"instance {peer.inst_id} answered chunk {rank} with {reply!r}")
+            return reply
+
+        self.apb_inbox.begin(key, num_hosts, home_rank, 1 + self.engine.model_config.num_layers)
+        group = TransportHostGroup(self.transport, self.apb_inbox, key, home_rank,
+                                   [p.address for p in hosts] + [None], self.engine.device, timeout_s)
+        try:
+            await asyncio.gather(*(reserve(rank, peer) for rank, peer in enumerate(hosts)))
+            home_start, home_end = plan.chunk(home_rank)
+            home_ids = self.engine.block_manager.reserve_home_blocks(-(-(home_end - home_start) // bs))
+            if home_ids is None:
+                raise ValueError(f"this instance has too few free blocks for its chunk ({home_end - home_start} tokens)")
+            tasks = [asyncio.ensure_future(peer_chunk(rank, peer)) for rank, peer in enumerate(hosts)]
+            tasks.append(asyncio.ensure_future(prefill_chunk(self.engine.model, group, chunk_message(home_rank),
+                                                             self.pool, home_ids, bs)))
+            try:
+                done, pending = await asyncio.wait(tasks, timeout=total_s, return_when=asyncio.FIRST_EXCEPTION)
+                failed = next((t for t in done if t.exception() is not None), None)
+                if failed is not None or pending:
+                    why = str(failed.exception()) if failed is not None else f"not done within {total_s:.0f} s"
+                    self.apb_inbox.fail(key, why)  # the home's own chunk stops waiting at once
+                    if failed is not None:
+                        raise failed.exception()
+                    raise TimeoutError(why)
+            finally:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+            replies = [t.result() for t in tasks[:-1]]
+            for rank, peer in enumerate(hosts):
+                start, end = plan.chunk(rank)
+                segments.append(Segment(peer.engine_id, peer_blocks[rank], start, end - start,
+                                        copy_id=reservations[rank]))
+            segments.append(Segment(self.engine.home_instance_id, tuple(home_ids), home_start,
+                                    num_computed - home_start))
+            return segments, group.bytes_sent + sum(r.passing_bytes for r in replies)
+        except BaseException:
+            if home_ids is not None:
+                self.engine.block_manager.release_home_blocks(home_ids)
+            for rank, peer in counted:
+                self.lender.free_copy(peer, request_id, plan.chunk(rank)[0] // bs, reservations[rank])
+                self.lender.stop_counting_on(request_id, plan.chunk(rank)[0], peer)
+            raise
+        finally:
+            self.apb_inbox.end(key)
+
+    def _give_up_apb_segments(self, request_id: str, segments: list[Segment]) -> None:
+        """The request was not queued over its APB segments: every host frees its chunk."""
+        bs = self.config.block_size
+        for segment in segments:
+            if segment.instance_id == self.engine.home_instance_id:
+                self.engine.block_manager.release_home_blocks(segment.block_ids)
+            else:
+                self.lender.free_copy(self.peers.by_engine(segment.instance_id), request_id,
+                                      segment.token_start // bs, segment.copy_id)
+
+    async def _serve_apb_chunk(self, message: APBChunkPrefill) -> APBChunkDone:
+        """A home's APB prefill: compute chunk ``message.rank`` into the blocks it reserved here,
+        meeting the other hosts per layer; the chunk's KV is then the request's segment held here.
+        ValueError (an error reply) for a request that does not fit what this instance holds for
+        it; on any failure the reservation is given up."""
+        c = self.config
+        own = c.instance_id
+        self._note_home_run(message.home_inst_id, message.home_run)
+        reservation = self.ledger.reservation(message.reservation_id)  # LedgerError: not here (or expired)
+        if (reservation.home_inst_id, reservation.req_id) != (message.home_inst_id, message.req_id):
+            raise ValueError(f"reservation {message.reservation_id} is for request {reservation.req_id} of instance "
+                             f"{reservation.home_inst_id}")
+        if message.token_start % c.block_size:
+            raise ValueError(f"chunk start {message.token_start} is not on a block of {c.block_size} tokens")
+        if len(reservation.block_ids) != -(-message.chunk_len // c.block_size):
+            raise ValueError(f"reservation {message.reservation_id} has {len(reservation.block_ids)} blocks, a chunk "
+                             f"of {message.chunk_len} tokens takes {-(-message.chunk_len // c.block_size)}")
+        if message.host_inst_ids[message.rank] != own:
+            raise ValueError(f"rank {message.rank} is instance {message.host_inst_ids[message.rank]}, not {own}")
+        vocab = self.engine.model_config.vocab_size
+        ids = torch.as_tensor(message.token_ids)
+        if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < vocab):
+            raise ValueError(f"token ids outside the vocabulary [0, {vocab})")
+        try:
+            addresses = [None if inst_id == own else self.peers.by_inst(inst_id).address
+                         for inst_id in message.host_inst_ids]
+        except KeyError as exc:
+            raise ValueError(f"host {exc} of the prefill is not a known peer") from None
+        key = (message.home_inst_id, message.req_id)
+        timeout_s = message.layer_timeout_ms / 1000
+        self.apb_inbox.begin(key, len(addresses), message.rank, 1 + self.engine.model_config.num_layers)
+        group = TransportHostGroup(self.transport, self.apb_inbox, key, message.rank, addresses, self.engine.device,
+                                   timeout_s)
+
+        def hold(layer: int) -> None:  # the blocks are written into: no expiry before the layer ends
+            self.ledger.hold_while_receiving(message.reservation_id, time.monotonic() + timeout_s)
+
+        try:
+            result = await prefill_chunk(self.engine.model, group, message, self.pool, reservation.block_ids,
+                                         c.block_size, before_layer=hold)
+            self.ledger.landed(message.reservation_id)
+            self.ledger.commit(message.reservation_id, message.home_inst_id, message.req_id,
+                               message.token_start // c.block_size, time.monotonic())
+        except BaseException:
+            try:
+                self.ledger.landed(message.reservation_id)
+            except LedgerError:
+                pass  # nothing was written yet, or the home gave it up: released either way below
+            self.ledger.cancel(message.reservation_id)
+            raise
+        finally:
+            self.apb_inbox.end(key)
+        self.ledger.heard_from(message.home_inst_id, time.monotonic())
+        return APBChunkDone(message.req_id, message.reservation_id, result.num_tokens, result.passing_bytes,
+                            int(result.compute_s * 1000))
 
     # ---- serving peers -----------------------------------------------------------------------
     def _handle(self, message: Message) -> Message | None | Awaitable[Message | None]:
@@ -720,6 +994,12 @@ class InstanceDaemon:
                 return forward_segment(self.transport, self.ledger, self.pool, message,
                                        self.config.timeouts.peer_request_s, packer=self.lender.packer)
             return self._order_move(message)
+        if isinstance(message, APBPassing):
+            return self.apb_inbox.put(message, time.monotonic())
+        if isinstance(message, APBChunkPrefill):
+            if self.draining:
+                raise ValueError(f"instance {self.config.instance_id} is draining: it takes no APB chunk")
+            return self._serve_apb_chunk(message)
         if isinstance(message, AuditHeld):
             return self.lender.stale_held(self.engine, message)
         if isinstance(message, Echo):

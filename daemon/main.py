@@ -34,6 +34,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict]
     parser.add_argument("--split-decode-interval", type=int, dest="split_decode_interval",
                         help="decoding requests with KV on peers run in one step of this many while others run (default 1)")
     parser.add_argument("--max-num-batched-tokens", type=int, dest="max_num_batched_tokens")
+    parser.add_argument("--apb-min-chunk-tokens", type=int, dest="apb_min_chunk_tokens",
+                        help="the shortest document chunk an APB prefill gives an instance (default 256)")
     parser.add_argument("--peer-host", dest="peer_host")
     parser.add_argument("--peer-port", type=int, dest="peer_port")
     parser.add_argument("--peer-spin-s", type=float, dest="peer_spin_s",

@@ -131,6 +131,10 @@ class InstanceMetrics:
             "infllm_recompute_seconds", "From a creditor's loss to the end of a request's recompute, seconds",
             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0), registry=r)
         self.prompt_tokens = Counter("infllm_prompt_tokens", "Prompt tokens prefilled", registry=r)
+        # Requests that asked for an APB prefill, by how they were prefilled: "apb", or "exact"
+        # where it fell back (a short document, a host that failed).
+        self.apb_prefills = Counter("infllm_apb_prefills", "Requests that asked for an APB prefill, by outcome",
+                                    ["result"], registry=r)
         self.generated_tokens = Counter("infllm_generated_tokens", "Output tokens generated", registry=r)
         self.tokens_per_second = Gauge(
             "infllm_tokens_per_second", "Output tokens per second over the last interval", registry=r)

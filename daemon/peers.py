@@ -849,6 +849,24 @@ class TransportLender:
                 stale.append(ref)
         return AuditHeldReply(tuple(stale))
 
+    def next_move_id(self) -> int:
+        """A move id of this home's own (a spill's, an APB prefill's reservations)."""
+        return next(self._move_ids)
+
+    def count_on(self, request_id: str, token_start: int, peer: Peer) -> None:
+        """Until :meth:`stop_counting_on`, audits from ``peer`` find its segment of the request at
+        ``token_start`` counted on, whatever its copy: it is being made there (an APB prefill's
+        chunk, committed before the table names it)."""
+        self._relocating.add((request_id, token_start, peer.engine_id))
+
+    def stop_counting_on(self, request_id: str, token_start: int, peer: Peer) -> None:
+        self._relocating.discard((request_id, token_start, peer.engine_id))
+
+    def free_copy(self, peer: Peer, request_id: str, segment_id: int, reservation_id: int) -> None:
+        """Have ``peer`` free its copy ``reservation_id`` of a segment no table names (sent in
+        the background, again while it cannot be sent)."""
+        self._free_later(peer, FreeSegment(self.peers.own_inst_id, int(request_id), segment_id, reservation_id))
+
     def _free_later(self, peer: Peer, message: FreeSegment) -> None:
         task = asyncio.get_running_loop().create_task(self._send_free(peer, message))
         self._background.add(task)

@@ -82,3 +82,34 @@ def test_the_verdict_wants_apb_near_exact_and_above_both_ablations() -> None:
     assert met["h2"]["within_goal_of_exact"] and met["goal_met"] is True
     assert verdict({"exact": 0.9, "apb-h2": 0.85, "nopass-h2": 0.5, "random-h2": 0.6})["goal_met"] is False
     assert verdict({"exact": 0.9, "apb-h2": 0.9, "nopass-h2": 0.9, "random-h2": 0.6})["goal_met"] is False
+
+
+def test_runs_split_by_task_merge_into_one_table(tmp_path: Path) -> None:
+    parts = []
+    for task in ("passkey", "multikey"):
+        out = tmp_path / f"{task}.json"
+        subprocess.run([sys.executable, str(BENCH), "--device", "cpu", "--lengths", "512", "--tasks", task,
+                        "--samples", "1", "--methods", "exact,apb-h2", "--out", str(out)], check=True, timeout=240)
+        part = json.loads(out.read_text())
+        assert part["complete"] is True and part["tasks"] == [task]
+        parts.append(out)
+    merged_path = tmp_path / "merged.json"
+    subprocess.run([sys.executable, str(BENCH), "--merge", *map(str, parts), "--out", str(merged_path)], check=True,
+                   timeout=60)
+    merged = json.loads(merged_path.read_text())
+    assert merged["complete"] is True and merged["tasks"] == ["passkey", "multikey"] and merged["lengths"] == [512]
+    assert [(r["method"], r["task"]) for r in merged["results"]] == [
+        ("exact", "passkey"), ("apb-h2", "passkey"), ("exact", "multikey"), ("apb-h2", "multikey")]
+    assert [s["task"] for s in merged["outputs"]] == ["passkey", "multikey"]
+    assert set(merged["percent"]["exact"]) == {"passkey@512", "multikey@512", "mean"}
+    assert [p["file"] for p in merged["merged_from"]] == ["passkey.json", "multikey.json"]
+
+    # Parts that differ in their settings, or cover one cell twice, are refused.
+    other = json.loads(parts[1].read_text()) | {"new_tokens": 3}
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    refused = subprocess.run([sys.executable, str(BENCH), "--merge", str(parts[0]), str(tmp_path / "other.json"),
+                              "--out", str(tmp_path / "x.json")], capture_output=True, text=True, timeout=60)
+    assert refused.returncode != 0 and "new_tokens" in refused.stderr
+    twice = subprocess.run([sys.executable, str(BENCH), "--merge", str(parts[0]), str(parts[0]),
+                            "--out", str(tmp_path / "x.json")], capture_output=True, text=True, timeout=60)
+    assert twice.returncode != 0 and "same (task, length)" in twice.stderr

