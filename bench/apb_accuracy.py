@@ -430,9 +430,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ns
 
 
-# Settings every part of a merged table must share.
-_MERGE_KEYS = ("bench", "model", "device", "torch", "dtype", "prompt_format", "methods", "samples", "seed",
-               "anchor_frac", "passing_frac", "new_tokens")
+# Settings every part of a merged table must share (the seeds may differ: parts may split samples).
+_MERGE_KEYS = ("bench", "model", "device", "torch", "dtype", "prompt_format", "methods", "anchor_frac",
+               "passing_frac", "new_tokens")
 
 
 def result_document(meta: dict, rows: list[dict], records: list[dict], methods: list[Method],
@@ -448,8 +448,20 @@ def result_document(meta: dict, rows: list[dict], records: list[dict], methods: 
     return result, summary
 
 
+def _combine(rows: list[dict]) -> dict:
+    """One cell's row from the rows of parts that ran disjoint samples of it."""
+    samples = sum(r["samples"] for r in rows)
+    correct = sum(r["correct"] for r in rows)
+    row = {**rows[0], "correct": correct, "samples": samples, "accuracy": correct / max(samples, 1),
+           "wall_s": sum(r["wall_s"] for r in rows)}
+    for key in ("mean_prompt_tokens", "mean_anchor_len", "mean_passing_len"):
+        row[key] = sum(r[key] * r["samples"] for r in rows) / max(samples, 1)
+    return row
+
+
 def merge_parts(paths: list[str]) -> tuple[dict, Summary]:
-    """One table from the JSONs of runs that split the tasks or lengths between them."""
+    """One table from the JSONs of runs that split the tasks, lengths or samples (seeds)
+    between them; a (task, length, seed) may come from one part only."""
     parts = [json.loads(Path(p).read_text()) for p in paths]
     first = parts[0]
     for path, part in zip(paths, parts):
@@ -458,19 +470,24 @@ def merge_parts(paths: list[str]) -> tuple[dict, Summary]:
     methods = [parse_method(m) for m in first["methods"]]
     tasks = [t for t in TASKS if any(t in p["tasks"] for p in parts)]
     lengths = sorted({n for p in parts for n in p["lengths"]})
-    covered = [(t, n) for p in parts for t in p["tasks"] for n in p["lengths"]]
+    covered = [(t, n, seed) for p in parts for t in p["tasks"] for n in p["lengths"] for seed in p["seeds"]]
     if len(covered) != len(set(covered)):
-        raise ValueError("two parts cover the same (task, length)")
-    order = {(m.name, t, n): i for i, (t, n, m) in enumerate((t, n, m) for t in tasks for n in lengths
-                                                              for m in methods)}
-    rows = sorted((r for p in parts for r in p["results"]), key=lambda r: order[(r["method"], r["task"], r["length"])])
+        raise ValueError("two parts cover the same (task, length) with the same seeds")
+    cells: dict[tuple[str, str, int], list[dict]] = {}
+    for part in parts:
+        for r in part["results"]:
+            cells.setdefault((r["method"], r["task"], r["length"]), []).append(r)
+    rows = [_combine(cells[(m.name, t, n)]) for t in tasks for n in lengths for m in methods if (m.name, t, n) in cells]
     records = sorted((r for p in parts for r in p["outputs"]),
-                     key=lambda r: (tasks.index(r["task"]), r["length"], r["index"]))
+                     key=lambda r: (tasks.index(r["task"]), r["length"], r["seed"]))
+    seeds = sorted({seed for p in parts for seed in p["seeds"]})
+    samples = {f"{r['task']}@{r['length']}": r["samples"] for r in rows if r["method"] == methods[0].name}
     meta = {k: first[k] for k in _MERGE_KEYS} | {
-        "host": first.get("host"), "tasks": tasks, "lengths": lengths, "seeds": first.get("seeds"),
-        "wall_s": max(p["wall_s"] for p in parts),
-        "merged_from": [{"file": Path(path).name, "tasks": p["tasks"], "lengths": p["lengths"], "wall_s": p["wall_s"],
-                         "complete": p.get("complete", True)} for path, p in zip(paths, parts)],
+        "host": first.get("host"), "tasks": tasks, "lengths": lengths,
+        "samples": max(samples.values(), default=0), "samples_per_cell": samples, "seed": seeds[0] if seeds else 0,
+        "seeds": seeds, "wall_s": max(p["wall_s"] for p in parts),
+        "merged_from": [{"file": Path(path).name, "tasks": p["tasks"], "lengths": p["lengths"], "seeds": p["seeds"],
+                         "wall_s": p["wall_s"], "complete": p.get("complete", True)} for path, p in zip(paths, parts)],
     }
     return result_document(meta, rows, records, methods, all(p.get("complete", True) for p in parts))
 

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # APB prefill's GPU measurements in as few device calls as possible (run from the repo root):
-#   bash bench/gpu_apb.sh [kernel] [kerneltests] [accuracy | accuracy-2048 accuracy-4096 ...]
+#   bash bench/gpu_apb.sh [kernel] [kerneltests | kerneltests-bg] [accuracy | accuracy-2048 accuracy-4096 ...]
 # kernel: bench/apb_kernel.py --sweep (Llama-3-8B shapes, bf16, alone on the GPU);
-# kerneltests: tests/kernels/test_prefix_causal_attention.py (its CUDA tests);
-# accuracy[-N]: bench/apb_accuracy.py, every task at every length (or at N), one process per
-#   (task, length), all at once on the GPU under MPS, then merged into one table.
+# kerneltests: tests/kernels/test_prefix_causal_attention.py (its CUDA tests); -bg: beside the
+#   accuracy runs (correctness only, no timings there);
+# accuracy[-N]: bench/apb_accuracy.py, every task at every length (or at N), SPLIT processes per
+#   (task, length), each a range of the SAMPLES seeds, all at once on the GPU under MPS, then
+#   merged into one table (the accuracies do not depend on the split; the wall times do).
 #
 # Wheels: .whl/ holds this project's wheel (`pip wheel --no-deps --no-build-isolation -w .whl .`)
 # and gguf (`bash ../shared/tools/gpu-wheels.sh`, of which only gguf is needed here). The model
@@ -14,7 +16,8 @@
 # Each call carries some pieces (and the .sha256); this script keeps them in /tmp/apb-parts, which
 # lives as long as the warm machine, and installs the wheel once every piece has come (call 1:
 # part-00 and kernel work; call 2, on the still-warm machine: part-01 and accuracy).
-# Env: ACC_TIMEOUT (s, per accuracy process, default 420), ACC_ARGS (more apb_accuracy.py args).
+# Env: ACC_TIMEOUT (s, per accuracy process, default 420), SAMPLES (50), SPLIT (2),
+# ACC_ARGS (more apb_accuracy.py args).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -43,6 +46,10 @@ for what in "$@"; do
       timeout 300 python3 -P -m pytest -q -p no:cacheprovider -rs tests/kernels/test_prefix_causal_attention.py \
         > "$OUT/kerneltests.log" 2>&1
       echo "kernel tests: rc $?"; grep -E "passed|failed|error" "$OUT/kerneltests.log" | tail -3 ;;
+    kerneltests-bg)
+      (timeout 300 python3 -P -m pytest -q -p no:cacheprovider -rs tests/kernels/test_prefix_causal_attention.py \
+        > "$OUT/kerneltests.log" 2>&1; echo "kernel tests: rc $?" >> "$OUT/kerneltests.log") &
+      testpid=$! ;;
     accuracy) lengths+=(2048 4096 8192) ;;
     accuracy-*) lengths+=("${what#accuracy-}") ;;
     *) echo "unknown step $what"; exit 2 ;;
@@ -57,11 +64,16 @@ if [ ${#lengths[@]} -gt 0 ]; then
   nvidia-cuda-mps-control -d && echo "MPS started"
   mkdir -p /tmp/acc
   pids=()
+  samples=${SAMPLES:-50}; split=${SPLIT:-2}; per=$(( (samples + split - 1) / split ))
   for n in "${lengths[@]}"; do
     for task in passkey multikey; do
-      timeout ${ACC_TIMEOUT:-420} python3 bench/apb_accuracy.py --tasks $task --lengths $n ${ACC_ARGS:-} \
-        --out /tmp/acc/apb_accuracy-$task-$n.json > /tmp/acc/$task-$n.log 2>&1 &
-      pids+=($!)
+      for ((seed = 0; seed < samples; seed += per)); do
+        count=$(( samples - seed < per ? samples - seed : per ))
+        timeout ${ACC_TIMEOUT:-420} python3 bench/apb_accuracy.py --tasks $task --lengths $n \
+          --samples $count --seed $seed ${ACC_ARGS:-} \
+          --out /tmp/acc/apb_accuracy-$task-$n-s$seed.json > /tmp/acc/$task-$n-s$seed.log 2>&1 &
+        pids+=($!)
+      done
     done
   done
   for p in "${pids[@]}"; do wait $p; echo "accuracy process $p: rc $?"; done
@@ -71,4 +83,5 @@ if [ ${#lengths[@]} -gt 0 ]; then
   python3 bench/apb_accuracy.py --merge /tmp/acc/apb_accuracy-*.json --out "$OUT/apb_accuracy-merged.json"
   tar czf "$OUT/accuracy-parts.tgz" -C /tmp/acc .
 fi
+if [ -n "${testpid:-}" ]; then wait $testpid; tail -n 2 "$OUT/kerneltests.log"; fi
 ls -la "$OUT"

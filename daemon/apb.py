@@ -28,6 +28,8 @@ from infinite_llm.engine.seq_parallel import APBConfig, apb_prefill
 from infinite_llm.transport.interface import PeerAddress, Transport
 from infinite_llm.transport.messages import Ack, APBChunkPrefill, APBPassing
 
+from . import failpoints
+
 log = logging.getLogger(__name__)
 
 # Prefills whose blocks came before they began here, kept at most this many at once and this
@@ -244,9 +246,12 @@ async def prefill_chunk(model: LlamaModel, group: TransportHostGroup, message: A
 
     def write(layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         write_kv(k, v, pool, layer, slots, check_bounds=False)
-        if before_layer is not None and layer + 1 < model.config.num_layers:
-            before_layer(layer + 1)
+        if layer + 1 < model.config.num_layers:
+            failpoints.reached("apb.layer")
+            if before_layer is not None:
+                before_layer(layer + 1)
 
+    failpoints.reached("apb.layer")
     if before_layer is not None:
         before_layer(0)
     await apb_prefill(model, group, chunk, anchor, query, config, kv_sink=write)

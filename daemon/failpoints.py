@@ -26,6 +26,7 @@ FAILPOINTS = (
     "forward.begin",  # a source creditor is asked to forward a held segment, before it sends
     "forward.sent",  # a source creditor's destination stored the segment, before the source answers
     "home.sent",  # the home's move piece is committed at the destination, before the home switches
+    "apb.layer",  # a host of an APB prefill begins a layer of its chunk (passed once per layer)
 )
 
 

@@ -73,6 +73,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict]
     parser.add_argument("--etcd-request-s", type=float, dest="timeouts.etcd_request_s", help="one etcd request, s")
     parser.add_argument("--heartbeat-interval-s", type=float, dest="timeouts.heartbeat_interval_s")
     parser.add_argument("--reservation-s", type=float, dest="timeouts.reservation_s")
+    parser.add_argument("--peer-request-s", type=float, dest="timeouts.peer_request_s",
+                        help="one request to a peer, s (an APB prefill's hosts wait this long per layer)")
     parser.add_argument("--debtor-lost-s", type=float, dest="timeouts.debtor_lost_s")
     parser.add_argument("--held-audit-s", type=float, dest="timeouts.held_audit_s",
                         help="how often a creditor asks each home which held segments it still counts on, s")

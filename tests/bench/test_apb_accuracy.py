@@ -112,4 +112,21 @@ def test_runs_split_by_task_merge_into_one_table(tmp_path: Path) -> None:
     assert refused.returncode != 0 and "new_tokens" in refused.stderr
     twice = subprocess.run([sys.executable, str(BENCH), "--merge", str(parts[0]), str(parts[0]),
                             "--out", str(tmp_path / "x.json")], capture_output=True, text=True, timeout=60)
-    assert twice.returncode != 0 and "same (task, length)" in twice.stderr
+    assert twice.returncode != 0 and "same (task, length) with the same seeds" in twice.stderr
+
+    # Parts that split one cell's samples by seed add up.
+    later = tmp_path / "passkey-seed1.json"
+    subprocess.run([sys.executable, str(BENCH), "--device", "cpu", "--lengths", "512", "--tasks", "passkey",
+                    "--samples", "1", "--seed", "1", "--methods", "exact,apb-h2", "--out", str(later)], check=True,
+                   timeout=240)
+    subprocess.run([sys.executable, str(BENCH), "--merge", str(parts[0]), str(later), "--out", str(merged_path)],
+                   check=True, timeout=60)
+    by_seed = json.loads(merged_path.read_text())
+    assert by_seed["seeds"] == [0, 1] and by_seed["samples_per_cell"] == {"passkey@512": 2}
+    rows = {r["method"]: r for r in by_seed["results"]}
+    first_part = {r["method"]: r for r in json.loads(parts[0].read_text())["results"]}
+    second_part = {r["method"]: r for r in json.loads(later.read_text())["results"]}
+    for method, row in rows.items():
+        assert row["samples"] == 2 and row["correct"] == first_part[method]["correct"] + second_part[method]["correct"]
+        assert row["accuracy"] == row["correct"] / 2
+    assert [s["seed"] for s in by_seed["outputs"]] == [0, 1]

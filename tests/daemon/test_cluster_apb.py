@@ -150,3 +150,28 @@ def test_bad_prefill_requests_get_a_400(cluster):
     # The daemons took no harm: the next request is served.
     code, lines = local_generate(home, "The sky is", max_tokens=2)
     assert code == 200 and lines[-1]["finished"]
+
+
+def test_a_host_killed_mid_prefill_leaves_the_request_prefilled_exactly(cluster):
+    """Instance 3 kills itself (SIGKILL) at the 4th layer of its chunk: the home gives the APB
+    prefill up, frees what the live host made, and prefills exactly; the tokens are exact's."""
+    home = cluster[1]
+    code, exact = local_generate(home, DOCUMENT, {"mode": "exact", "query": QUERY})
+    assert code == 200, exact
+    victim = cluster[3]
+    victim.process.kill()
+    victim.process.wait(timeout=30)
+    cluster.restart(3, extra_env={"INFLLM_FAILPOINTS": "apb.layer=4"})
+    time.sleep(2.5)  # one upkeep period: the home reads the new run's record
+    started = time.monotonic()
+    code, lines = local_generate(home, DOCUMENT, {"mode": "apb", "query": QUERY, "hosts": 3})
+    assert code == 200, lines
+    info = lines[0]["prefill"]
+    assert info["mode"] == "exact" and "the APB prefill failed" in info["note"], info
+    assert tokens_of(lines) == tokens_of(exact)
+    assert time.monotonic() - started < 60
+    assert victim.process.wait(timeout=30) == -9  # it died at the failpoint, for real
+    deadline = time.monotonic() + 30
+    while (pool := cluster[2].status()["pool"])["num_blocks_held_for_others"] or pool["num_blocks_reserved_for_others"]:
+        assert time.monotonic() < deadline, pool
+        time.sleep(0.2)
