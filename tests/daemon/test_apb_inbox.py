@@ -288,6 +288,9 @@ def test_apb_over_the_transport_equals_local_hosts(query_len, late_rank):
     config = APBConfig(anchor_len=plan.anchor_len, passing_len=plan.passing_len)
     anchor_ids = doc[:plan.anchor_len]
     expected = local_apb(model, doc, plan.bounds, anchor_ids, query, config)
+    # The later hosts' rows depend on the blocks passed to them (so a lost or misordered block shows).
+    unpassed = local_apb(model, doc, plan.bounds, anchor_ids, query, APBConfig(plan.anchor_len, 0))
+    assert all(not torch.allclose(expected[r].hidden, unpassed[r].hidden, atol=1e-3) for r in (1, 2))
 
     async def main():
         hosts = Hosts(size)
@@ -297,7 +300,7 @@ def test_apb_over_the_transport_equals_local_hosts(query_len, late_rank):
 
         async def host(rank):
             if rank == late_rank:
-                for _ in range(50):  # until the others' round-0 blocks wait for it
+                for _ in range(400):  # until the others' round-0 blocks wait for it
                     if hosts.inboxes[rank].num_early and len(hosts.received[rank]) == size - 1:
                         break
                     await asyncio.sleep(0.005)

@@ -10,6 +10,9 @@ right. Short documents fall back to exact with a note; more hosts than live inst
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -150,6 +153,23 @@ def test_bad_prefill_requests_get_a_400(cluster):
     # The daemons took no harm: the next request is served.
     code, lines = local_generate(home, "The sky is", max_tokens=2)
     assert code == 200 and lines[-1]["finished"]
+
+
+def test_infctl_generate_with_apb(cluster):
+    def infctl(*args: str) -> subprocess.CompletedProcess:
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        return subprocess.run([sys.executable, "-m", "infinite_llm.cli.main", "generate", *args,
+                               "--state-dir", str(cluster.state_dir), "--instance", "2"],
+                              capture_output=True, text=True, timeout=180, env=env)
+
+    done = infctl(DOCUMENT, "--query", QUERY, "--prefill", "apb", "--apb-hosts", "2", "--max-tokens", "3")
+    assert done.returncode == 0, done.stderr
+    assert "infctl: prefill: apb over 2 instances" in done.stderr and done.stdout.strip(), done
+    too_many = infctl(DOCUMENT, "--prefill", "apb", "--apb-hosts", "7")
+    assert too_many.returncode not in (0, 2) and "apb_hosts is 7" in too_many.stderr, too_many
+    assert "Traceback" not in too_many.stderr
+    bad = infctl(DOCUMENT, "--prefill", "fast")
+    assert bad.returncode == 2 and "--prefill must be exact or apb" in bad.stderr, bad
 
 
 def test_a_host_killed_mid_prefill_leaves_the_request_prefilled_exactly(cluster):
