@@ -59,6 +59,7 @@ class APBInbox:
         self._prefills: dict[tuple[int, int], _Prefill] = {}
         self._early: dict[tuple[int, int], dict[tuple[int, int], torch.Tensor]] = {}
         self._early_since: dict[tuple[int, int], float] = {}
+        self._ended: dict[tuple[int, int], float] = {}  # prefills over here -> when, for as long as the TTL
         self._max_early = max_early
         self._early_ttl_s = early_ttl_s
 
@@ -75,7 +76,8 @@ class APBInbox:
 
     def end(self, key: tuple[int, int]) -> None:
         """The prefill is over here (done or failed): what else comes for it is dropped."""
-        self._prefills.pop(key, None)
+        if self._prefills.pop(key, None) is not None:
+            self._ended[key] = time.monotonic()
 
     def put(self, message: APBPassing, now: float) -> Ack:
         """Buffer a host's block; ValueError (an error reply) for one no prefill here can take."""
@@ -89,6 +91,9 @@ class APBInbox:
                 raise ValueError(f"passing block of round {message.round} for request {message.req_id} of "
                                  f"instance {message.home_inst_id}: no such APB prefill here")
             self._drop_stale_early(now)
+            if key in self._ended:  # a host late for a prefill that is over here: it would hold a slot
+                raise ValueError(f"the APB prefill of request {message.req_id} of instance {message.home_inst_id} "
+                                 "is over here")
             early = self._early.get(key)
             if early is None:
                 if len(self._early) >= self._max_early:
@@ -147,6 +152,9 @@ class APBInbox:
             if now - since > self._early_ttl_s:
                 self._early.pop(key, None)
                 self._early_since.pop(key, None)
+        for key, since in list(self._ended.items()):
+            if now - since > self._early_ttl_s:
+                del self._ended[key]
 
 
 class TransportHostGroup:

@@ -105,7 +105,8 @@ def plan_apb(doc_len: int, num_hosts: int, block_size: int, *, min_chunk_tokens:
                          f"{num_hosts}, {block_size}, {min_chunk_tokens}")
     if num_hosts == 1:
         return "one host: an APB prefill over one instance is an exact prefill"
-    min_chunk = max(min_chunk_tokens, block_size)
+    # A multiple of the block: the cuts are rounded down to blocks, and none may then fall short.
+    min_chunk = -(-max(min_chunk_tokens, block_size) // block_size) * block_size
     if doc_len < num_hosts * min_chunk:
         return (f"the document has {doc_len} tokens, too few for {num_hosts} chunks of at least {min_chunk} "
                 f"tokens (apb_min_chunk_tokens)")

@@ -240,7 +240,8 @@ def parse_prefill(body: Mapping[str, Any], chat: bool) -> PrefillOptions:
     values = {}
     for name in ("apb_hosts", "apb_anchor_tokens", "apb_passing_tokens"):
         values[name] = _integer(body, name, None, 1 if name == "apb_hosts" else 0)
-    scorer = body.get("apb_scorer", "attention")
+    scorer = body.get("apb_scorer")
+    scorer = "attention" if scorer is None else scorer
     if scorer not in SCORERS:
         raise OpenAIError(f"apb_scorer must be one of {', '.join(SCORERS)}", param="apb_scorer")
     return PrefillOptions(mode, query, values["apb_hosts"], values["apb_anchor_tokens"], values["apb_passing_tokens"],

@@ -146,14 +146,18 @@ def test_every_chunk_is_at_least_min_chunk_tokens_when_it_is_a_multiple_of_the_b
         assert min(plan.chunk_len(r) for r in range(num_hosts)) >= min_chunk, (doc_len, num_hosts, plan.bounds)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "plan_apb checks only doc_len >= H * min_chunk, then rounds the cuts down to the block: with "
-    "min_chunk_tokens not a multiple of block_size a chunk comes out shorter than min_chunk_tokens, "
-    "though --apb-min-chunk-tokens promises 'the shortest document chunk an APB prefill gives an instance'"))
 def test_no_chunk_is_shorter_than_min_chunk_tokens():
-    plan = plan_apb(300, 3, 16, min_chunk_tokens=100)
-    assert isinstance(plan, APBPlan)  # bounds (0, 96, 192, 300): chunks of 96, 96, 108
+    # min_chunk_tokens 100 with blocks of 16 asks for chunks of 112 (cuts are rounded down to blocks):
+    # 300 tokens cannot give three of them, 400 can.
+    assert isinstance(plan_apb(300, 3, 16, min_chunk_tokens=100), str)
+    plan = plan_apb(400, 3, 16, min_chunk_tokens=100)
+    assert isinstance(plan, APBPlan)
     assert min(plan.chunk_len(r) for r in range(3)) >= 100
+    for doc_len in range(300, 2000, 7):
+        for min_chunk in (17, 50, 100, 250):
+            plan = plan_apb(doc_len, 3, 16, min_chunk_tokens=min_chunk)
+            if isinstance(plan, APBPlan):
+                assert min(plan.chunk_len(r) for r in range(3)) >= min_chunk, (doc_len, min_chunk, plan.bounds)
 
 
 # --- fallbacks and refusals -----------------------------------------------------------------

@@ -64,9 +64,9 @@ def refusal_times(log: str) -> list[float]:
             for line in log.splitlines() if REFUSED in line]
 
 
-@pytest.mark.parametrize("num_frames", [10_000, pytest.param(100_000, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("num_frames", [2_000, pytest.param(100_000, marks=pytest.mark.slow)])
 def test_a_flood_of_hostile_frames_is_refused_while_a_request_streams(tmp_path, num_frames):
-    scale = num_frames / 10_000
+    scale = max(1.0, num_frames / 10_000)  # the waits of 10,000 frames, at the least
     started_at = time.monotonic()
     env = dict(os.environ, UCX_TLS="tcp,sm,self", UCX_WARN_UNUSED_ENV_VARS="n", OMP_NUM_THREADS="1",
                PYTHONFAULTHANDLER="1")

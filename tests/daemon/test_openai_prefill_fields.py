@@ -138,9 +138,6 @@ def test_other_unknown_fields_are_still_refused():
     assert info.value.param == "apb_host" and info.value.status == 400
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "openai_protocol.parse_prefill takes null as the default for prefill, query and the apb_* numbers "
-    "(as for stream), but refuses \"apb_scorer\": null: body.get('apb_scorer', 'attention') returns None"))
 def test_null_apb_scorer_is_the_default():
     assert completion(prefill="apb", apb_scorer=None).prefill.scorer == "attention"
 
