@@ -32,7 +32,7 @@ class ScriptedInstance:
         self.mode = mode
         self.metrics = InstanceMetrics()
 
-    async def generate(self, prompt, messages, params, refuse_past_context=False):
+    async def generate(self, prompt, messages, params, refuse_past_context=False, prefill=None):
         if self.mode == "silent":  # queued behind others for longer than the client waits
             await asyncio.sleep(3600)
         if self.mode == "crash":  # an unexpected error: aiohttp answers 500 with a text body

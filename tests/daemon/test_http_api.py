@@ -22,7 +22,7 @@ class ScriptedService:
         self.events = events
         self.metrics = InstanceMetrics()
 
-    async def generate(self, prompt, messages, params, refuse_past_context=False):
+    async def generate(self, prompt, messages, params, refuse_past_context=False, prefill=None):
         for event in self.events:
             await asyncio.sleep(0)
             yield event

@@ -279,7 +279,7 @@ def test_a_prompt_is_tokenized_off_the_event_loop(tmp_path):
         added.append(token_ids)
         d.engine.scheduler.requests[request_id] = SimpleNamespace(prompt_token_ids=token_ids)
 
-    d.engine = SimpleNamespace(prompt_token_ids=prompt_token_ids, add_request=add_request,
+    d.engine = SimpleNamespace(prompt_token_ids=prompt_token_ids, add_request=add_request, max_model_len=8192,
                                scheduler=SimpleNamespace(requests={}))
 
     async def scenario() -> None:
