@@ -3,6 +3,8 @@ decoding exactly what exact prefill decodes when its passing blocks drop nothing
 
 from __future__ import annotations
 
+import pytest
+
 import json
 import subprocess
 import sys
@@ -20,6 +22,7 @@ def _run(out: Path, *args: str) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow  # a whole run of the bench on the CPU: tens of seconds
 def test_the_json_holds_every_method_task_and_length(tmp_path: Path) -> None:
     result = _run(tmp_path / "acc.json", "--samples", "2", "--methods", ",".join(METHODS))
     assert result["bench"] == "apb_accuracy" and result["device"] == "cpu" and result["dtype"] == "float32"
@@ -84,6 +87,7 @@ def test_the_verdict_wants_apb_near_exact_and_above_both_ablations() -> None:
     assert verdict({"exact": 0.9, "apb-h2": 0.9, "nopass-h2": 0.9, "random-h2": 0.6})["goal_met"] is False
 
 
+@pytest.mark.slow  # a whole run of the bench on the CPU: tens of seconds
 def test_runs_split_by_task_merge_into_one_table(tmp_path: Path) -> None:
     parts = []
     for task in ("passkey", "multikey"):

@@ -4,6 +4,8 @@ every request is served; the simulator's predictions and their errors are report
 
 from __future__ import annotations
 
+import pytest
+
 import json
 import subprocess
 import sys
@@ -12,6 +14,7 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "cluster_multigpu.py"
 
 
+@pytest.mark.slow  # a whole run of the bench on the CPU: tens of seconds
 def test_shared_kv_serves_what_static_instances_refuse(tmp_path: Path) -> None:
     out = tmp_path / "cluster.json"
     # Pools of 48 blocks (768 tokens); one prompt in two is 800-1000 tokens.

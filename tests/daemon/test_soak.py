@@ -310,7 +310,7 @@ def idle(inst: Instance) -> dict[str, Any] | None:
     return status if quiet else None
 
 
-DURATIONS = [pytest.param(60, id="60s"), pytest.param(600, id="10min", marks=pytest.mark.slow)]
+DURATIONS = [pytest.param(60, id="60s", marks=pytest.mark.slow), pytest.param(600, id="10min", marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("duration_s", DURATIONS)
