@@ -69,6 +69,25 @@ def timed_request(inst, prompt: list[int], query: list[int], prefill: dict, time
             "prefill": first.get("prefill")}
 
 
+def write_report(rows: list[dict], args, config: dict, pools: list[int], devices: list[str], gpus: int) -> Path:
+    """The report so far (after each length: a run cut short keeps what it measured)."""
+    for row in rows:
+        exact = next((r for r in rows if r["doc_tokens"] == row["doc_tokens"] and r["case"] == "exact"), None)
+        if exact is not None:
+            row["ttft_vs_exact"] = row["ttft_s"] / exact["ttft_s"]
+            row["speedup_vs_exact"] = exact["ttft_s"] / row["ttft_s"]
+    gpu = torch.cuda.get_device_name(0) if gpus else "cpu"
+    tag = gpu.replace(" ", "-") + (f"-x{gpus}" if args.spread_gpus and gpus > 1 else "")
+    report = {"gpu": gpu, "gpus_used": len(set(devices)), "mps": args.mps, "model": config, "pools": pools,
+              "devices": devices, "query_tokens": QUERY_TOKENS, "new_tokens": NEW_TOKENS,
+              "max_num_batched_tokens": args.max_num_batched_tokens, "repeats": args.repeats,
+              "torch": torch.__version__, "python": platform.python_version(), "rows": rows}
+    out = Path(args.out) if args.out else Path(__file__).parent / "results" / f"apb_serving-{tag}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="Hugging Face folder (bench/random_model.py)")
@@ -125,21 +144,10 @@ def main() -> None:
                     best = min(runs, key=lambda r: r["ttft_s"])
                     rows.append({"doc_tokens": length, "case": name, "ttft_s": best["ttft_s"],
                                  "ttft_runs_s": [r["ttft_s"] for r in runs], "prefill": best["prefill"]})
+                write_report(rows, args, config, pools, devices, gpus)
         finally:
             cluster.stop()
-    for row in rows:
-        exact = next(r for r in rows if r["doc_tokens"] == row["doc_tokens"] and r["case"] == "exact")
-        row["ttft_vs_exact"] = row["ttft_s"] / exact["ttft_s"]
-        row["speedup_vs_exact"] = exact["ttft_s"] / row["ttft_s"]
-    gpu = torch.cuda.get_device_name(0) if gpus else "cpu"
-    tag = gpu.replace(" ", "-") + (f"-x{gpus}" if args.spread_gpus and gpus > 1 else "")
-    report = {"gpu": gpu, "gpus_used": len(set(devices)), "mps": args.mps, "model": config, "pools": pools,
-              "devices": devices, "query_tokens": QUERY_TOKENS, "new_tokens": NEW_TOKENS,
-              "max_num_batched_tokens": args.max_num_batched_tokens, "repeats": args.repeats,
-              "torch": torch.__version__, "python": platform.python_version(), "rows": rows}
-    out = Path(args.out) if args.out else Path(__file__).parent / "results" / f"apb_serving-{tag}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
+    out = write_report(rows, args, config, pools, devices, gpus)
     print(f"{'tokens':>8} {'case':>8} {'ttft s':>8} {'vs exact':>9}")
     for row in rows:
         print(f"{row['doc_tokens']:>8} {row['case']:>8} {row['ttft_s']:>8.3f} {row['ttft_vs_exact']:>9.3f}")

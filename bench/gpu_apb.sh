@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # APB prefill's GPU measurements in as few device calls as possible (run from the repo root):
-#   bash bench/gpu_apb.sh [kernel] [kerneltests | kerneltests-bg] [accuracy | accuracy-2048 accuracy-4096 ...]
+#   bash bench/gpu_apb.sh [kernel] [kerneltests | kerneltests-bg] [model8b] [serving] [accuracy | accuracy-2048 ...]
+# model8b, serving: bench/random_model.py --shape llama3-8b, then bench/apb_serving.py (needs the
+#   ucxx wheels of gpu-wheels.sh and .bench-assets/tokenizer, from random_model.py --export-tokenizer);
 # kernel: bench/apb_kernel.py --sweep (Llama-3-8B shapes, bf16, alone on the GPU);
 # kerneltests: tests/kernels/test_prefix_causal_attention.py (its CUDA tests); -bg: beside the
 #   accuracy runs (correctness only, no timings there);
@@ -40,7 +42,7 @@ lengths=()
 for what in "$@"; do
   case $what in
     kernel)
-      timeout 300 python3 bench/apb_kernel.py --sweep 2>&1 | tee "$OUT/kernel.log"
+      timeout ${KERNEL_TIMEOUT:-200} python3 bench/apb_kernel.py --sweep 2>&1 | tee "$OUT/kernel.log"
       cp bench/results/apb_kernel-*.json "$OUT"/ ;;
     kerneltests)
       timeout 300 python3 -P -m pytest -q -p no:cacheprovider -rs tests/kernels/test_prefix_causal_attention.py \
@@ -50,6 +52,19 @@ for what in "$@"; do
       (timeout 300 python3 -P -m pytest -q -p no:cacheprovider -rs tests/kernels/test_prefix_causal_attention.py \
         > "$OUT/kerneltests.log" 2>&1; echo "kernel tests: rc $?" >> "$OUT/kerneltests.log") &
       testpid=$! ;;
+    model8b)
+      # Llama-3-8B shapes, random bf16 weights, for the serving step (kept while the machine is warm).
+      [ -f /tmp/llama8b/model.safetensors ] || timeout 240 python3 bench/random_model.py --shape llama3-8b \
+        --tokenizer .bench-assets/tokenizer --out /tmp/llama8b ;;
+    serving)
+      # Time to first token through two daemons sharing the GPU under MPS: APB against exact.
+      export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log UCX_WARN_UNUSED_ENV_VARS=n
+      mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
+      pgrep -f nvidia-cuda-mps-control >/dev/null || nvidia-cuda-mps-control -d
+      timeout ${SERVING_TIMEOUT:-420} python3 bench/apb_serving.py --model /tmp/llama8b --mps \
+        --tokens ${SERVING_TOKENS:-32768,130944} --hosts ${SERVING_HOSTS:-2} --repeats ${SERVING_REPEATS:-1} \
+        2>&1 | tee "$OUT/serving.log"
+      cp bench/results/apb_serving-*.json "$OUT"/ 2>/dev/null ;;
     accuracy) lengths+=(2048 4096 8192) ;;
     accuracy-*) lengths+=("${what#accuracy-}") ;;
     *) echo "unknown step $what"; exit 2 ;;
