@@ -26,6 +26,7 @@ import torch
 from infinite_llm.engine.model import LlamaModel
 from infinite_llm.engine.seq_parallel import APBConfig, apb_prefill
 from infinite_llm.transport.interface import PeerAddress, Transport
+from infinite_llm.transport.kv_packing import wait_for_event
 from infinite_llm.transport.messages import Ack, APBChunkPrefill, APBPassing
 
 from . import failpoints
@@ -171,7 +172,7 @@ class TransportHostGroup:
         self._key = key
         self._addresses = list(addresses)
         self._device = device
-        self._timeout_s = timeout_s
+        self.timeout_s = timeout_s
         self._round = 0
         self.bytes_sent = 0
 
@@ -181,7 +182,7 @@ class TransportHostGroup:
         others = [r for r in range(self.size) if r != self.rank]
         data = tensor.contiguous()
         await self._send(round_, others, data)
-        received = dict(zip(others, await self._inbox.take(self._key, round_, others, self._timeout_s)))
+        received = dict(zip(others, await self._inbox.take(self._key, round_, others, self.timeout_s)))
         parts = []
         for r in range(self.size):
             part = data if r == self.rank else received[r].to(self._device, non_blocking=True)
@@ -199,14 +200,14 @@ class TransportHostGroup:
 
         async def received() -> torch.Tensor:
             await self._send(round_, [after], data)
-            (part,) = await self._inbox.take(self._key, round_, [before], self._timeout_s)
+            (part,) = await self._inbox.take(self._key, round_, [before], self.timeout_s)
             return part.to(self._device, non_blocking=True)
         return asyncio.ensure_future(received())
 
     async def _send(self, round_: int, ranks: list[int], data: torch.Tensor) -> None:
         home_inst_id, req_id = self._key
         message = APBPassing(home_inst_id, req_id, round_, self.rank, data)
-        sends = [self._transport.request(self._addresses[r], message, timeout_s=self._timeout_s) for r in ranks]
+        sends = [self._transport.request(self._addresses[r], message, timeout_s=self.timeout_s) for r in ranks]
         results = await asyncio.gather(*sends, return_exceptions=True)
         for r, result in zip(ranks, results):
             if isinstance(result, BaseException):
@@ -265,12 +266,8 @@ async def prefill_chunk(model: LlamaModel, group: TransportHostGroup, message: A
     await apb_prefill(model, group, chunk, anchor, query, config, kv_sink=write)
     if pool.device.type == "cuda":
         # The blocks are read by other streams (attend requests, mailbox steps) once committed.
-        await _until_done(pool.device)
+        written = torch.cuda.Event()
+        written.record(torch.cuda.current_stream(pool.device))
+        await wait_for_event(written, time.monotonic() + group.timeout_s)
     return ChunkResult(message.chunk_len, group.bytes_sent, time.perf_counter() - started)
 
-
-async def _until_done(device: torch.device) -> None:
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(device))
-    while not event.query():
-        await asyncio.sleep(0.0005)
