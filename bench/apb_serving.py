@@ -72,8 +72,9 @@ def timed_request(inst, prompt: list[int], query: list[int], prefill: dict, time
 def write_report(rows: list[dict], args, config: dict, pools: list[int], devices: list[str], gpus: int) -> Path:
     """The report so far (after each length: a run cut short keeps what it measured)."""
     for row in rows:
-        exact = next((r for r in rows if r["doc_tokens"] == row["doc_tokens"] and r["case"] == "exact"), None)
-        if exact is not None:
+        exact = next((r for r in rows if r["doc_tokens"] == row["doc_tokens"] and r["case"] == "exact"
+                      and "ttft_s" in r), None)
+        if exact is not None and "ttft_s" in row:
             row["ttft_vs_exact"] = row["ttft_s"] / exact["ttft_s"]
             row["speedup_vs_exact"] = exact["ttft_s"] / row["ttft_s"]
     gpu = torch.cuda.get_device_name(0) if gpus else "cpu"
@@ -136,11 +137,22 @@ def main() -> None:
                 prompt = [rng.randrange(vocab) for _ in range(length)]
                 for name, prefill in cases:
                     runs = []
-                    for _ in range(args.repeats):
-                        runs.append(timed_request(cluster[1], prompt, query, prefill))
+                    try:
+                        for _ in range(args.repeats):
+                            runs.append(timed_request(cluster[1], prompt, query, prefill))
+                            time.sleep(2.5)
+                            print(f"{length:>7} {name:>8} ttft {runs[-1]['ttft_s']:.3f} s "
+                                  f"({(runs[-1]['prefill'] or {}).get('mode', 'exact')})", flush=True)
+                    except RuntimeError as exc:
+                        # One case that fails (a daemon's error reply) is reported, with the
+                        # daemons' last log lines, and the others still run.
+                        print(f"{length:>7} {name:>8} failed: {exc}", flush=True)
+                        for inst in cluster.instances.values():
+                            tail = inst.log_path.read_text(errors="replace").splitlines()[-40:]
+                            print(f"--- instance {inst.inst_id} log:\n" + "\n".join(tail), flush=True)
+                        rows.append({"doc_tokens": length, "case": name, "error": str(exc)[:2000]})
                         time.sleep(2.5)
-                        print(f"{length:>7} {name:>8} ttft {runs[-1]['ttft_s']:.3f} s "
-                              f"({(runs[-1]['prefill'] or {}).get('mode', 'exact')})", flush=True)
+                        continue
                     best = min(runs, key=lambda r: r["ttft_s"])
                     rows.append({"doc_tokens": length, "case": name, "ttft_s": best["ttft_s"],
                                  "ttft_runs_s": [r["ttft_s"] for r in runs], "prefill": best["prefill"]})
@@ -150,7 +162,10 @@ def main() -> None:
     out = write_report(rows, args, config, pools, devices, gpus)
     print(f"{'tokens':>8} {'case':>8} {'ttft s':>8} {'vs exact':>9}")
     for row in rows:
-        print(f"{row['doc_tokens']:>8} {row['case']:>8} {row['ttft_s']:>8.3f} {row['ttft_vs_exact']:>9.3f}")
+        if "ttft_s" not in row:
+            print(f"{row['doc_tokens']:>8} {row['case']:>8}   failed")
+            continue
+        print(f"{row['doc_tokens']:>8} {row['case']:>8} {row['ttft_s']:>8.3f} {row.get('ttft_vs_exact', 0):>9.3f}")
     print(f"wrote {out}")
 
 

@@ -149,6 +149,23 @@ async def _openai_http_errors(request: web.Request, handler) -> web.StreamRespon
         if "Allow" in exc.headers:  # a 405 names the methods there are
             response.headers["Allow"] = exc.headers["Allow"]
         return response
+    except Exception as exc:  # noqa: BLE001  a bug's 500 still says what it was
+        log.exception("%s %s failed", request.method, request.path)
+        return _json(OpenAIError(f"internal error: {type(exc).__name__}: {exc}"[:2000], status=500,
+                                 error_type="server_error").body(), status=500)
+
+
+@web.middleware
+async def _local_http_errors(request: web.Request, handler) -> web.StreamResponse:
+    """An unexpected failure of a local API call as a JSON error naming it (and in the log),
+    rather than aiohttp's plain-text 500."""
+    try:
+        return await handler(request)
+    except web.HTTPException:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        log.exception("%s %s failed", request.method, request.path)
+        return _json({"error": f"internal error: {type(exc).__name__}: {exc}"[:2000]}, status=500)
 
 
 class OpenAIApp:
@@ -279,7 +296,7 @@ class LocalApp:
         self.admin_gid = admin_gid
 
     def build(self) -> web.Application:
-        app = web.Application(client_max_size=_MAX_BODY_BYTES)
+        app = web.Application(client_max_size=_MAX_BODY_BYTES, middlewares=[_local_http_errors])
         app.router.add_get("/v1/status", self.status)
         app.router.add_post("/v1/drain", self.drain)
         app.router.add_post("/v1/uncordon", self.uncordon)

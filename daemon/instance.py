@@ -721,6 +721,11 @@ class InstanceDaemon:
             outcome = await self._run_apb(request_id, token_ids, doc_len, num_computed, plan, hosts, options)
         except (APBAborted, TransportError, TimeoutError, ValueError) as exc:
             return exact(f"the APB prefill failed: {exc}")
+        except torch.OutOfMemoryError as exc:
+            # A whole chunk's activations at once did not fit beside the pool: the exact
+            # prefill's chunks of max_num_batched_tokens may (their blocks were given back).
+            torch.cuda.empty_cache()
+            return exact(f"the APB prefill ran out of device memory on this instance: {str(exc).splitlines()[0]}")
         segments, passing_bytes = outcome
         try:
             self.engine.add_prefilled_request(token_ids, params, request_id, segments, num_computed)

@@ -177,9 +177,15 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cau
     q4 = q.transpose(0, 1).unsqueeze(0)
     k4 = k.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
     v4 = v.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
-    if q.device.type == "cuda":
+    if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q4, k4, v4, 0.0, causal, False,
                                                                        scale=sm_scale)[:2]
+    elif q.device.type == "cuda":
+        # The flash kernel takes 16-bit inputs only; the memory-efficient one also float32. Its
+        # log-sum-exp rows are padded (to a multiple of 32).
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q4, k4, v4, None, True, 0.0, causal,
+                                                                           scale=sm_scale)[:2]
+        lse = lse[..., :n]
     else:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q4, k4, v4, 0.0, causal,
                                                                                scale=sm_scale)
@@ -284,9 +290,28 @@ def passing_block(k: torch.Tensor, v: torch.Tensor, score_q: torch.Tensor, score
     return k.gather(0, index), v.gather(0, index)
 
 
+# Rows of one output projection and MLP call in a long prefill (as a chunked prefill's step).
+MLP_ROWS = 8192
+
+
+def _post_attention_in_slices(model: LlamaModel, layer: int, hidden: torch.Tensor, attn_out: torch.Tensor,
+                              rows: int) -> torch.Tensor:
+    """``model.post_attention`` over ``rows`` rows at a time (each row's result depends on that
+    row alone): hidden ``[n, hidden]``, attn_out ``[n, heads, head_dim]`` -> ``[n, hidden]``."""
+    n = hidden.shape[0]
+    if n <= rows:
+        return model.post_attention(layer, hidden, attn_out)
+    out = torch.empty_like(hidden)
+    for start in range(0, n, rows):
+        end = min(start + rows, n)
+        out[start:end] = model.post_attention(layer, hidden[start:end], attn_out[start:end])
+    return out
+
+
 async def apb_prefill(model: LlamaModel, group: HostGroup, chunk_ids: torch.Tensor, anchor_ids: torch.Tensor,
                       query_ids: torch.Tensor, config: APBConfig,
-                      kv_sink: Callable[[int, torch.Tensor, torch.Tensor], object] | None = None) -> HostPrefill:
+                      kv_sink: Callable[[int, torch.Tensor, torch.Tensor], object] | None = None,
+                      mlp_rows: int = MLP_ROWS) -> HostPrefill:
     """Prefill this host's chunk of the document with APB.
 
     Args:
@@ -304,6 +329,9 @@ async def apb_prefill(model: LlamaModel, group: HostGroup, chunk_ids: torch.Tens
             (``[chunk_len, kv_heads, head_dim]``, views that live until the next layer) instead
             of keeping them: a server writes them into its KV pool as they are made, and
             ``HostPrefill.kv`` is then empty.
+        mlp_rows: the output projection and MLP run over this many rows at a time, so that a
+            chunk of 64K rows does not need its ``[rows, 2 * intermediate]`` activations at once
+            (4.7 GB at Llama-3-8B shapes; two hosts sharing a GPU need it twice).
 
     Returns:
         The host's :class:`HostPrefill` for its chunk rows (positions ``chunk_start ...
@@ -385,7 +413,8 @@ async def apb_prefill(model: LlamaModel, group: HostGroup, chunk_ids: torch.Tens
                                                 sm_scale=model.sm_scale))
             chunk_out = _merge(parts, q.dtype)
         attn_out = torch.cat([block_out, chunk_out])
-        hidden = model.post_attention(layer, hidden, attn_out)
+        del q, k, v, block_out, chunk_out
+        hidden = _post_attention_in_slices(model, layer, hidden, attn_out, mlp_rows)
         if kv_sink is None:
             kept.append((k_local.contiguous(), v_local.contiguous()))
         else:

@@ -52,6 +52,36 @@ def test_attention_with_lse_matches_softmax(causal):
     torch.testing.assert_close(state.lse, lse, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("causal", [True, False])
+def test_attention_with_lse_on_cuda_matches_softmax(causal, dtype):
+    """The flash kernel for 16-bit inputs, the memory-efficient one (padded lse rows) for fp32."""
+    torch.manual_seed(0)
+    q = torch.randn(45, 8, 64, device="cuda")
+    k, v = torch.randn(45, 2, 64, device="cuda"), torch.randn(45, 2, 64, device="cuda")
+    state = attention_with_lse(q.to(dtype), k.to(dtype), v.to(dtype), causal=causal, sm_scale=64 ** -0.5)
+    out, lse = reference_attention(q.double(), k.double(), v.double(), causal)
+    tol = 2e-2 if dtype == torch.bfloat16 else 2e-3
+    assert state.out.dtype == dtype and state.lse.shape == (45, 8)
+    torch.testing.assert_close(state.out.double(), out, atol=tol, rtol=tol)
+    torch.testing.assert_close(state.lse.double(), lse, atol=tol, rtol=tol)
+
+
+def test_post_attention_in_row_slices_is_the_whole_call():
+    """A long APB chunk's output projection and MLP in slices of rows: the same rows out."""
+    from infinite_llm.engine.seq_parallel import _post_attention_in_slices
+
+    model = tiny_model()
+    torch.manual_seed(1)
+    hidden = torch.randn(37, CONFIG.hidden_size)
+    attn_out = torch.randn(37, CONFIG.num_heads, CONFIG.head_dim)
+    whole = model.post_attention(0, hidden.clone(), attn_out)
+    sliced = _post_attention_in_slices(model, 0, hidden.clone(), attn_out, rows=8)
+    torch.testing.assert_close(sliced, whole, atol=1e-5, rtol=1e-5)
+
+
 def test_attention_with_no_keys_is_empty_and_causal_needs_square():
     q = torch.randn(3, 4, 16)
     empty = torch.empty(0, 2, 16)

@@ -276,8 +276,9 @@ def test_config_refuses_tiles_that_are_not_powers_of_two() -> None:
 
 def test_benchmark_smoke_run(tmp_path: Path) -> None:
     out = tmp_path / "apb_kernel.json"
-    subprocess.run([sys.executable, str(BENCH), "--smoke", "--out", str(out)], check=True, timeout=120,
-                   capture_output=True)
+    run = subprocess.run([sys.executable, str(BENCH), "--smoke", "--out", str(out)], timeout=120,
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
     (row,) = json.loads(out.read_text())["rows"]
     assert set(row["tflops"]) >= {"triton", "sdpa_two_calls", "flash_two_calls_merged"}
     assert row["max_abs_error_vs_reference"]["triton"] < 1e-4
