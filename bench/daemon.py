@@ -688,6 +688,8 @@ def main() -> None:
                         help="the instances' setting (default: theirs, on)")
     parser.add_argument("--remote-attention", choices=("auto", "mailboxes", "messages"), default=None,
                         help="the instances' setting (default: theirs, auto: mailboxes on a GPU)")
+    parser.add_argument("--steps-ahead", type=int, choices=(0, 1), default=None,
+                        help="the instances' setting (default: theirs, 1)")
     args = parser.parse_args()
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     if args.device == "cpu":
@@ -706,6 +708,8 @@ def main() -> None:
         extra_args += ["--creditor-cuda-graphs" if args.creditor_cuda_graphs else "--no-creditor-cuda-graphs"]
     if args.remote_attention is not None:
         extra_args += ["--remote-attention", args.remote_attention]
+    if args.steps_ahead is not None:
+        extra_args += ["--steps-ahead", str(args.steps_ahead)]
     counts = [] if args.moves_only else [int(n) for n in args.instances.split(",")]
     move_blocks = []
     for tokens in args.move_tokens.split(","):
@@ -754,11 +758,12 @@ def main() -> None:
 
     gpu = torch.cuda.get_device_name().replace(" ", "-") if args.device.startswith("cuda") else "cpu"
     report = {"device": gpu, "machine": platform.node(), "instance_cpus": args.instance_cpus, "torch": torch.__version__, "model": args.model or "SmolLM2-135M-Instruct",
-              "cuda_mps": args.mps, "remote_attention": args.remote_attention or "auto", "spread_gpus": args.spread_gpus, "peer_spin_s": args.peer_spin_s, "peer_header_ring_bytes": args.peer_header_ring_bytes, "context_blocks": context_blocks, "new_tokens": args.new_tokens, "splits": splits, "moves": moves}
+              "cuda_mps": args.mps, "remote_attention": args.remote_attention or "auto", "steps_ahead": args.steps_ahead if args.steps_ahead is not None else 1, "spread_gpus": args.spread_gpus, "peer_spin_s": args.peer_spin_s, "peer_header_ring_bytes": args.peer_header_ring_bytes, "context_blocks": context_blocks, "new_tokens": args.new_tokens, "splits": splits, "moves": moves}
     suffix = (f"-{Path(args.model).name}" if args.model else "") + ("-mps" if args.mps else "")
     suffix += (f"-x{torch.cuda.device_count()}-{context_blocks * BLOCK_SIZE // 1024}k" if args.spread_gpus else "") + (f"-spin{args.peer_spin_s:g}" if args.peer_spin_s is not None else "") + (f"-ring{args.peer_header_ring_bytes}" if args.peer_header_ring_bytes is not None else "")
     suffix += "-eager-creditor" if args.creditor_cuda_graphs is False else ""
     suffix += f"-{args.remote_attention}" if args.remote_attention else ""
+    suffix += f"-ahead{args.steps_ahead}" if args.steps_ahead is not None else ""
     suffix += "-pinned" if args.instance_cpus else ""
     suffix += "-moves" if args.moves_only else ""
     suffix += "-toggled" if args.move_window and not args.no_moves else ""

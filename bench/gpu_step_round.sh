@@ -2,7 +2,7 @@
 # The step protocol's measurements on the GPU machine, in one call (run from the repo root, with
 # the wheels of ../shared/tools/gpu-wheels.sh and this project's own wheel in .whl/, and the
 # tokenizer of `bench/random_model.py --export-tokenizer .bench-assets/tokenizer`):
-#   [INSTANCES=1,2] [MODES=mailboxes] bash bench/gpu_step_round.sh [splittests] [steptests] [exchange|exchange-120k] [model] [daemon-32k] [daemon-120k] [tests]
+#   [INSTANCES=1,2] [MODES=mailboxes] [AHEAD="0 1"] bash bench/gpu_step_round.sh [splittests] [steptests] [exchange|exchange-120k] [model] [daemon-32k] [daemon-120k] [tests]
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 UCX_WARN_UNUSED_ENV_VARS=n
@@ -27,15 +27,19 @@ for what in "$@"; do
         --tokenizer .bench-assets/tokenizer --out /tmp/llama1b ;;
     daemon-32k)
       for mode in ${MODES:-mailboxes messages}; do
-        timeout ${DAEMON_TIMEOUT:-280} python3 bench/daemon.py --device cuda --model /tmp/llama1b --mps --no-moves --context-items 1700 \
-          --new-tokens 96 --instances ${INSTANCES:-1,2,3} --max-num-batched-tokens 8192 --remote-attention $mode
-        for f in bench/results/daemon-*-$mode.json; do cp "$f" "$OUT/$(basename "$f" .json)-32k.json"; done
+        for ahead in ${AHEAD:-1}; do
+          timeout ${DAEMON_TIMEOUT:-280} python3 bench/daemon.py --device cuda --model /tmp/llama1b --mps --no-moves --context-items 1700 \
+            --new-tokens 96 --instances ${INSTANCES:-1,2,3} --max-num-batched-tokens 8192 --remote-attention $mode --steps-ahead $ahead
+          for f in bench/results/daemon-*-$mode-ahead$ahead.json; do cp "$f" "$OUT/$(basename "$f" .json)-32k.json"; done
+        done
       done ;;
     daemon-120k)
       for mode in ${MODES:-mailboxes messages}; do
-        timeout ${DAEMON_TIMEOUT:-290} python3 bench/daemon.py --device cuda --model /tmp/llama1b --mps --no-moves --context-items 6500 \
-          --new-tokens 96 --instances ${INSTANCES:-1,2} --max-num-batched-tokens 8192 --remote-attention $mode
-        for f in bench/results/daemon-*-$mode.json; do cp "$f" "$OUT/$(basename "$f" .json)-120k.json"; done
+        for ahead in ${AHEAD:-1}; do
+          timeout ${DAEMON_TIMEOUT:-290} python3 bench/daemon.py --device cuda --model /tmp/llama1b --mps --no-moves --context-items 6500 \
+            --new-tokens 96 --instances ${INSTANCES:-1,2} --max-num-batched-tokens 8192 --remote-attention $mode --steps-ahead $ahead
+          for f in bench/results/daemon-*-$mode-ahead$ahead.json; do cp "$f" "$OUT/$(basename "$f" .json)-120k.json"; done
+        done
       done ;;
     splittests)
       # Split decode steps as one graph, through device mailboxes, against one instance (fp32).

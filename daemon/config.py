@@ -119,6 +119,10 @@ class InstanceConfig:
     # "auto", mailboxes on a GPU and messages on the CPU. Creditors on other hosts, and any
     # that cannot share a mailbox, are attended by messages either way.
     remote_attention: str = "auto"
+    # Through a mailbox: the steps a creditor keeps queued past the current one for the same
+    # slices (0 or 1). With 1 a home's next step finds its creditors' layers queued already, and
+    # its StepBegin is off the step's path; 0 queues each step when its StepBegin arrives.
+    steps_ahead: int = 1
     http_host: str = "127.0.0.1"  # OpenAI-compatible API and /metrics
     http_port: int | None = 8000  # 0: any free port; None: no TCP API
     socket_path: Path = Path("/run/infinite-llm/infinited.sock")  # local admin API
@@ -154,6 +158,7 @@ class InstanceConfig:
         _check_int("queue_bypass_limit", self.queue_bypass_limit, minimum=0)
         _check_int("split_decode_interval", self.split_decode_interval, minimum=1)
         _check_int("apb_min_chunk_tokens", self.apb_min_chunk_tokens, minimum=1)
+        _check_int("steps_ahead", self.steps_ahead, minimum=0, maximum=1)  # messages.MAX_STEPS_AHEAD
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, minimum=self.block_size)
         _check_int("peer_port", self.peer_port, minimum=0, maximum=65535)
         _check_int("peer_shared_memory_bytes", self.peer_shared_memory_bytes, minimum=0)

@@ -124,6 +124,13 @@ class CreditorAttention:
     def _plan(self, request: AttendRequest) -> _ServePlan:
         return self.plan_for(request.home_inst_id, request.slices)
 
+    def plan_is_current(self, home: int, plan: _ServePlan, slices: tuple[AttendSlice, ...]) -> bool:
+        """Whether ``plan`` is still the home's kept plan for ``slices`` with its tables as they
+        were (no segment of the home held here changed since): work queued over it ahead of
+        time reads the keys it would read now."""
+        return (self._plans.get(home) is plan and plan.slices == slices
+                and plan.held_changes == self.ledger.held_changes.get(home, 0))
+
     def plan_for(self, home: int, slices: tuple[AttendSlice, ...]) -> _ServePlan:
         """The home's kept plan when ``slices`` name the same rows over the same held segments,
         or the same rows over keys that fit its room (its tables then rewritten in place, on

@@ -384,7 +384,7 @@ class InstanceDaemon:
             self.remote = MailboxRemoteAttention(
                 self.remote, self.transport, self.peers, num_layers=mc.num_layers, num_heads=mc.num_heads,
                 head_dim=mc.head_dim, dtype=_TORCH_DTYPE[dtype], device=device, max_rows=c.max_num_seqs,
-                timeout_s=c.timeouts.peer_request_s, host_id=host_id())
+                timeout_s=c.timeouts.peer_request_s, host_id=host_id(), steps_ahead=c.steps_ahead)
         self.lender = TransportLender(self.transport, self.peers, self.metrics, c.timeouts.peer_request_s,
                                        share_kv=c.share_kv)
         self.lender.run_id = self.run_id
@@ -454,6 +454,8 @@ class InstanceDaemon:
             self._pending_aborts.clear()
             await self._carry_out_ordered_moves()
             if not engine.has_unfinished:
+                if isinstance(self.remote, MailboxRemoteAttention):
+                    self.remote.stand_down_all(engine.last_step_id)  # no step of its queued ahead comes
                 self._work.clear()
                 self._engine_idle = True
                 await self._work.wait()

@@ -15,6 +15,13 @@ does (``PeerPartFailed``), and its mailbox is dropped. A step whose device work 
 its deadline is released by ``release_step`` (the engine's watchdog): the result flags are set
 ``ABORTED`` from a stream of their own, the device finishes, and the step fails.
 
+Each ``StepBegin`` asks the creditor to queue the next step of the same slices behind this one
+(``ahead``): a home whose step is as its last one's sends its ``StepBegin`` and runs at once, its
+creditor's layers already queued; one whose step differs (other rows, other segments) first
+awaits the ``StepBegin``'s answer, which the creditor gives once the step queued ahead is let
+go and this one is queued. A creditor this home's step no longer attends over, and every one
+once this home goes idle, is told to stand down (``StepStandDown``).
+
 A creditor with no mailbox yet is attended by messages while one is opened in the background;
 one that cannot share a mailbox (another host, turned off) is asked again only after
 ``REOPEN_AFTER_S``.
@@ -41,6 +48,7 @@ from infinite_llm.transport.messages import (
     StepMailboxClose,
     StepMailboxOpen,
     StepMailboxOpened,
+    StepStandDown,
 )
 from infinite_llm.transport.step_mailbox import (
     FLAG_ABORTED,
@@ -72,6 +80,9 @@ class _Opened:
     mailbox_id: int
     mailbox: Mailbox
     inst_id: int
+    # (slices, rows) of the step the creditor keeps queued ahead for this home, None for none.
+    ahead_key: tuple | None = None
+    standing_down: asyncio.Future | None = None  # the last StepStandDown's answer
 
 
 class _MailboxPart(DevicePart):
@@ -104,6 +115,9 @@ class _StepOnMailbox:
     num_rows: int
     deadline: float  # time.monotonic()
     released: bool = False
+    # Queries wait for the StepBegin's answer: the creditor may have queued a step of other
+    # slices ahead, which would take them.
+    answer_first: bool = False
 
 
 class MailboxRemoteAttention(RemoteAttention):
@@ -111,7 +125,8 @@ class MailboxRemoteAttention(RemoteAttention):
 
     def __init__(self, messages: TransportRemoteAttention, transport: Transport, peers: PeerDirectory, *,
                  num_layers: int, num_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-                 max_rows: int, timeout_s: float, host_id: str, clock: Callable[[], float] = time.monotonic) -> None:
+                 max_rows: int, timeout_s: float, host_id: str, clock: Callable[[], float] = time.monotonic,
+                 steps_ahead: int = 1) -> None:
         self.messages = messages
         self.transport = transport
         self.peers = peers
@@ -131,8 +146,11 @@ class MailboxRemoteAttention(RemoteAttention):
         self._parts: dict[tuple[int, int], _MailboxPart] = {}  # (inst id, mailbox id) -> its graph part
         self._side_stream: torch.cuda.Stream | None = None
         self._tasks: set[asyncio.Task] = set()
+        self.steps_ahead = steps_ahead
         self.steps_on_mailboxes = 0
         self.steps_failed = 0
+        self.steps_answer_first = 0  # steps whose queries waited for their StepBegin's answer
+        self.stand_downs = 0
 
     # Where the engine's watchdog looks for how long a step's device work may take.
     @property
@@ -207,11 +225,16 @@ class MailboxRemoteAttention(RemoteAttention):
         if batch.num_rows_host > self.max_rows:
             return None
         slices = self.messages._slices_of(batch)
+        key = (slices, batch.num_rows_host)
+        standing_down = opened.standing_down is not None and not opened.standing_down.done()
+        answer_first = (opened.ahead_key is not None and opened.ahead_key != key) or standing_down
         message = StepBegin(self.peers.own_inst_id, peer.inst_id, opened.mailbox_id, batch.step_id,
-                            self.num_layers, slices, batch.num_rows_host)
+                            self.num_layers, slices, batch.num_rows_host, ahead=self.steps_ahead)
         reply = self.transport.request_soon(peer.address, message, timeout_s=self.timeout_s)
+        opened.ahead_key = key if self.steps_ahead else None
         step = _StepOnMailbox(opened, peer, asyncio.ensure_future(reply), batch.num_rows_host,
-                              self.clock() + self.timeout_s)
+                              self.clock() + self.timeout_s, answer_first=answer_first)
+        self.steps_answer_first += answer_first
         self._steps[(batch.step_id, batch.instance_id)] = step
         self.steps_on_mailboxes += 1
         return step
@@ -238,6 +261,25 @@ class MailboxRemoteAttention(RemoteAttention):
             parts.append(self._parts.get(key) or self._parts.setdefault(key, _MailboxPart(o)))
         return parts
 
+    async def device_step_ready(self, step_id: int) -> None:
+        """Before the step's graph writes a query: the answers of the StepBegins that must come
+        first (``answer_first``). Raises PeerPartFailed for one that is not ``Ack``."""
+        for (sid, _), step in list(self._steps.items()):
+            if sid == step_id and step.answer_first:
+                await self._answered(step)
+
+    async def _answered(self, step: _StepOnMailbox) -> None:
+        try:
+            reply = await step.reply
+        except TransportError as e:
+            reply = e
+        if not isinstance(reply, Ack):
+            problem = reply.detail if isinstance(reply, ErrorReply) else (
+                str(reply) if isinstance(reply, Exception) else f"answered {type(reply).__name__}")
+            raise PeerPartFailed(step.peer.inst_id, step.peer.engine_id,
+                                 RuntimeError(f"the creditor refused the step: {problem}"))
+        step.answer_first = False
+
     def live_device_parts(self) -> set:
         return {(o.inst_id, o.mailbox_id) for o in self._opened.values()}
 
@@ -248,13 +290,23 @@ class MailboxRemoteAttention(RemoteAttention):
             step = self._begin(batch)
         if step is None:
             return self.messages.start(batch, layer, q, sm_scale)
+        if step.answer_first:
+            return self._answered_then_collect(step, layer, q)
+        self._put_query(step, layer, q)
+        return self._collect(step, layer)
+
+    def _put_query(self, step: _StepOnMailbox, layer: int, q: torch.Tensor) -> None:
         mailbox, n = step.opened.mailbox, step.num_rows
         mailbox.q[layer, :n].copy_(q)
         if mailbox.is_cuda:
             stream_flags().write(flag_address(mailbox.q_flags, layer), FLAG_READY)
         else:
             mailbox.q_flags[layer] = FLAG_READY
-        return self._collect(step, layer)
+
+    async def _answered_then_collect(self, step: _StepOnMailbox, layer: int, q: torch.Tensor) -> AttentionState:
+        await self._answered(step)
+        self._put_query(step, layer, q)
+        return await self._collect(step, layer)
 
     async def attend(self, batch: AttendBatch, layer: int, q: torch.Tensor, sm_scale: float) -> AttentionState:
         return await self.start(batch, layer, q, sm_scale)
@@ -328,7 +380,31 @@ class MailboxRemoteAttention(RemoteAttention):
             raise failures[0]
 
     def end_step(self, step_id: int) -> None:
+        """The step's work is queued: creditors with a step queued ahead that this step did not
+        attend over are told to let it go."""
         self.messages.end_step(step_id)
+        used = {step.opened.inst_id for (sid, _), step in self._steps.items() if sid == step_id}
+        for opened in self._opened.values():
+            if opened.ahead_key is not None and opened.inst_id not in used:
+                self._stand_down(opened, step_id)
+
+    def stand_down_all(self, step_id: int) -> None:
+        """This home goes idle: no creditor keeps a step queued ahead for it."""
+        for opened in self._opened.values():
+            if opened.ahead_key is not None:
+                self._stand_down(opened, step_id)
+
+    def _stand_down(self, opened: _Opened, step_id: int) -> None:
+        try:
+            peer = self.peers.by_inst(opened.inst_id)
+        except KeyError:
+            return
+        opened.ahead_key = None
+        self.stand_downs += 1
+        reply = asyncio.ensure_future(self.transport.request_soon(
+            peer.address, StepStandDown(self.peers.own_inst_id, opened.mailbox_id, step_id), timeout_s=self.timeout_s))
+        reply.add_done_callback(_retrieve)
+        opened.standing_down = reply
 
     def abandon_step(self, step_id: int) -> None:
         """A step that failed before ``finish_step``: its mailboxes' flags no longer follow the

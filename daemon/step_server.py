@@ -12,6 +12,17 @@ its layers are queued at once:
   other homes' mailboxes, run on beside them.
 - on the host, on a thread of the mailbox's own, which polls the flags.
 
+A ``StepBegin`` with ``ahead = 1`` also queues the next step of the same slices and rows behind
+it, waiting for its first query like any step: the home's next step finds its layers queued
+before its ``StepBegin`` arrives, and that message only assigns the step queued ahead (and
+queues the one after). A ``StepBegin`` of other slices, or a ``StepStandDown``, lets the step
+queued ahead go: on a GPU its query flags are set from a side stream, so that it runs through
+on the stale queries, and its result flags are emptied behind it on the mailbox's stream; on the
+host it is dropped unrun. The home awaits the answer of such a ``StepBegin`` before it writes
+a query of that step, and it accepts no step's results before its ``StepBegin``'s ``Ack``: a
+step queued ahead whose plan changed meanwhile (the home's segments here changed) is refused
+there and its mailbox given up.
+
 A step that is not over by its deadline (``timeout_s`` from its ``StepBegin``: the home died,
 or stopped mid-step) is given up by the watchdog (``check_deadlines``, called by the daemon
 every fraction of the timeout): the mailbox's status says so, its query flags are set
@@ -24,6 +35,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import queue
 import threading
 import time
@@ -44,6 +56,7 @@ from infinite_llm.transport.messages import (
     StepMailboxClose,
     StepMailboxOpen,
     StepMailboxOpened,
+    StepStandDown,
 )
 from infinite_llm.transport.step_mailbox import (
     FLAG_ABORTED,
@@ -66,6 +79,9 @@ log = logging.getLogger(__name__)
 
 # Mailboxes kept at once, over every home: a home keeps one per creditor.
 MAX_MAILBOXES = 64
+# How long a StepBegin waits for the home's last step to be marked over here, s: the home saw its
+# last result, so only the worker's (or stream's) last instructions are left.
+LAST_STEP_GRACE_S = 0.05
 # A host worker's poll: spins this long, then sleeps this long between looks, s.
 HOST_SPIN_S = 0.002
 HOST_POLL_S = 0.0002
@@ -77,9 +93,10 @@ class StepRefused(AttendError):
 
 @dataclass
 class _Step:
-    step_id: int
-    deadline: float  # on the server's clock
+    step_id: int  # -1 while queued ahead, not yet a step of the home's
+    deadline: float  # on the server's clock (inf while queued ahead)
     done: torch.cuda.Event | threading.Event  # the step's last layer is over
+    let_go: threading.Event = field(default_factory=threading.Event)  # a host step queued ahead, not to run
 
 
 @dataclass
@@ -94,7 +111,14 @@ class _Served:
     graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, MicroAttentionPlan]] = field(default_factory=dict)
     eager: set[tuple[int, int]] = field(default_factory=set)  # (plan, rows) served once without a graph
     graph_pool: tuple | None = None
-    step: _Step | None = None
+    step: _Step | None = None  # the home's last step
+    ahead: _Step | None = None  # queued behind it for the home's next step
+    ahead_key: tuple | None = None  # (slices, rows) of the step queued ahead
+    ahead_plan: object = None  # the planner's plan it was queued over
+    last_step_id: int = -1
+    last_begin: float = 0.0  # on the server's clock
+    side_stream: torch.cuda.Stream | None = None  # for flags set while the mailbox's stream waits
+    retired_steps: list = field(default_factory=list)  # steps still queued when it was given up
     worker: threading.Thread | None = None
     work: queue.Queue | None = None  # a host mailbox's steps: (plan, num_rows, _Step), None to stop
     abort: threading.Event = field(default_factory=threading.Event)
@@ -122,18 +146,20 @@ class StepServer:
         self.steps_begun = 0
         self.graph_replays = 0
         self.timeouts = 0  # steps given up by the watchdog
+        self.steps_assigned_ahead = 0  # steps whose layers were queued before their StepBegin came
+        self.steps_let_go = 0  # steps queued ahead that no step used
 
     @property
     def num_mailboxes(self) -> int:
         return len(self._served)
 
     # ---- messages --------------------------------------------------------------------------
-    def handle(self, message: StepMailboxOpen | StepBegin | StepMailboxClose) -> Message | None:
+    def handle(self, message: StepMailboxOpen | StepBegin | StepStandDown | StepMailboxClose) -> Message | None:
         """The answer to one of the step protocol's messages: a refusal is an ErrorReply
         (step_mailbox_unavailable, step_refused), never a failure of the handler."""
-        if isinstance(message, StepBegin):
+        if isinstance(message, (StepBegin, StepStandDown)):
             try:
-                return self.begin(message)
+                return self.begin(message) if isinstance(message, StepBegin) else self.stand_down(message)
             except AttendError as exc:
                 return ErrorReply(ErrorCode.STEP_REFUSED, str(exc))
         if isinstance(message, StepMailboxOpen):
@@ -181,9 +207,10 @@ class StepServer:
         return StepMailboxOpened(mailbox_id, layout.nbytes, (offer,) if offer is not None else (), host_path)
 
     def begin(self, message: StepBegin) -> Ack:
-        """Queue the step's layers. StepRefused where the mailbox is not here, the step is not
-        the mailbox's or its slices name segments not held here (the home then fails the step
-        and attends by messages)."""
+        """Queue the step's layers (or assign it the step queued ahead for it), and the next
+        one's where ``message.ahead``. StepRefused where the mailbox is not here, the step is
+        not the mailbox's, its slices name segments not held here, or the step queued ahead for
+        it is stale (the home then fails the step and attends by messages)."""
         served = self._served.get(message.mailbox_id)
         if served is None or served.home_inst_id != message.home_inst_id:
             raise StepRefused(f"mailbox {message.mailbox_id} of instance {message.home_inst_id} is not open here")
@@ -191,25 +218,89 @@ class StepServer:
         if message.num_layers != layout.num_layers or message.num_rows > layout.max_rows:
             raise StepRefused(f"a step of {message.num_layers} layers and {message.num_rows} rows for a mailbox of "
                               f"{layout.num_layers} and {layout.max_rows}")
-        if served.step is not None and not _is_done(served.step.done):
-            # Steps of a home are one at a time: the home began this one before the last was over.
-            self._retire(served, f"step {message.step_id} began before step {served.step.step_id} was over")
-            raise StepRefused(f"step {message.step_id} began while step {served.step.step_id} ran")
-        step = _Step(message.step_id, self.clock() + self.timeout_s,
-                     torch.cuda.Event() if served.stream is not None else threading.Event())
+        now = self.clock()
+        served.last_begin = now
+        served.last_step_id = max(served.last_step_id, message.step_id)
+        key = (message.slices, message.num_rows)
+        ahead = served.ahead
+        if ahead is not None and served.ahead_key == key:
+            if not self.planner.plan_is_current(message.home_inst_id, served.ahead_plan, message.slices):
+                # Its home may be running it already, over tables that are no longer right.
+                self._retire(served, f"step {message.step_id} was queued ahead over segments that changed since")
+                raise StepRefused(f"step {message.step_id}: the segments it attends over changed while it was "
+                                  "queued ahead")
+            served.ahead = None
+            ahead.step_id, ahead.deadline = message.step_id, now + self.timeout_s
+            served.step = ahead
+            self.steps_assigned_ahead += 1
+        else:
+            if served.step is not None and not _done_within(served.step.done, LAST_STEP_GRACE_S):
+                # Steps of a home are one at a time: the home began this one before the last was over.
+                self._retire(served, f"step {message.step_id} began before step {served.step.step_id} was over")
+                raise StepRefused(f"step {message.step_id} began while step {served.step.step_id} ran")
+            if ahead is not None:
+                self._let_go_ahead(served)
+            served.step = self._queue_step(served, message, message.step_id, now + self.timeout_s)
+        if message.ahead:
+            served.ahead = self._queue_step(served, message, -1, math.inf)
+            served.ahead_key = key
+        else:
+            served.ahead_key = None
+        self.steps_begun += 1
+        return Ack()
+
+    def stand_down(self, message: StepStandDown) -> Ack:
+        """Let the step queued ahead go (none: nothing to do). A stand-down older than the
+        home's last StepBegin here is one that came late: that StepBegin decided already."""
+        served = self._served.get(message.mailbox_id)
+        if served is None or served.home_inst_id != message.home_inst_id:
+            raise StepRefused(f"mailbox {message.mailbox_id} of instance {message.home_inst_id} is not open here")
+        if served.ahead is not None and message.step_id >= served.last_step_id:
+            self._let_go_ahead(served)
+            served.ahead_key = None
+        return Ack()
+
+    def _queue_step(self, served: _Served, message: StepBegin, step_id: int, deadline: float) -> _Step:
+        step = _Step(step_id, deadline, torch.cuda.Event() if served.stream is not None else threading.Event())
         if served.stream is None:
             plan = self.planner.plan_for(message.home_inst_id, message.slices)
-            served.step = step
             served.work.put((plan, message.num_rows, step))
         else:
             with torch.cuda.stream(served.stream):
                 # The plan's tables are rewritten on this stream: after the last step's layers.
-                plan = self.planner.plan_for(message.home_inst_id, message.slices).plan
-                self._queue_layers(served, plan, message.num_rows)
+                plan = self.planner.plan_for(message.home_inst_id, message.slices)
+                self._queue_layers(served, plan.plan, message.num_rows)
                 step.done.record(served.stream)
-            served.step = step
-        self.steps_begun += 1
-        return Ack()
+        served.ahead_plan = plan
+        return step
+
+    def _let_go_ahead(self, served: _Served) -> None:
+        """The step queued ahead will get no query: on a GPU it runs through on the stale ones
+        (its query flags set from a side stream) and its result flags are emptied behind it;
+        on the host it is dropped unrun. Its home writes no query meanwhile: it waits for the
+        answer to the message that got here."""
+        ahead, served.ahead = served.ahead, None
+        if ahead is None:
+            return
+        self.steps_let_go += 1
+        if served.stream is None:
+            ahead.let_go.set()
+            return
+        flags = stream_flags()
+        mailbox = served.mailbox
+        if served.side_stream is None:
+            served.side_stream = torch.cuda.Stream(self.pool.device)
+        for layer in range(mailbox.layout.num_layers):
+            flags.write(flag_address(mailbox.q_flags, layer), FLAG_ABORTED, served.side_stream)
+        emptied = torch.cuda.Event()
+        with torch.cuda.stream(served.stream):
+            for layer in range(mailbox.layout.num_layers):
+                flags.write(flag_address(mailbox.result_flags, layer), FLAG_EMPTY)
+            emptied.record()
+        # Before the answer leaves: once the home has it, it writes its next query, which the
+        # step let go must not take, and waits on result flags, which it must not have set.
+        # (It waits on nothing of the home's: its flags are set from the side stream.)
+        emptied.synchronize()
 
     def close(self, message: StepMailboxClose) -> None:
         served = self._served.get(message.mailbox_id)
@@ -235,6 +326,10 @@ class StepServer:
         for served in list(self._served.values()):
             step = served.step
             if step is None or _is_done(step.done):
+                if served.ahead is not None and now >= served.last_begin + self.timeout_s:
+                    # A home that went quiet without standing down (it stopped, or its
+                    # stand-down was lost): the step queued ahead would wait for ever.
+                    self._retire(served, f"its step queued ahead was not used within {self.timeout_s:.1f} s")
                 continue
             if now >= step.deadline:
                 given_up.append((served.home_inst_id, step.step_id))
@@ -249,7 +344,8 @@ class StepServer:
         """Stop using ``served``: its waits are released (status TIMED_OUT where a step is in
         flight, so its home merges nothing of it), and it is freed once its work is done."""
         self._served.pop(served.mailbox_id, None)
-        in_flight = served.step is not None and not _is_done(served.step.done)
+        queued = [st for st in (served.step, served.ahead) if st is not None and not _is_done(st.done)]
+        in_flight = bool(queued)
         mailbox = served.mailbox
         if served.stream is not None:
             if in_flight:
@@ -257,11 +353,18 @@ class StepServer:
                 side = torch.cuda.Stream(self.pool.device)
                 # Not on the mailbox's stream, which is the one waiting.
                 flags.write(mailbox.status.data_ptr(), STATUS_TIMED_OUT, side)
-                for layer in range(mailbox.layout.num_layers):
-                    flags.write(flag_address(mailbox.q_flags, layer), FLAG_ABORTED, side)
+                for round_ in range(len(queued)):
+                    # Each queued step empties a query flag once it has passed it: the next
+                    # step's wait is released only after that (a wait for EMPTY first).
+                    for layer in range(mailbox.layout.num_layers):
+                        q_flag = flag_address(mailbox.q_flags, layer)
+                        if round_:
+                            flags.wait_equal(q_flag, FLAG_EMPTY, side)
+                        flags.write(q_flag, FLAG_ABORTED, side)
         else:
             served.abort.set()
             served.work.put(None)
+        served.retired_steps, served.ahead = queued, None
         served.aborted = in_flight
         remove_host_file(served.host_path)  # the mappings stay valid until their memory is dropped
         log.info("step mailbox %d of instance %d closed: %s", served.mailbox_id, served.home_inst_id, why)
@@ -271,7 +374,7 @@ class StepServer:
     def _free_retired(self) -> None:
         kept = []
         for served in self._retired:
-            if served.step is not None and not _is_done(served.step.done):
+            if any(st is not None and not _is_done(st.done) for st in served.retired_steps):
                 kept.append(served)  # its memory stays mapped (here) until its work is over
         self._retired = kept
 
@@ -332,40 +435,81 @@ class StepServer:
         """A host mailbox's steps, one at a time, on this thread: the event loop's thread only
         queues them, and serves on while the layers run."""
         mailbox = served.mailbox
-        while True:
-            item = served.work.get()
-            if item is None:
-                return
-            plan, num_rows, step = item
-            try:
-                for layer in range(mailbox.layout.num_layers):
-                    if not self._host_wait(served, layer, step.deadline):
-                        mailbox.status[0] = STATUS_TIMED_OUT
-                        mailbox.result_flags[layer:] = FLAG_ABORTED  # the home's waits end too
+        try:
+            while True:
+                item = served.work.get()
+                if item is None:
+                    return
+                plan, num_rows, step = item
+                try:
+                    if not self._host_step(served, plan, num_rows, step):
                         return
-                    mailbox.q_flags[layer] = FLAG_EMPTY
-                    self._attend(mailbox, plan.plan, layer, num_rows)
-                    mailbox.result_flags[layer] = FLAG_READY
-            except Exception:  # noqa: BLE001  (the home's wait ends; its step fails on the status)
-                log.exception("step mailbox %d: step %d failed", served.mailbox_id, step.step_id)
-                mailbox.status[0] = STATUS_TIMED_OUT
-                mailbox.result_flags[:] = FLAG_ABORTED
-                return
-            finally:
-                step.done.set()
+                finally:
+                    step.done.set()
+        finally:
+            while True:  # the steps left queued will not run: none is waited for
+                try:
+                    item = served.work.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not None:
+                    item[2].done.set()
 
-    def _host_wait(self, served: _Served, layer: int, deadline: float) -> bool:
-        """Until the layer's query is in (True), the mailbox is given up or the deadline passed."""
+    def _host_step(self, served: _Served, plan, num_rows: int, step: _Step) -> bool:
+        """One step's layers; False where the mailbox is done with (given up, failed)."""
+        mailbox = served.mailbox
+        try:
+            for layer in range(mailbox.layout.num_layers):
+                waited = self._host_wait(served, layer, step)
+                if waited is None:
+                    return True  # a step queued ahead that was let go: nothing of it ran
+                if not waited:
+                    mailbox.status[0] = STATUS_TIMED_OUT
+                    mailbox.result_flags[layer:] = FLAG_ABORTED  # the home's waits end too
+                    return False
+                mailbox.q_flags[layer] = FLAG_EMPTY
+                self._attend(mailbox, plan.plan, layer, num_rows)
+                mailbox.result_flags[layer] = FLAG_READY
+        except Exception:  # noqa: BLE001  (the home's wait ends; its step fails on the status)
+            log.exception("step mailbox %d: step %d failed", served.mailbox_id, step.step_id)
+            mailbox.status[0] = STATUS_TIMED_OUT
+            mailbox.result_flags[:] = FLAG_ABORTED
+            return False
+        return True
+
+    def _host_wait(self, served: _Served, layer: int, step: _Step) -> bool | None:
+        """Until the layer's query is in (True), the mailbox is given up or the step's deadline
+        passed (False), or the step, queued ahead, was let go before its first query (None)."""
         flags = served.mailbox.q_flags
         spin_until = time.monotonic() + HOST_SPIN_S
-        while int(flags[layer]) < FLAG_READY:
-            if served.abort.is_set() or self.clock() >= deadline:
+        while True:
+            # Let go before its answer left: a query seen after that is the next step's.
+            if layer == 0 and step.let_go.is_set():
+                return None
+            if int(flags[layer]) >= FLAG_READY:
+                if layer == 0 and step.let_go.is_set():
+                    return None
+                break
+            if served.abort.is_set() or self.clock() >= step.deadline:
                 return False
             if time.monotonic() < spin_until:
                 time.sleep(0)
             else:
                 served.abort.wait(HOST_POLL_S)
         return not served.abort.is_set() or int(flags[layer]) == FLAG_READY
+
+
+def _done_within(done: torch.cuda.Event | threading.Event, seconds: float) -> bool:
+    """Whether ``done`` is, or becomes within ``seconds``: a home that has read a step's last
+    result may begin the next one before the creditor's worker (or stream) marked it over."""
+    if isinstance(done, threading.Event):
+        return done.wait(seconds)
+    deadline = time.monotonic() + seconds
+    while not done.query():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.0001)
+    return True
 
 
 def _is_done(done: torch.cuda.Event | threading.Event) -> bool:

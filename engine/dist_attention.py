@@ -135,6 +135,11 @@ class RemoteAttention(abc.ABC):
         then goes layer by layer through ``start``)."""
         return None
 
+    async def device_step_ready(self, step_id: int) -> None:
+        """After ``begin_device_step``, before the step's first query is written: whatever the
+        creditors must have answered first (a creditor with another step queued ahead). Raises
+        as ``finish_step`` does."""
+
     def live_device_parts(self) -> set[Hashable]:
         """The ``key`` of every device part that may still be given out: a graph captured over
         a part whose key is not here reads memory that is gone, and is dropped."""

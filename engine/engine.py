@@ -167,6 +167,7 @@ class LLMEngine:
         self._collected: dict[str, deque[RequestOutput]] = {}
         self._ids = itertools.count()
         self._step_ids = itertools.count()
+        self.last_step_id = -1  # the id of the last step run
         self._block_arrays = BlockIdArrays()  # the segments' block ids as arrays, kept across steps
         self._loop: asyncio.AbstractEventLoop | None = None
         # Next-token logits ([vocab] float32) of each request sampled in the last step.
@@ -470,7 +471,7 @@ class LLMEngine:
             slots += self.block_manager.slot_mapping(chunk.request_id, chunk.start, end)
             if chunk.samples:
                 logits_rows.append(len(token_ids) - 1)
-        step_id = next(self._step_ids)
+        step_id = self.last_step_id = next(self._step_ids)
         layout = build_step_attention(
             step_id, scheduled.chunks, {c.request_id: self.block_manager.block_table(c.request_id) for c in scheduled.chunks},
             slots, home_instance_id=self.home_instance_id, block_size=self.config.block_size, device=self.device,
@@ -493,6 +494,7 @@ class LLMEngine:
             # included, is one graph.
             remote_ids = [i for i in layout.batches if i != self.home_instance_id]
             try:
+                await self.remote.device_step_ready(step_id)
                 logits = self.split_decode_graphs.forward(ids, pos, layout, self.home_instance_id, remote_ids,
                                                           device_parts, rows)
             except BaseException:

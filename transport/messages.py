@@ -741,13 +741,41 @@ class StepBegin:
     num_layers: int  # layers of the step, all of the mailbox's
     slices: tuple[AttendSlice, ...]  # requests in row order, as in AttendRequest
     num_rows: int  # query rows of the step, rows
+    # Steps the creditor keeps queued past this one, for the same slices and rows (0 or 1): the
+    # home's next step of the same slices then finds its layers queued before its StepBegin
+    # arrives. A home awaits the Ack of a StepBegin whose slices or rows differ from the last
+    # one's before it writes any query of that step (docs/design.md, "Steps queued ahead").
+    ahead: int = 0
 
     def __post_init__(self) -> None:
         if (self.home_inst_id | self.creditor_inst_id | self.step_id | self.mailbox_id) < 0:
             raise ValueError("home_inst_id, creditor_inst_id, mailbox_id and step_id must be >= 0")
         _require(self.num_layers > 0, "num_layers must be > 0")
         _require(self.num_rows > 0, "a step has at least one row")
+        _require(0 <= self.ahead <= MAX_STEPS_AHEAD, f"ahead is 0 .. {MAX_STEPS_AHEAD}")
         _require_rows_covered(self.slices, self.num_rows)
+
+
+# Steps a creditor may keep queued past the current one (StepBegin.ahead).
+MAX_STEPS_AHEAD = 1
+
+
+@dataclass(frozen=True)
+class StepStandDown:
+    """Home -> creditor: the steps queued ahead for this mailbox will not be used (the home's
+    step no longer needs this creditor, or it went idle); they are let go and their slots made
+    empty. Answered ``Ack``; the mailbox stays open. ErrorReply (step_refused): not open here."""
+
+    TYPE: ClassVar[str] = "step_stand_down"
+    VERSION: ClassVar[int] = 1
+
+    home_inst_id: int  # sender
+    mailbox_id: int
+    step_id: int  # the home's last step that used the mailbox
+
+    def __post_init__(self) -> None:
+        _require_not_negative("home_inst_id, mailbox_id and step_id", self.home_inst_id, self.mailbox_id,
+                              self.step_id)
 
 
 @dataclass(frozen=True)
@@ -875,7 +903,7 @@ Message = (
     Heartbeat | HeartbeatReply | AttendRequest | AttendResult | TryMoveKV | MoveReserved
     | MoveRejected | HoldKV | KVHoldReply | KVBlocks | KVBlocksStored | MoveCommit | FreeSegment | AuditHeld | AuditHeldReply | ForwardSegment | MoveKV
     | Drain | Uncordon | Echo | EchoReply | SharedMemoryOffer | HeaderRingOffer | HeaderRingAccepted
-    | HeaderRingOpened | DevicePoolOffer | StepMailboxOpen | StepMailboxOpened | StepBegin | StepMailboxClose | APBChunkPrefill
+    | HeaderRingOpened | DevicePoolOffer | StepMailboxOpen | StepMailboxOpened | StepBegin | StepStandDown | StepMailboxClose | APBChunkPrefill
     | APBChunkDone | APBPassing | Ack
     | ErrorReply
 )
@@ -886,7 +914,7 @@ MESSAGE_TYPES: dict[str, type] = {
         Heartbeat, HeartbeatReply, AttendRequest, AttendResult, TryMoveKV, MoveReserved,
         MoveRejected, HoldKV, KVHoldReply, KVBlocks, KVBlocksStored, MoveCommit, FreeSegment, AuditHeld, AuditHeldReply, ForwardSegment, MoveKV,
         Drain, Uncordon, Echo, EchoReply, SharedMemoryOffer, HeaderRingOffer, HeaderRingAccepted,
-        HeaderRingOpened, DevicePoolOffer, StepMailboxOpen, StepMailboxOpened, StepBegin, StepMailboxClose, APBChunkPrefill,
+        HeaderRingOpened, DevicePoolOffer, StepMailboxOpen, StepMailboxOpened, StepBegin, StepStandDown, StepMailboxClose, APBChunkPrefill,
         APBChunkDone, APBPassing, Ack,
         ErrorReply,
     )

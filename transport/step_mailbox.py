@@ -168,6 +168,7 @@ class Mailbox:
 # --- stream memory operations (the CUDA driver's, which the runtime and torch do not expose) --------
 
 _CU_STREAM_WAIT_VALUE_GEQ = 0x0
+_CU_STREAM_WAIT_VALUE_EQ = 0x1
 _CU_STREAM_WRITE_VALUE_DEFAULT = 0x0  # the write follows a memory barrier: earlier writes are seen first
 
 
@@ -196,6 +197,13 @@ class StreamFlags:
         handle = (stream or torch.cuda.current_stream()).cuda_stream
         _check(self._wait(ctypes.c_void_p(handle), ctypes.c_uint64(address), ctypes.c_uint32(value),
                           _CU_STREAM_WAIT_VALUE_GEQ), "cuStreamWaitValue32")
+
+
+    def wait_equal(self, address: int, value: int, stream: torch.cuda.Stream | None = None) -> None:
+        """Queue a wait until ``*address == value`` on ``stream``."""
+        handle = (stream or torch.cuda.current_stream()).cuda_stream
+        _check(self._wait(ctypes.c_void_p(handle), ctypes.c_uint64(address), ctypes.c_uint32(value),
+                          _CU_STREAM_WAIT_VALUE_EQ), "cuStreamWaitValue32")
 
 
 def _function(libcuda: ctypes.CDLL, name: str):

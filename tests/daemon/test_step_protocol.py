@@ -17,6 +17,7 @@ from infinite_llm.engine.dist_attention import AttendBatch
 from infinite_llm.transport.errors import RemoteError
 from infinite_llm.transport.memory import InMemoryNetwork
 from infinite_llm.transport.messages import (
+    Ack,
     AttendRequest,
     AttendSlice,
     ErrorCode,
@@ -25,6 +26,7 @@ from infinite_llm.transport.messages import (
     StepMailboxClose,
     StepMailboxOpen,
     StepMailboxOpened,
+    StepStandDown,
 )
 from infinite_llm.transport.step_mailbox import STATUS_TIMED_OUT
 
@@ -237,3 +239,154 @@ def test_an_open_request_out_of_range_is_refused_when_made(field, value) -> None
     fields[field] = value
     with pytest.raises(ValueError):
         StepMailboxOpen(**fields)
+
+
+# --- steps queued ahead ------------------------------------------------------------------------
+
+
+async def _wait_for(condition, what: str) -> None:
+    for _ in range(2000):
+        if condition():
+            return
+        await asyncio.sleep(0.001)
+    raise AssertionError(f"not reached: {what}")
+
+
+def test_a_step_like_the_last_finds_its_layers_queued_ahead(tmp_path) -> None:
+    """Each StepBegin queues the next step of its slices too; the home's next step of the same
+    slices writes its queries at once and the StepBegin only assigns that step."""
+    async def scenario():
+        pair = Pair(tmp_path)
+        await pair.start()
+        await pair.step(1)
+        await pair.until_open()
+        for step_id in (2, 3, 4, 5):
+            await pair.step(step_id)
+        server = pair.server
+        assert server.steps_begun == 4 and server.steps_assigned_ahead == 3
+        assert pair.remote.steps_answer_first == 0 and server.steps_let_go == 0
+        served = next(iter(server._served.values()))
+        assert served.ahead is not None and served.ahead.step_id == -1  # step 6's, queued
+        assert pair.server.planner.plans_made == 1
+        await pair.close()
+    run(scenario())
+
+
+def test_a_step_of_other_slices_waits_for_its_answer_and_lets_the_queued_step_go(tmp_path) -> None:
+    async def scenario():
+        pair = Pair(tmp_path)
+        await pair.start()
+        await pair.step(1)
+        await pair.until_open()
+        await pair.step(2)
+        # Step 3 attends for request 7 alone: its queries wait for the StepBegin's answer, and
+        # the step queued ahead for both requests is let go unrun.
+        batch = batch_of(3, pair.peer.engine_id, [("7", 0, 10)])
+        for layer in range(NUM_LAYERS):
+            q = torch.randn(1, NUM_HEADS, HEAD_DIM)
+            state = await pair.remote.start(batch, layer, q, HEAD_DIM ** -0.5)
+            out, lse = attention_over(pair.pool, pair.seg_a.block_ids, 10, layer, q)
+            torch.testing.assert_close(state.out.double(), out, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(state.lse.double(), lse, atol=1e-5, rtol=1e-5)
+        pair.remote.end_step(3)
+        await pair.remote.finish_step(3)
+        assert pair.remote.steps_answer_first == 1 and pair.server.steps_let_go == 1
+        # Back to both requests: another change, answered first again; then steps like it.
+        for step_id in (4, 5):
+            await pair.step(step_id)
+        assert pair.remote.steps_answer_first == 2 and pair.server.steps_let_go == 2
+        assert pair.server.steps_assigned_ahead == 1  # step 5's
+        await pair.close()
+    run(scenario())
+
+
+def test_a_step_without_the_creditor_and_an_idle_home_stand_it_down(tmp_path) -> None:
+    async def scenario():
+        pair = Pair(tmp_path)
+        await pair.start()
+        await pair.step(1)
+        await pair.until_open()
+        await pair.step(2)
+        served = next(iter(pair.server._served.values()))
+        assert served.ahead is not None
+        # Step 3 attends over nothing held there: the creditor is told to stand down.
+        pair.remote.end_step(3)
+        await pair.remote.finish_step(3)
+        await _wait_for(lambda: served.ahead is None, "the stand-down")
+        assert pair.remote.stand_downs == 1 and pair.server.steps_let_go == 1
+        assert pair.server.num_mailboxes == 1  # the mailbox stays open
+        # The stand-down was answered: nothing is queued ahead there, so the next step's
+        # queries need not wait for its StepBegin's answer; it serves exactly.
+        await _wait_for(lambda: pair.remote._opened[CREDITOR].standing_down.done(), "the stand-down's answer")
+        await pair.step(4)
+        assert pair.remote.steps_answer_first == 0
+        # Idle: every creditor with a step queued ahead stands down.
+        pair.remote.stand_down_all(4)
+        await _wait_for(lambda: served.ahead is None, "the idle stand-down")
+        pair.clock.now_s += TIMEOUT_S + 1  # nothing queued: the watchdog has nothing to give up
+        assert pair.server.check_deadlines() == [] and pair.server.num_mailboxes == 1
+        await pair.close()
+    run(scenario())
+
+
+def test_a_stand_down_that_comes_after_a_later_step_began_is_ignored(tmp_path) -> None:
+    async def scenario():
+        pair = Pair(tmp_path)
+        await pair.start()
+        await pair.step(1)
+        await pair.until_open()
+        await pair.step(5)
+        served = next(iter(pair.server._served.values()))
+        reply = pair.server.handle(StepStandDown(HOME, served.mailbox_id, 4))
+        assert isinstance(reply, Ack) and served.ahead is not None
+        reply = pair.server.handle(StepStandDown(HOME, served.mailbox_id + 7, 5))
+        assert isinstance(reply, ErrorReply) and reply.code == ErrorCode.STEP_REFUSED
+        await pair.close()
+    run(scenario())
+
+
+def test_a_quiet_home_s_queued_step_is_given_up_by_the_watchdog(tmp_path) -> None:
+    """A home that stops without standing down: its step queued ahead waits no longer than
+    the timeout, and the mailbox is freed once the worker has let it go."""
+    async def scenario():
+        pair = Pair(tmp_path)
+        await pair.start()
+        await pair.step(1)
+        await pair.until_open()
+        await pair.step(2)
+        assert pair.server.check_deadlines() == []
+        pair.clock.now_s += TIMEOUT_S + 0.1
+        assert pair.server.check_deadlines() == []  # no step of the home's was given up
+        assert pair.server.num_mailboxes == 0
+        await _wait_for(lambda: not pair.server._retired or pair.server.check_deadlines() == [] and
+                        not pair.server._retired, "the mailbox freed")
+        # The home's next step finds the mailbox gone: refused, failed, the mailbox dropped.
+        batch = pair.batch(3)
+        with pytest.raises(PeerPartFailed):
+            for layer in range(NUM_LAYERS):
+                await pair.remote.start(batch, layer, torch.randn(2, NUM_HEADS, HEAD_DIM), 1.0)
+            await pair.remote.finish_step(3)
+        pair.remote.abandon_step(3)
+        assert not pair.remote.has_mailbox(CREDITOR)
+        await pair.close()
+    run(scenario())
+
+
+def test_a_step_queued_ahead_over_segments_that_changed_is_refused(tmp_path) -> None:
+    """Its home may run it before its StepBegin arrives: the creditor refuses it (its tables
+    are stale), and the home, which accepts no step before the answer, fails it."""
+    async def scenario():
+        pair = Pair(tmp_path)
+        await pair.start()
+        await pair.step(1)
+        await pair.until_open()
+        await pair.step(2)
+        hold(pair.ledger, HOME, 9, 0, 1)  # another segment of the home's: the plan is not current
+        with pytest.raises(PeerPartFailed, match="changed"):
+            await pair.step(3, check=False)
+        pair.remote.abandon_step(3)
+        assert not pair.remote.has_mailbox(CREDITOR) and pair.server.num_mailboxes == 0
+        # The step again, by messages while a new mailbox opens: exact.
+        await pair.step(4)
+        await pair.close()
+    run(scenario())
