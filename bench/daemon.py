@@ -39,6 +39,7 @@ import math
 import os
 import platform
 import queue
+import shutil
 import statistics
 import subprocess
 import tempfile
@@ -322,6 +323,11 @@ def split_case(num_instances: int, context_blocks: int, prompt: str, new_tokens:
                 sampler.wait(timeout=py_spy[1] + 60)
         finally:
             cluster.stop()  # a clean stop: the daemons write their traces
+            if os.environ.get("INFLLM_BENCH_LOGS"):  # the daemons' logs kept, for a run to be looked into
+                keep = Path(os.environ["INFLLM_BENCH_LOGS"]) / f"split{num_instances}"
+                keep.mkdir(parents=True, exist_ok=True)
+                for log_path in Path(root).glob("*.log"):
+                    shutil.copy(log_path, keep / log_path.name)
     row = {"instances": num_instances, "devices": instance_devices(device, num_instances, spread), "pools": pools,
            "placement": placement, "decode_tokens_per_s": rate,
            "decode_tokens": tokens, "latencies": latencies}

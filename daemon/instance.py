@@ -60,6 +60,7 @@ from infinite_llm.transport.messages import (
     RequestPlacementEntry,
     StepBegin,
     StepMailboxClose,
+    StepStandDown,
     StepMailboxOpen,
     TryMoveKV,
     Uncordon,
@@ -932,7 +933,7 @@ class InstanceDaemon:
                 raise
             self.metrics.observe_attend_serve(time.perf_counter() - started)
             return result
-        if isinstance(message, (StepBegin, StepMailboxOpen, StepMailboxClose)):
+        if isinstance(message, (StepBegin, StepStandDown, StepMailboxOpen, StepMailboxClose)):
             if isinstance(message, StepBegin):
                 self.ledger.heard_from(message.home_inst_id, time.monotonic())
             try:

@@ -403,7 +403,13 @@ class MailboxRemoteAttention(RemoteAttention):
         self.stand_downs += 1
         reply = asyncio.ensure_future(self.transport.request_soon(
             peer.address, StepStandDown(self.peers.own_inst_id, opened.mailbox_id, step_id), timeout_s=self.timeout_s))
-        reply.add_done_callback(_retrieve)
+
+        def answered(future: asyncio.Future) -> None:
+            problem = _reply_problem(future) if _refused(future) else None
+            if problem is not None and self._opened.get(opened.inst_id) is opened:
+                # Whether a step is still queued there is not known: the mailbox is not used again.
+                self._drop(opened.inst_id, f"its stand-down was not carried out: {problem}")
+        reply.add_done_callback(answered)
         opened.standing_down = reply
 
     def abandon_step(self, step_id: int) -> None:

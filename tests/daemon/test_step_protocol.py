@@ -390,3 +390,20 @@ def test_a_step_queued_ahead_over_segments_that_changed_is_refused(tmp_path) -> 
         await pair.step(4)
         await pair.close()
     run(scenario())
+
+
+def test_a_stand_down_that_is_refused_drops_the_mailbox(tmp_path) -> None:
+    """Whether a step is still queued there is then unknown: the home does not use it again."""
+    async def scenario():
+        pair = Pair(tmp_path)
+        await pair.start()
+        await pair.step(1)
+        await pair.until_open()
+        await pair.step(2)
+        served = next(iter(pair.server._served.values()))
+        pair.server._retire(served, "closed under the home's feet")
+        pair.remote.stand_down_all(2)
+        await _wait_for(lambda: not pair.remote.has_mailbox(CREDITOR), "the mailbox dropped")
+        await pair.step(3)  # by messages, exact
+        await pair.close()
+    run(scenario())

@@ -61,9 +61,11 @@ def test_attention_with_lse_on_cuda_matches_softmax(causal, dtype):
     torch.manual_seed(0)
     q = torch.randn(45, 8, 64, device="cuda")
     k, v = torch.randn(45, 2, 64, device="cuda"), torch.randn(45, 2, 64, device="cuda")
-    state = attention_with_lse(q.to(dtype), k.to(dtype), v.to(dtype), causal=causal, sm_scale=64 ** -0.5)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    state = attention_with_lse(q, k, v, causal=causal, sm_scale=64 ** -0.5)
+    # Against float64 of the same (rounded) inputs; the kernel rounds P to bf16 before P @ V.
     out, lse = reference_attention(q.double(), k.double(), v.double(), causal)
-    tol = 2e-2 if dtype == torch.bfloat16 else 2e-3
+    tol = 4e-2 if dtype == torch.bfloat16 else 2e-3
     assert state.out.dtype == dtype and state.lse.shape == (45, 8)
     torch.testing.assert_close(state.out.double(), out, atol=tol, rtol=tol)
     torch.testing.assert_close(state.lse.double(), lse, atol=tol, rtol=tol)
