@@ -35,7 +35,8 @@ def reference_attention(q, k, v, causal):
     v = v.repeat_interleave(group, dim=1)
     logits = torch.einsum("nhd,mhd->hnm", q, k) / math.sqrt(q.shape[-1])
     if causal:
-        logits = logits.masked_fill(torch.ones(q.shape[0], k.shape[0], dtype=torch.bool).triu(1), float("-inf"))
+        logits = logits.masked_fill(torch.ones(q.shape[0], k.shape[0], dtype=torch.bool, device=q.device).triu(1),
+                                    float("-inf"))
     lse = logits.logsumexp(-1)
     out = torch.einsum("hnm,mhd->nhd", logits.softmax(-1), v)
     return out, lse.t()
