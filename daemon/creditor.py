@@ -125,11 +125,12 @@ class CreditorAttention:
         return self.plan_for(request.home_inst_id, request.slices)
 
     def plan_is_current(self, home: int, plan: _ServePlan, slices: tuple[AttendSlice, ...]) -> bool:
-        """Whether ``plan`` is still the home's kept plan for ``slices`` with its tables as they
-        were (no segment of the home held here changed since): work queued over it ahead of
-        time reads the keys it would read now."""
+        """Whether ``plan`` is still the home's kept plan for ``slices`` over segments all still
+        held (none of the home's freed here since its tables were walked): work queued over it
+        ahead of time reads the keys it would read now. Segments committed since do not matter:
+        the same slices read the same tokens, which the plan's segments hold."""
         return (self._plans.get(home) is plan and plan.slices == slices
-                and plan.held_changes == self.ledger.held_changes.get(home, 0))
+                and plan.held_removals == self.ledger.held_removals.get(home, 0))
 
     def plan_for(self, home: int, slices: tuple[AttendSlice, ...]) -> _ServePlan:
         """The home's kept plan when ``slices`` name the same rows over the same held segments,

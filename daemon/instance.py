@@ -1466,6 +1466,10 @@ class InstanceDaemon:
             "home_steps_on_mailboxes": remote.steps_on_mailboxes if remote else 0,
             "home_steps_failed": remote.steps_failed if remote else 0,
             "home_mailboxes": remote.mailbox_peers if remote else [],
+            # Steps whose queries waited for their StepBegin's answer (their slices changed),
+            # and creditors told to let a step queued ahead go.
+            "home_steps_answer_first": remote.steps_answer_first if remote else 0,
+            "home_stand_downs": remote.stand_downs if remote else 0,
             # Split decode steps run as one graph, remote parts included, and graphs captured.
             "home_step_graph_replays": graphs.replays if graphs else 0,
             "home_step_graph_captures": graphs.captures if graphs else 0,
@@ -1473,6 +1477,9 @@ class InstanceDaemon:
             "creditor_steps_begun": server.steps_begun if server else 0,
             "creditor_graph_replays": server.graph_replays if server else 0,
             "creditor_steps_timed_out": server.timeouts if server else 0,
+            # Steps found queued ahead when their StepBegin came, and steps queued ahead let go.
+            "creditor_steps_assigned_ahead": server.steps_assigned_ahead if server else 0,
+            "creditor_steps_let_go": server.steps_let_go if server else 0,
         }
 
     def status(self) -> dict[str, Any]:

@@ -54,13 +54,21 @@ def test_a_split_request_decodes_through_mailboxes_and_matches_one_instance(tmp_
     try:
         cluster.wait_ready()
         tokens, text, seen_on = generate_split(cluster)
+        # Between the two requests the home goes idle and stands its creditors down.
+        again, _, _ = generate_split(cluster)
         home = cluster[1].status()["step_protocol"]
         creditors = {i: cluster[i].status()["step_protocol"] for i in (2, 3)}
     finally:
         cluster.stop()
     assert seen_on >= {1, 2, 3}, f"the request's segments were seen only on {seen_on}"
-    assert tokens == reference_tokens()
+    reference = reference_tokens()
+    assert tokens == reference and again == reference
     assert "green" in text  # box 42 is green
+    # Steps queued ahead: most decode steps found their layers queued; stand-downs were served.
+    assert home["home_stand_downs"] >= 2, home
+    for i, c in creditors.items():
+        assert c["creditor_steps_assigned_ahead"] >= NEW_TOKENS // 2, (i, c)
+        assert c["creditor_steps_let_go"] >= 1, (i, c)
     assert home["mode"] == "mailboxes" and home["home_steps_failed"] == 0
     # Decode steps went through both creditors' mailboxes: one StepBegin a step each, no
     # AttendRequest a layer (the first steps go by messages while a mailbox opens).
