@@ -1,6 +1,6 @@
 """Stand-in daemons for `infctl` tests: real processes on real Unix sockets, scripted answers.
 
-    python fake_daemons.py instance STATE_DIR MODE   # MODE: ok | error | silent | crash
+    python fake_daemons.py instance STATE_DIR MODE   # MODE: ok | error | silent | crash | text500
     python fake_daemons.py gmanager STATE_DIR MODE   # MODE: called_off | standby
 
 An instance serves the daemon's own LocalApp (so its answers are framed as the real ones) over a
@@ -35,8 +35,10 @@ class ScriptedInstance:
     async def generate(self, prompt, messages, params, refuse_past_context=False, prefill=None):
         if self.mode == "silent":  # queued behind others for longer than the client waits
             await asyncio.sleep(3600)
-        if self.mode == "crash":  # an unexpected error: aiohttp answers 500 with a text body
+        if self.mode == "crash":  # an unexpected error: the local API answers 500 naming it, in JSON
             raise RuntimeError("scripted failure")
+        if self.mode == "text500":  # a 500 with a text body (as a proxy in between may answer)
+            raise web.HTTPInternalServerError(text="500 Internal Server Error\n\nServer got itself in trouble")
         yield GenerationEvent("1", "The pass key", (5, 6, 7), False, None, 3, 3)
         if self.mode == "error":  # what the instance sends when a step fails or a peer is lost
             yield GenerationEvent("1", "", (), True, "error", 3, 3)

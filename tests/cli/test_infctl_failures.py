@@ -148,11 +148,20 @@ def test_generate_to_an_instance_that_does_not_answer_is_exit_3(tmp_path):
 
 
 def test_generate_reports_an_error_answer_that_is_not_json(tmp_path):
-    with fake("instance", tmp_path, "crash"):
+    with fake("instance", tmp_path, "text500"):
         result = infctl("generate", "hi", "--state-dir", str(tmp_path))
     assert result.returncode == 1, result.stderr
     assert "instance 1 answered HTTP 500 with no JSON" in result.stderr
     assert "JSONDecodeError" not in result.stderr and "Traceback" not in result.stderr
+
+
+def test_generate_reports_what_failed_in_an_instance(tmp_path):
+    """An unexpected failure in the daemon comes back as a JSON error that names it."""
+    with fake("instance", tmp_path, "crash"):
+        result = infctl("generate", "hi", "--state-dir", str(tmp_path))
+    assert result.returncode == 1, result.stderr
+    assert "internal error: RuntimeError: scripted failure" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_generate_gives_up_after_its_timeout(tmp_path):
