@@ -269,15 +269,10 @@ class MailboxRemoteAttention(RemoteAttention):
                 await self._answered(step)
 
     async def _answered(self, step: _StepOnMailbox) -> None:
-        try:
-            reply = await step.reply
-        except TransportError as e:
-            reply = e
-        if not isinstance(reply, Ack):
-            problem = reply.detail if isinstance(reply, ErrorReply) else (
-                str(reply) if isinstance(reply, Exception) else f"answered {type(reply).__name__}")
+        await asyncio.wait([step.reply])  # its failure is read below, not raised here
+        if _refused(step.reply):
             raise PeerPartFailed(step.peer.inst_id, step.peer.engine_id,
-                                 RuntimeError(f"the creditor refused the step: {problem}"))
+                                 RuntimeError(f"the creditor refused the step: {_reply_problem(step.reply)}"))
         step.answer_first = False
 
     def live_device_parts(self) -> set:
@@ -383,15 +378,16 @@ class MailboxRemoteAttention(RemoteAttention):
         """The step's work is queued: creditors with a step queued ahead that this step did not
         attend over are told to let it go."""
         self.messages.end_step(step_id)
-        used = {step.opened.inst_id for (sid, _), step in self._steps.items() if sid == step_id}
-        for opened in self._opened.values():
-            if opened.ahead_key is not None and opened.inst_id not in used:
-                self._stand_down(opened, step_id)
+        self._stand_down_all_but({step.opened.inst_id for (sid, _), step in self._steps.items() if sid == step_id},
+                                 step_id)
 
     def stand_down_all(self, step_id: int) -> None:
         """This home goes idle: no creditor keeps a step queued ahead for it."""
+        self._stand_down_all_but(set(), step_id)
+
+    def _stand_down_all_but(self, used: set[int], step_id: int) -> None:
         for opened in self._opened.values():
-            if opened.ahead_key is not None:
+            if opened.ahead_key is not None and opened.inst_id not in used:
                 self._stand_down(opened, step_id)
 
     def _stand_down(self, opened: _Opened, step_id: int) -> None:

@@ -96,6 +96,8 @@ class _Step:
     step_id: int  # -1 while queued ahead, not yet a step of the home's
     deadline: float  # on the server's clock (inf while queued ahead)
     done: torch.cuda.Event | threading.Event  # the step's last layer is over
+    key: tuple = ()  # (slices, rows) it was queued for
+    plan: object = None  # the planner's plan it was queued over
     let_go: threading.Event = field(default_factory=threading.Event)  # a host step queued ahead, not to run
 
 
@@ -113,8 +115,6 @@ class _Served:
     graph_pool: tuple | None = None
     step: _Step | None = None  # the home's last step
     ahead: _Step | None = None  # queued behind it for the home's next step
-    ahead_key: tuple | None = None  # (slices, rows) of the step queued ahead
-    ahead_plan: object = None  # the planner's plan it was queued over
     last_step_id: int = -1
     last_begin: float = 0.0  # on the server's clock
     side_stream: torch.cuda.Stream | None = None  # for flags set while the mailbox's stream waits
@@ -223,8 +223,8 @@ class StepServer:
         served.last_step_id = max(served.last_step_id, message.step_id)
         key = (message.slices, message.num_rows)
         ahead = served.ahead
-        if ahead is not None and served.ahead_key == key:
-            if not self.planner.plan_is_current(message.home_inst_id, served.ahead_plan, message.slices):
+        if ahead is not None and ahead.key == key:
+            if not self.planner.plan_is_current(message.home_inst_id, ahead.plan, message.slices):
                 # Its home may be running it already, over tables that are no longer right.
                 self._retire(served, f"step {message.step_id} was queued ahead over segments that changed since")
                 raise StepRefused(f"step {message.step_id}: the segments it attends over changed while it was "
@@ -243,9 +243,6 @@ class StepServer:
             served.step = self._queue_step(served, message, message.step_id, now + self.timeout_s)
         if message.ahead:
             served.ahead = self._queue_step(served, message, -1, math.inf)
-            served.ahead_key = key
-        else:
-            served.ahead_key = None
         self.steps_begun += 1
         return Ack()
 
@@ -255,23 +252,22 @@ class StepServer:
         served = self._served.get(message.mailbox_id)
         if served is None or served.home_inst_id != message.home_inst_id:
             raise StepRefused(f"mailbox {message.mailbox_id} of instance {message.home_inst_id} is not open here")
-        if served.ahead is not None and message.step_id >= served.last_step_id:
+        if message.step_id >= served.last_step_id:
             self._let_go_ahead(served)
-            served.ahead_key = None
         return Ack()
 
     def _queue_step(self, served: _Served, message: StepBegin, step_id: int, deadline: float) -> _Step:
-        step = _Step(step_id, deadline, torch.cuda.Event() if served.stream is not None else threading.Event())
+        step = _Step(step_id, deadline, torch.cuda.Event() if served.stream is not None else threading.Event(),
+                     key=(message.slices, message.num_rows))
         if served.stream is None:
-            plan = self.planner.plan_for(message.home_inst_id, message.slices)
-            served.work.put((plan, message.num_rows, step))
+            step.plan = self.planner.plan_for(message.home_inst_id, message.slices)
+            served.work.put((step.plan, message.num_rows, step))
         else:
             with torch.cuda.stream(served.stream):
                 # The plan's tables are rewritten on this stream: after the last step's layers.
-                plan = self.planner.plan_for(message.home_inst_id, message.slices)
-                self._queue_layers(served, plan.plan, message.num_rows)
+                step.plan = self.planner.plan_for(message.home_inst_id, message.slices)
+                self._queue_layers(served, step.plan.plan, message.num_rows)
                 step.done.record(served.stream)
-        served.ahead_plan = plan
         return step
 
     def _let_go_ahead(self, served: _Served) -> None:
@@ -290,8 +286,7 @@ class StepServer:
         mailbox = served.mailbox
         if served.side_stream is None:
             served.side_stream = torch.cuda.Stream(self.pool.device)
-        for layer in range(mailbox.layout.num_layers):
-            flags.write(flag_address(mailbox.q_flags, layer), FLAG_ABORTED, served.side_stream)
+        _release_query_waits(mailbox, 1, served.side_stream)
         emptied = torch.cuda.Event()
         with torch.cuda.stream(served.stream):
             for layer in range(mailbox.layout.num_layers):
@@ -353,14 +348,7 @@ class StepServer:
                 side = torch.cuda.Stream(self.pool.device)
                 # Not on the mailbox's stream, which is the one waiting.
                 flags.write(mailbox.status.data_ptr(), STATUS_TIMED_OUT, side)
-                for round_ in range(len(queued)):
-                    # Each queued step empties a query flag once it has passed it: the next
-                    # step's wait is released only after that (a wait for EMPTY first).
-                    for layer in range(mailbox.layout.num_layers):
-                        q_flag = flag_address(mailbox.q_flags, layer)
-                        if round_:
-                            flags.wait_equal(q_flag, FLAG_EMPTY, side)
-                        flags.write(q_flag, FLAG_ABORTED, side)
+                _release_query_waits(mailbox, len(queued), side)
         else:
             served.abort.set()
             served.work.put(None)
@@ -497,6 +485,20 @@ class StepServer:
             else:
                 served.abort.wait(HOST_POLL_S)
         return not served.abort.is_set() or int(flags[layer]) == FLAG_READY
+
+
+def _release_query_waits(mailbox: Mailbox, num_steps: int, stream: torch.cuda.Stream) -> None:
+    """Queue on ``stream`` (not the mailbox's, which is the one waiting) what lets the
+    ``num_steps`` steps queued on a device mailbox pass every layer's query wait: each flag set
+    ``ABORTED`` once per step. Each step empties a query flag once it has passed it, so every
+    round after the first waits for that first."""
+    flags = stream_flags()
+    for round_ in range(num_steps):
+        for layer in range(mailbox.layout.num_layers):
+            q_flag = flag_address(mailbox.q_flags, layer)
+            if round_:
+                flags.wait_equal(q_flag, FLAG_EMPTY, stream)
+            flags.write(q_flag, FLAG_ABORTED, stream)
 
 
 def _done_within(done: torch.cuda.Event | threading.Event, seconds: float) -> bool:

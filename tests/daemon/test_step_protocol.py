@@ -108,6 +108,14 @@ class Pair:
         self.remote.end_step(step_id)
         await self.remote.finish_step(step_id)
 
+    async def through_mailbox(self, *step_ids: int) -> None:
+        """Started, step 1 by messages while the mailbox opens, then ``step_ids`` through it."""
+        await self.start()
+        await self.step(1)
+        await self.until_open()
+        for step_id in step_ids:
+            await self.step(step_id)
+
     async def until_open(self) -> None:
         for _ in range(1000):
             if self.remote.has_mailbox(CREDITOR):
@@ -257,11 +265,7 @@ def test_a_step_like_the_last_finds_its_layers_queued_ahead(tmp_path) -> None:
     slices writes its queries at once and the StepBegin only assigns that step."""
     async def scenario():
         pair = Pair(tmp_path)
-        await pair.start()
-        await pair.step(1)
-        await pair.until_open()
-        for step_id in (2, 3, 4, 5):
-            await pair.step(step_id)
+        await pair.through_mailbox(2, 3, 4, 5)
         server = pair.server
         assert server.steps_begun == 4 and server.steps_assigned_ahead == 3
         assert pair.remote.steps_answer_first == 0 and server.steps_let_go == 0
@@ -275,10 +279,7 @@ def test_a_step_like_the_last_finds_its_layers_queued_ahead(tmp_path) -> None:
 def test_a_step_of_other_slices_waits_for_its_answer_and_lets_the_queued_step_go(tmp_path) -> None:
     async def scenario():
         pair = Pair(tmp_path)
-        await pair.start()
-        await pair.step(1)
-        await pair.until_open()
-        await pair.step(2)
+        await pair.through_mailbox(2)
         # Step 3 attends for request 7 alone: its queries wait for the StepBegin's answer, and
         # the step queued ahead for both requests is let go unrun.
         batch = batch_of(3, pair.peer.engine_id, [("7", 0, 10)])
@@ -303,10 +304,7 @@ def test_a_step_of_other_slices_waits_for_its_answer_and_lets_the_queued_step_go
 def test_a_step_without_the_creditor_and_an_idle_home_stand_it_down(tmp_path) -> None:
     async def scenario():
         pair = Pair(tmp_path)
-        await pair.start()
-        await pair.step(1)
-        await pair.until_open()
-        await pair.step(2)
+        await pair.through_mailbox(2)
         served = next(iter(pair.server._served.values()))
         assert served.ahead is not None
         # Step 3 attends over nothing held there: the creditor is told to stand down.
@@ -332,10 +330,7 @@ def test_a_step_without_the_creditor_and_an_idle_home_stand_it_down(tmp_path) ->
 def test_a_stand_down_that_comes_after_a_later_step_began_is_ignored(tmp_path) -> None:
     async def scenario():
         pair = Pair(tmp_path)
-        await pair.start()
-        await pair.step(1)
-        await pair.until_open()
-        await pair.step(5)
+        await pair.through_mailbox(5)
         served = next(iter(pair.server._served.values()))
         reply = pair.server.handle(StepStandDown(HOME, served.mailbox_id, 4))
         assert isinstance(reply, Ack) and served.ahead is not None
@@ -350,10 +345,7 @@ def test_a_quiet_home_s_queued_step_is_given_up_by_the_watchdog(tmp_path) -> Non
     the timeout, and the mailbox is freed once the worker has let it go."""
     async def scenario():
         pair = Pair(tmp_path)
-        await pair.start()
-        await pair.step(1)
-        await pair.until_open()
-        await pair.step(2)
+        await pair.through_mailbox(2)
         assert pair.server.check_deadlines() == []
         pair.clock.now_s += TIMEOUT_S + 0.1
         assert pair.server.check_deadlines() == []  # no step of the home's was given up
@@ -377,10 +369,7 @@ def test_a_step_queued_ahead_over_segments_that_changed_is_refused(tmp_path) -> 
     are stale), and the home, which accepts no step before the answer, fails it."""
     async def scenario():
         pair = Pair(tmp_path)
-        await pair.start()
-        await pair.step(1)
-        await pair.until_open()
-        await pair.step(2)
+        await pair.through_mailbox(2)
         hold(pair.ledger, HOME, 9, 0, 1)  # a segment committed since: the queued step still reads right
         await pair.step(3)
         pair.ledger.free_segment(HOME, 9, 0)  # one freed since: its plan's walk is not current
@@ -398,10 +387,7 @@ def test_a_stand_down_that_is_refused_drops_the_mailbox(tmp_path) -> None:
     """Whether a step is still queued there is then unknown: the home does not use it again."""
     async def scenario():
         pair = Pair(tmp_path)
-        await pair.start()
-        await pair.step(1)
-        await pair.until_open()
-        await pair.step(2)
+        await pair.through_mailbox(2)
         served = next(iter(pair.server._served.values()))
         pair.server._retire(served, "closed under the home's feet")
         pair.remote.stand_down_all(2)
