@@ -22,8 +22,11 @@ simulator's figure for it is reported beside, unmeasured.
 
     python bench/cluster_multigpu.py                                 # the CPU: SmolLM2-135M, 2 instances
     python bench/cluster_multigpu.py --device cuda --model /tmp/llama8b   # one instance per GPU
+    python bench/cluster_multigpu.py --device cuda --mps --model /tmp/llama1b --pool-blocks 1024 --warm-up
+        # two instances sharing GPU 0 through CUDA MPS (started by the caller)
 
-Writes ``bench/results/cluster_multigpu-<gpu>-x<N>.json`` (or ``-cpu``), after each policy.
+Writes ``bench/results/cluster_multigpu-<gpu>-x<N>.json`` (``-mps-x<N>`` for instances sharing one
+GPU, or ``-cpu``), after each policy.
 """
 
 from __future__ import annotations
@@ -33,7 +36,9 @@ import json
 import math
 import os
 import platform
+import signal
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -176,6 +181,39 @@ def measure_prefill_rate(cluster: LocalCluster, tokens: int, timeout_s: float) -
     return rates[-1]
 
 
+def warm_up(cluster: LocalCluster, short_tokens: int, long_tokens: int, timeout_s: float) -> list[dict]:
+    """Before the timed rates: a short request, then one longer than a pool, to each instance in
+    turn, one at a time, so that what the trace will run is compiled and captured first (a
+    long one spills: the split path of both the home and the creditor). A static instance
+    refuses the long ones. Returns each request's outcome."""
+    rng = np.random.default_rng(4321)
+    outcomes = []
+    for inst in cluster:
+        for tokens in (short_tokens, long_tokens):
+            outcome = Outcome(-1, inst.inst_id, tokens, 8, 0.0)
+            stream_request(inst.socket_path, rng.integers(*TOKEN_ID_RANGE, tokens).tolist(), 8, outcome,
+                           time.perf_counter(), timeout_s)
+            outcomes.append({"inst_id": inst.inst_id, "prompt_tokens": tokens, "status": outcome.status,
+                             "tokens": outcome.tokens, "error": outcome.error, "end_s": outcome.end_s})
+            time.sleep(2.5 if tokens == long_tokens else 0.0)  # creditors free the long one's segments
+    return outcomes
+
+
+def cluster_devices(on_cuda: bool, instances: int, mps: bool, gpu_count: int) -> list[str]:
+    """Each instance's device: instance i on GPU i mod the GPU count, or with ``mps`` all on GPU 0."""
+    if not on_cuda:
+        return ["cpu"] * instances
+    return ["cuda:0" if mps else f"cuda:{i % gpu_count}" for i in range(instances)]
+
+
+def result_suffix(gpu: str | None, instances: int, mps: bool) -> str:
+    """The result file's name after ``cluster_multigpu-``: the GPU and the instance count
+    (``-mps-x<N>``: one GPU shared), or ``cpu``."""
+    if gpu is None:
+        return "cpu"
+    return f"{gpu}-mps-x{instances}" if mps else f"{gpu}-x{instances}"
+
+
 def predict(trace: list[Request], model, args, pool_blocks: int, prefill_tokens_per_s: float, policy: str) -> dict:
     cluster = ClusterConfig(num_instances=args.instances, blocks_per_instance=pool_blocks, block_size=BLOCK_SIZE,
                             max_batch_per_instance=args.max_num_seqs, plan_period_s=PLAN_INTERVAL_S,
@@ -192,7 +230,8 @@ def relative_error(predicted: float, measured: float) -> float | None:
 
 def run_policy(policy: str, args, traces: dict[float, list[Request]], devices: list[str], perf_model_path: Path,
                extra_args: list[str], probe: bool) -> tuple[dict, float | None]:
-    """Start the cluster for ``policy``, replay every rate's trace; (rows by rate, prefill rate)."""
+    """Start the cluster for ``policy``, replay every rate's trace; (rows by rate, prefill rate).
+    With ``args.warm_up``, the rows also hold "warm_up": the outcomes of ``warm_up``."""
     share = ["--share-kv"] if policy == "infinite" else ["--no-share-kv"]
     bypass = [] if args.queue_bypass_limit is None else ["--queue-bypass-limit", str(args.queue_bypass_limit)]
     bypass += [] if args.split_decode_interval is None else ["--split-decode-interval", str(args.split_decode_interval)]
@@ -206,6 +245,9 @@ def run_policy(policy: str, args, traces: dict[float, list[Request]], devices: l
             prefill_rate = measure_prefill_rate(cluster, args.prefill_probe_tokens, args.timeout_s) if probe else None
             time.sleep(2.5)  # the peers republish their free blocks
             rows = {}
+            if args.warm_up:
+                rows["warm_up"] = warm_up(cluster, args.short[1], args.long[0], args.timeout_s)
+                print(f"{policy:>9} warm-up: {json.dumps(rows['warm_up'])}", flush=True)
             for rate, trace in traces.items():
                 before = histogram_totals(cluster)
                 outcomes = replay(cluster, trace, args.pool_blocks * BLOCK_SIZE, seed=int(rate * 1000), timeout_s=args.timeout_s)
@@ -311,7 +353,13 @@ def print_report(report: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", help="cpu, or cuda: instance i on GPU i")
-    parser.add_argument("--instances", type=int, default=0, help="default: the GPU count, 2 on the CPU")
+    parser.add_argument("--instances", type=int, default=0, help="default: the GPU count (2 with --mps), 2 on the CPU")
+    parser.add_argument("--mps", action="store_true",
+                        help="every instance on GPU 0, the processes sharing it through CUDA MPS (started by the "
+                             "caller); the result file says -mps-x<N>")
+    parser.add_argument("--warm-up", action="store_true",
+                        help="before the timed rates, a short and a long request to each instance in turn "
+                             "(compiles and captures the split path before it is timed)")
     parser.add_argument("--model", default=None, help="GGUF file or Hugging Face folder (default: the embedded SmolLM2-135M)")
     parser.add_argument("--perf-model", type=Path, default=None,
                         help="the gManager's and the simulator's perf model (default: bench/results/perf_model-h200.json "
@@ -341,11 +389,15 @@ def main() -> None:
     if args.repredict is not None:
         repredict(args.repredict)
         return
+    # A `timeout` that ends the run stops the daemons too (they run in sessions of their own).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     on_cuda = args.device.startswith("cuda")
+    if args.mps and not on_cuda:
+        raise SystemExit("--mps needs --device cuda")
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     if not on_cuda:
         os.environ.setdefault("UCX_TLS", "tcp,sm,self")
-    args.instances = args.instances or (torch.cuda.device_count() if on_cuda else 2)
+    args.instances = args.instances or (2 if args.mps else torch.cuda.device_count() if on_cuda else 2)
     args.pool_blocks = args.pool_blocks or (2048 if on_cuda else 96)
     args.requests = args.requests or (24 if on_cuda else 8)
     args.max_num_batched_tokens = args.max_num_batched_tokens or (8192 if on_cuda else 128)
@@ -358,6 +410,7 @@ def main() -> None:
     short = pair(args.short_tokens, (64, pool_tokens // 8))
     long = pair(args.long_tokens, (int(1.1 * pool_tokens), int(1.6 * pool_tokens)))
     outputs = pair(args.output_tokens, (32, 128) if on_cuda else (8, 24))
+    args.short, args.long = short, long
     rates = [float(r) for r in (args.rates or ("1,2,4" if on_cuda else "0.3,0.6")).split(",")]
     policies = args.policies.split(",")
     if unknown := set(policies) - {"infinite", "static"}:
@@ -368,16 +421,17 @@ def main() -> None:
     perf_model = load_model(perf_model_path)
     traces = {rate: make_trace("long", args.requests, rate, seed=args.seed, long_fraction=args.long_fraction,
                                short_tokens=short, long_tokens=long, output_tokens=outputs) for rate in rates}
-    devices = [f"cuda:{i % torch.cuda.device_count()}" for i in range(args.instances)] if on_cuda else ["cpu"] * args.instances
+    devices = cluster_devices(on_cuda, args.instances, args.mps, torch.cuda.device_count() if on_cuda else 0)
     extra_args = ["--model", args.model] if args.model else []
 
     gpu = torch.cuda.get_device_name().replace(" ", "-") if on_cuda else "cpu"
-    suffix = f"{gpu}-x{args.instances}" if on_cuda else "cpu"
+    suffix = result_suffix(gpu if on_cuda else None, args.instances, args.mps)
     out = args.out or ROOT / "bench/results" / f"cluster_multigpu-{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     header = {
         "device": gpu, "machine": platform.node(), "torch": torch.__version__,
         "model": args.model or "SmolLM2-135M-Instruct", "instances": args.instances, "devices": devices,
+        "cuda_mps": args.mps, "warm_up_before_rates": args.warm_up,
         "pool_blocks": args.pool_blocks, "block_size": BLOCK_SIZE, "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_num_seqs": args.max_num_seqs, "queue_bypass_limit": args.queue_bypass_limit,
         "split_decode_interval": args.split_decode_interval,
@@ -387,10 +441,13 @@ def main() -> None:
         "perf_model_remote_overhead_s": perf_model.remote_overhead_s,
     }
     results: dict[str, dict] = {}
+    warm_ups: dict[str, list] = {}
     prefill_rate = None
     for policy in policies:
         rows, probed = run_policy(policy, args, traces, devices, perf_model_path, extra_args, probe=prefill_rate is None)
         prefill_rate = prefill_rate or probed
+        if "warm_up" in rows:
+            warm_ups[policy] = rows.pop("warm_up")
         results[policy] = rows
         # Predictions and the report after every policy: a run cut short keeps what it measured.
         remote, single = add_predictions(results, traces, perf_model, args, prefill_rate)
@@ -400,6 +457,7 @@ def main() -> None:
             "remote_serve_per_layer_s": remote[1] if remote else None,
             "policies": {p: {str(rate): row for rate, row in rows.items()} for p, rows in results.items()},
             "single_predicted_only": {str(rate): row for rate, row in single.items()},
+            **({"warm_up": warm_ups} if warm_ups else {}),
         }, indent=2) + "\n")
 
     print_report(json.loads(out.read_text()))

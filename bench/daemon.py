@@ -18,6 +18,17 @@ the windows without on either side (the host's drift and the growing split are t
 With ``--move-every STEPS`` as well, moves are paced (one each STEPS steps) rather than back to
 back: a rate of ``--move-tokens`` per STEPS steps, the measure the goal is set in (tokens a step).
 
+A batch beside a split request (``--batch-beside-split N``, instead of the other cases): N short
+requests (``--batch-prompt-tokens`` random ordinary tokens each) start together on the home and
+decode ``--batch-new-tokens`` each, alone, and again while one request of ``--context-items``
+decodes on the same home with half its KV moved to a second instance (as the cases of moves
+split it; it is let go once the batch ends). The batch's step time, from its streamed tokens'
+times while all of it decodes, beside the split request over alone, and the split request's
+own rate; alternated pairs after a warm-up pair (``--batch-repeats``):
+
+    python bench/daemon.py --device cuda --model /tmp/llama1b --mps --context-items 1700 --new-tokens 512 \
+        --max-num-batched-tokens 8192 --batch-beside-split 8 --batch-new-tokens 128
+
     python bench/daemon.py --device cuda --model /tmp/llama1b --mps --moves-only --context-items 6500 \
         --new-tokens 330 --move-window 18 --move-every 8 --move-tokens 128,256 --move-repeats 3
 
@@ -26,7 +37,7 @@ back: a rate of ``--move-tokens`` per STEPS steps, the measure the goal is set i
     python bench/daemon.py --device cuda --spread-gpus --model /tmp/llama1b --context-items 8500 \
         --max-num-batched-tokens 8192          # instance i on GPU i mod count, a 128K-token request
 
-Writes ``bench/results/daemon-<gpu or cpu>.json``.
+Writes ``bench/results/daemon-<gpu or cpu>.json`` (the batch case: ``...-<K>k-batch<N>.json``).
 """
 
 from __future__ import annotations
@@ -40,8 +51,10 @@ import os
 import platform
 import queue
 import shutil
+import signal
 import statistics
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -281,6 +294,16 @@ def instance_devices(device: str, num_instances: int, spread: bool) -> list[str]
     return [f"cuda:{i % torch.cuda.device_count()}" for i in range(num_instances)]
 
 
+def link_envs(extra_args: list[str], num_instances: int) -> tuple[dict[str, str], list[dict[str, str]] | None]:
+    """With ``--nccl-links always``: each daemon a host of its own to NCCL (``NCCL_HOSTID``), so
+    that the layers cross NCCL's network transport (sockets on this machine's loopback), as
+    between a home and a creditor of another host. (The common env, each instance's own.)"""
+    if "--nccl-links" not in extra_args or extra_args[extra_args.index("--nccl-links") + 1] != "always":
+        return {}, None
+    return ({"NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1"},
+            [{"NCCL_HOSTID": f"infinite-llm-bench-host-{i}"} for i in range(1, num_instances + 1)])
+
+
 def split_case(num_instances: int, context_blocks: int, prompt: str, new_tokens: int, device: str,
                extra_args: list[str], profile_dir: Path | None = None, spread: bool = False,
                chunk_tokens: int = 128, wire_trace_dir: Path | None = None,
@@ -296,10 +319,11 @@ def split_case(num_instances: int, context_blocks: int, prompt: str, new_tokens:
         extra_env = {"INFLLM_PROFILE_DIR": str(profile_dir)} if profile_dir else {}
         if wire_trace_dir is not None:
             extra_env["INFLLM_WIRE_TRACE"] = str(wire_trace_dir)
+        link_env, instance_env = link_envs(extra_args, num_instances)
         cluster = LocalCluster(Path(root), num_instances, pools[0], device=device, pool_blocks_per_instance=pools,
-                               extra_args=extra_args, extra_env=extra_env,
+                               extra_args=extra_args, extra_env=extra_env | link_env,
                                devices=instance_devices(device, num_instances, spread),
-                               instance_args=cpu_args(instance_cpus, num_instances))
+                               instance_args=cpu_args(instance_cpus, num_instances), instance_env=instance_env)
         try:
             cluster.wait_ready()
             run_request(cluster, prompt, 4, [])  # warm-up
@@ -531,15 +555,18 @@ def creditor_counts(inst) -> dict[str, float]:
 
 @contextlib.contextmanager
 def move_cluster(context_blocks: int, prompt: str, new_tokens: int, device: str, extra_args: list[str],
-                 spread: bool, chunk_blocks: int, instance_cpus: str | None, extra_env: dict[str, str] | None = None):
-    """Two instances for the cases of moves (the home with room for the whole request, the
-    peer for its moved KV), warmed up; yields the cluster and the request's decode rate all at
-    home, and stops the cluster after."""
-    pools = [context_blocks + 64 + chunk_blocks, context_blocks + 64]
+                 spread: bool, chunk_blocks: int, instance_cpus: str | None, extra_env: dict[str, str] | None = None,
+                 home_extra_blocks: int = 0):
+    """Two instances for the cases of moves (the home with room for the whole request, and
+    ``home_extra_blocks`` more, the peer for its moved KV), warmed up; yields the cluster and
+    the request's decode rate all at home, and stops the cluster after."""
+    pools = [context_blocks + 64 + chunk_blocks + home_extra_blocks, context_blocks + 64]
     with tempfile.TemporaryDirectory(prefix="infllm-bench-") as root:
+        link_env, instance_env = link_envs(extra_args, 2)
         cluster = LocalCluster(Path(root), 2, pools[0], device=device, pool_blocks_per_instance=pools,
-                               extra_args=extra_args, extra_env=extra_env, devices=instance_devices(device, 2, spread),
-                               instance_args=cpu_args(instance_cpus, 2))
+                               extra_args=extra_args, extra_env=(extra_env or {}) | link_env,
+                               devices=instance_devices(device, 2, spread),
+                               instance_args=cpu_args(instance_cpus, 2), instance_env=instance_env)
         try:
             cluster.wait_ready()
             run_request(cluster, prompt, 4, [])  # warm-up
@@ -647,6 +674,255 @@ def move_case(context_blocks: int, prompt: str, new_tokens: int, blocks_per_move
             "creditor_with": {k: sum(r["creditor"][k] for r in moving) for k in moving[0]["creditor"]}}
 
 
+# Ordinary tokens in every Llama-family vocabulary (SmolLM2's and Llama 3's), for the prompts of
+# the batch beside a split request (as ``bench/cluster_multigpu.py`` draws its prompts).
+TOKEN_ID_RANGE = (1000, 30000)
+
+
+def token_prompts(count: int, tokens: int, seed: int = 0) -> list[list[int]]:
+    """``count`` distinct prompts of ``tokens`` random ordinary token ids, the same for a seed."""
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(*TOKEN_ID_RANGE, (tokens,), generator=generator).tolist() for _ in range(count)]
+
+
+def batch_steps(streams: list[list[tuple[float, dict]]], until: float | None = None) -> dict:
+    """The decode steps a batch of requests saw while all of them decoded: from the last of
+    their first tokens (the prefill's) to the first of their last (or ``until``, if earlier).
+    Per request, its steps are the events with tokens in that window; its step time the
+    window's span of them over their count less one. Reports the mean step over requests,
+    the median of every step, the batch's tokens per second (the sum of the requests' rates)
+    and the fewest steps a request had in the window."""
+    times = [[t for t, e in events if e["token_ids"]] for events in streams]
+    if not all(times):
+        raise RuntimeError("a request of the batch made no token")
+    t0, t1 = max(ts[0] for ts in times), min(ts[-1] for ts in times)
+    if until is not None:
+        t1 = min(t1, until)
+    spans, intervals, rate = [], [], 0.0
+    steps = []
+    for events in streams:
+        inside = [(t, len(e["token_ids"])) for t, e in events if e["token_ids"] and t0 <= t <= t1]
+        if len(inside) < 3:
+            raise RuntimeError(f"a request of the batch had {len(inside)} steps while the others decoded: ask for "
+                               "more --batch-new-tokens (and --new-tokens for the split request)")
+        span = inside[-1][0] - inside[0][0]
+        spans.append(span / (len(inside) - 1))
+        intervals += [b[0] - a[0] for a, b in zip(inside, inside[1:])]
+        rate += sum(n for _, n in inside[1:]) / span
+        steps.append(len(inside) - 1)
+    return {"step_s": statistics.fmean(spans), "step_median_s": statistics.median(intervals),
+            "tokens_per_s": rate, "steps": min(steps), "window_s": t1 - t0, "window": (t0, t1)}
+
+
+def placements(inst) -> dict[int, list[int]]:
+    """Where each request of the instance's own has its KV: {request id: sorted instance ids}."""
+    return {int(r["request_id"]): sorted({s["instance_id"] for s in r["segments"]})
+            for r in inst.status()["requests"]}
+
+
+def batch_run(cluster: LocalCluster, prompts: list[list[int]], new_tokens: int, long_prompt: str | None = None,
+              long_new_tokens: int = 0, split_blocks: int = 0) -> dict:
+    """A batch of requests (``prompts``, ``new_tokens`` each) started together on instance 1 and
+    decoding concurrently; with ``long_prompt``, while that request decodes with its KV split:
+    a leader moves ``split_blocks`` of it to instance 2 at its first decode step (as the cases
+    of moves split a request), the batch starts once the move has returned, and the long
+    request is let go (its stream closed: the daemon cancels it) once the batch has ended. Its
+    ``long_new_tokens`` must outlast the batch. The batch's steps (``batch_steps``), counted
+    only while the long request decoded; the long request's own rate, over the batch's window
+    and over all its steps after the split; and where every request's KV was once the batch
+    decoded."""
+    errors: list[BaseException] = []
+    streams: list[list[tuple[float, dict]]] = [[] for _ in prompts]
+
+    def stream(prompt: list[int], events: list) -> None:
+        try:
+            for event in cluster[1].stream(prompt, max_tokens=new_tokens, ignore_eos=True):
+                events.append((time.perf_counter(), event))
+        except BaseException as exc:  # noqa: BLE001  raised by the caller's thread below
+            errors.append(exc)
+
+    long_events: list[tuple[float, dict]] = []
+    let_go = threading.Event()
+    result: dict = {}
+    long_thread = leader_thread = None
+    if long_prompt is not None:
+        member = json.loads((cluster.state_dir / "members" / "1.json").read_text())
+        address = PeerAddress(member["peer_host"], member["peer_port"])
+        ready, stop = threading.Event(), threading.Event()
+        req_id_of: queue.Queue[int] = queue.Queue()
+        leader_thread = threading.Thread(target=lambda: asyncio.run(leader_moves(
+            address, req_id_of, split_blocks, 0, ready, stop, dst=2, result=result)))
+        leader_thread.start()
+
+        def stream_long() -> None:
+            events = cluster[1].stream(long_prompt, max_tokens=long_new_tokens, ignore_eos=True)
+            try:
+                for event in events:
+                    long_events.append((time.perf_counter(), event))
+                    if len(long_events) == 1:
+                        req_id_of.put(int(event["request_id"]))
+                    if let_go.is_set():
+                        break
+            except BaseException as exc:  # noqa: BLE001
+                errors.append(exc)
+                if not long_events:
+                    req_id_of.put(-1)  # the leader waits no longer: its move of no request fails
+            finally:
+                events.close()  # the connection closes: the daemon cancels the request
+
+        try:
+            if not ready.wait(120):
+                raise RuntimeError("the benchmark's leader transport did not start")
+            long_thread = threading.Thread(target=stream_long, daemon=True)
+            long_thread.start()
+            leader_thread.join(timeout=600)  # it ends once the split move has returned
+        finally:
+            stop.set()
+            if leader_thread.is_alive():
+                leader_thread.join(timeout=120)
+        if "split_at" not in result:
+            let_go.set()
+            raise RuntimeError(f"the split move did not return ({errors or 'see the leader thread above'})")
+    threads = [threading.Thread(target=stream, args=(p, events), daemon=True) for p, events in zip(prompts, streams)]
+    for thread in threads:
+        thread.start()
+    where: dict[int, list[int]] = {}
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and not errors and any(t.is_alive() for t in threads):
+            if all(sum(1 for _, e in events if e["token_ids"]) >= 2 for events in streams):
+                where = placements(cluster[1])  # every request of the batch decodes
+                break
+            time.sleep(0.005)
+        for thread in threads:
+            thread.join(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        let_go.set()
+        if long_thread is not None:
+            long_thread.join(timeout=120)
+    if errors:
+        raise RuntimeError(f"a request of the batch failed: {errors[0]!r}") from errors[0]
+    if any(t.is_alive() for t in threads):
+        raise TimeoutError("the batch's requests did not end within 600 s")
+    row: dict = {}
+    if long_prompt is not None:
+        after = [(t, e) for t, e in long_events if t > result["split_at"] and e["token_ids"]]
+        if len(after) < 3:
+            raise RuntimeError(f"only {len(after)} steps of the split request after its split: ask for more --new-tokens")
+        long_end = after[-1][0]
+        row["split_request_outlasted_batch"] = long_end >= min(events[-1][0] for events in streams)
+        row.update(batch_steps(streams, until=long_end))
+        t0, t1 = row["window"]
+        inside = [t for t, _ in after if t0 <= t <= t1]
+        row["split_request_tokens_per_s"] = (len(inside) - 1) / (inside[-1] - inside[0]) if len(inside) > 2 else None
+        row["split_request_tokens_per_s_after_split"], row["split_request_steps_after_split"] = decode_rate(after)
+        long_id = int(long_events[0][1]["request_id"])
+        row["split_request_placement"] = where.get(long_id)
+        where.pop(long_id, None)
+    else:
+        row.update(batch_steps(streams))
+    row["batch_placements"] = sorted({tuple(v) for v in where.values()})
+    del row["window"]
+    return row
+
+
+def batch_beside_split_case(context_blocks: int, prompt: str, new_tokens: int, batch: int, batch_prompt_tokens: int,
+                            batch_new_tokens: int, device: str, extra_args: list[str], spread: bool,
+                            chunk_blocks: int, instance_cpus: str | None, repeats: int) -> dict:
+    """A batch of ``batch`` short requests on the home, decoding alone against decoding beside
+    one long request whose KV is split half and half over the home and a second instance
+    (``batch_run``). Two instances, the home with room for the long request and the batch (so
+    nothing spills); the long request alone, all at home, is timed first (``move_cluster``).
+    A warm-up pair (compiling and capturing the batch's sizes and the split path), then
+    ``repeats`` pairs, the order within a pair alternated (alone first, then beside first).
+    The cost is the ratio of the mean step times, beside over alone; each pair's is given too."""
+    short_blocks = math.ceil((batch_prompt_tokens + batch_new_tokens) / BLOCK_SIZE) + 1
+    prompts = token_prompts(batch, batch_prompt_tokens)
+    split_blocks = context_blocks // 2
+    alone, beside, warm = [], [], {}
+    with move_cluster(context_blocks, prompt, new_tokens, device, extra_args, spread, chunk_blocks, instance_cpus,
+                      home_extra_blocks=batch * short_blocks) as (cluster, local):
+        pools = [context_blocks + 64 + chunk_blocks + batch * short_blocks, context_blocks + 64]
+        for i in range(repeats + 1):
+            pair = {}
+            for kind in (("alone", "beside") if i % 2 == 0 else ("beside", "alone")):
+                time.sleep(2.5)  # the creditor frees the last request's segments
+                pair[kind] = (batch_run(cluster, prompts, batch_new_tokens) if kind == "alone" else
+                              batch_run(cluster, prompts, batch_new_tokens, prompt, new_tokens, split_blocks))
+            if i:
+                alone.append(pair["alone"])
+                beside.append(pair["beside"])
+            else:
+                warm = pair
+    step_alone = statistics.fmean(r["step_s"] for r in alone)
+    step_beside = statistics.fmean(r["step_s"] for r in beside)
+    split_rates = [r["split_request_tokens_per_s"] for r in beside if r["split_request_tokens_per_s"]]
+    return {"batch": batch, "batch_prompt_tokens": batch_prompt_tokens, "batch_new_tokens": batch_new_tokens,
+            "split_blocks": split_blocks, "pools": pools, "devices": instance_devices(device, 2, spread),
+            "repeats": repeats,
+            "step_s_alone": step_alone, "step_s_beside_split": step_beside,
+            "step_ratio": step_beside / step_alone,
+            "step_median_s_alone": statistics.median(r["step_median_s"] for r in alone),
+            "step_median_s_beside_split": statistics.median(r["step_median_s"] for r in beside),
+            "batch_tokens_per_s_alone": statistics.fmean(r["tokens_per_s"] for r in alone),
+            "batch_tokens_per_s_beside_split": statistics.fmean(r["tokens_per_s"] for r in beside),
+            "pair_step_ratios": [b["step_s"] / a["step_s"] for a, b in zip(alone, beside)],
+            "split_request_tokens_per_s": statistics.fmean(split_rates) if split_rates else None,
+            "split_request_tokens_per_s_after_split": statistics.fmean(
+                r["split_request_tokens_per_s_after_split"] for r in beside),
+            "split_request_tokens_per_s_local": local,
+            "runs_alone": alone, "runs_beside_split": beside, "warm_up": warm}
+
+
+def batch_main(args, context_blocks: int, prompt: str, extra_args: list[str]) -> None:
+    """``--batch-beside-split``: the batch case alone, its report in
+    ``daemon-<gpu>[...]-batch<N>.json`` (the other cases' header, their lists empty)."""
+    if args.batch_beside_split < 1 or args.batch_repeats < 1:
+        raise SystemExit("--batch-beside-split and --batch-repeats must be at least 1")
+    # A `timeout` that ends the run stops the daemons too (they run in sessions of their own).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    case = batch_beside_split_case(context_blocks, prompt, args.new_tokens, args.batch_beside_split,
+                                   args.batch_prompt_tokens, args.batch_new_tokens, args.device, extra_args,
+                                   args.spread_gpus, math.ceil((args.max_num_batched_tokens or 128) / BLOCK_SIZE),
+                                   args.instance_cpus, args.batch_repeats)
+    gpu = torch.cuda.get_device_name().replace(" ", "-") if args.device.startswith("cuda") else "cpu"
+    report = {"device": gpu, "machine": platform.node(), "instance_cpus": args.instance_cpus, "torch": torch.__version__,
+              "model": args.model or "SmolLM2-135M-Instruct", "cuda_mps": args.mps,
+              "remote_attention": args.remote_attention or "auto",
+              "steps_ahead": args.steps_ahead if args.steps_ahead is not None else 1,
+              "split_decode_interval": args.split_decode_interval if args.split_decode_interval is not None else 1,
+              "spread_gpus": args.spread_gpus, "peer_spin_s": args.peer_spin_s,
+              "peer_header_ring_bytes": args.peer_header_ring_bytes, "context_blocks": context_blocks,
+              "new_tokens": args.new_tokens, "max_num_batched_tokens": args.max_num_batched_tokens or 128,
+              "splits": [], "moves": [], "batch_beside_split": case}
+    suffix = (f"-{Path(args.model).name}" if args.model else "") + ("-mps" if args.mps else "")
+    suffix += f"-x{torch.cuda.device_count()}" if args.spread_gpus else ""
+    suffix += f"-{args.remote_attention}" if args.remote_attention else ""
+    suffix += f"-ahead{args.steps_ahead}" if args.steps_ahead is not None else ""
+    suffix += f"-links-{args.nccl_links}" if args.nccl_links is not None else ""
+    suffix += f"-interval{args.split_decode_interval}" if args.split_decode_interval is not None else ""
+    suffix += "-pinned" if args.instance_cpus else ""
+    suffix += f"-{max(1, round(context_blocks * BLOCK_SIZE / 1024))}k-batch{args.batch_beside_split}"
+    out = Path(args.out_dir) / f"daemon-{gpu}{suffix}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    c = case
+    print(f"{c['batch']} requests of {c['batch_prompt_tokens']} prompt tokens on the home, decoding "
+          f"{c['batch_new_tokens']} tokens; beside them one request of {context_blocks * BLOCK_SIZE} tokens' room, "
+          f"{c['split_blocks']} of its blocks moved to the second instance")
+    print(f"{'':>14} {'step ms':>8} {'median ms':>9} {'batch tok/s':>11}")
+    for name, key in (("alone", "alone"), ("beside split", "beside_split")):
+        print(f"{name:>14} {1e3 * c[f'step_s_{key}']:>8.2f} {1e3 * c[f'step_median_s_{key}']:>9.2f} "
+              f"{c[f'batch_tokens_per_s_{key}']:>11.1f}")
+    print(f"step ratio beside / alone {c['step_ratio']:.3f} (pairs {[round(r, 3) for r in c['pair_step_ratios']]}); "
+          f"split request {c['split_request_tokens_per_s'] or float('nan'):.1f} tok/s beside the batch "
+          f"({c['split_request_tokens_per_s_after_split']:.1f} over all its steps after the split), "
+          f"{c['split_request_tokens_per_s_local']:.1f} tok/s alone at home")
+    print(f"placements: batch {[r['batch_placements'] for r in c['runs_beside_split']]}, split request "
+          f"{[r['split_request_placement'] for r in c['runs_beside_split']]}")
+    print(f"-> {out}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
@@ -694,8 +970,21 @@ def main() -> None:
                         help="the instances' setting (default: theirs, on)")
     parser.add_argument("--remote-attention", choices=("auto", "mailboxes", "messages"), default=None,
                         help="the instances' setting (default: theirs, auto: mailboxes on a GPU)")
+    parser.add_argument("--nccl-links", choices=("auto", "always", "never"), default=None,
+                        help="the daemons' --nccl-links; always: every creditor by an NCCL link, each daemon "
+                             "a host of its own to NCCL (as between hosts, over the loopback)")
     parser.add_argument("--steps-ahead", type=int, choices=(0, 1), default=None,
                         help="the instances' setting (default: theirs, 1)")
+    parser.add_argument("--split-decode-interval", type=int, default=None,
+                        help="the instances' setting (default: theirs, 1)")
+    parser.add_argument("--batch-beside-split", type=int, default=0, metavar="N",
+                        help="instead of the other cases: N short requests decoding on the home alone, against "
+                             "the same beside one request (of --context-items, up to --new-tokens, let go once "
+                             "the batch ends) whose KV is split over the home and a second instance (0: off)")
+    parser.add_argument("--batch-prompt-tokens", type=int, default=256, help="the batch's prompts, tokens each")
+    parser.add_argument("--batch-new-tokens", type=int, default=64, help="the batch's new tokens, each")
+    parser.add_argument("--batch-repeats", type=int, default=2,
+                        help="pairs of runs alone and beside the split request, after a warm-up pair")
     args = parser.parse_args()
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     if args.device == "cpu":
@@ -716,6 +1005,13 @@ def main() -> None:
         extra_args += ["--remote-attention", args.remote_attention]
     if args.steps_ahead is not None:
         extra_args += ["--steps-ahead", str(args.steps_ahead)]
+    if args.nccl_links is not None:
+        extra_args += ["--nccl-links", args.nccl_links]
+    if args.split_decode_interval is not None:
+        extra_args += ["--split-decode-interval", str(args.split_decode_interval)]
+    if args.batch_beside_split:
+        batch_main(args, context_blocks, prompt, extra_args)
+        return
     counts = [] if args.moves_only else [int(n) for n in args.instances.split(",")]
     move_blocks = []
     for tokens in args.move_tokens.split(","):
@@ -764,12 +1060,16 @@ def main() -> None:
 
     gpu = torch.cuda.get_device_name().replace(" ", "-") if args.device.startswith("cuda") else "cpu"
     report = {"device": gpu, "machine": platform.node(), "instance_cpus": args.instance_cpus, "torch": torch.__version__, "model": args.model or "SmolLM2-135M-Instruct",
-              "cuda_mps": args.mps, "remote_attention": args.remote_attention or "auto", "steps_ahead": args.steps_ahead if args.steps_ahead is not None else 1, "spread_gpus": args.spread_gpus, "peer_spin_s": args.peer_spin_s, "peer_header_ring_bytes": args.peer_header_ring_bytes, "context_blocks": context_blocks, "new_tokens": args.new_tokens, "splits": splits, "moves": moves}
+              "cuda_mps": args.mps, "remote_attention": args.remote_attention or "auto", "steps_ahead": args.steps_ahead if args.steps_ahead is not None else 1, "nccl_links": args.nccl_links or "auto", "spread_gpus": args.spread_gpus, "peer_spin_s": args.peer_spin_s, "peer_header_ring_bytes": args.peer_header_ring_bytes, "context_blocks": context_blocks, "new_tokens": args.new_tokens, "splits": splits, "moves": moves}
+    if args.split_decode_interval is not None:
+        report["split_decode_interval"] = args.split_decode_interval
     suffix = (f"-{Path(args.model).name}" if args.model else "") + ("-mps" if args.mps else "")
     suffix += (f"-x{torch.cuda.device_count()}-{context_blocks * BLOCK_SIZE // 1024}k" if args.spread_gpus else "") + (f"-spin{args.peer_spin_s:g}" if args.peer_spin_s is not None else "") + (f"-ring{args.peer_header_ring_bytes}" if args.peer_header_ring_bytes is not None else "")
     suffix += "-eager-creditor" if args.creditor_cuda_graphs is False else ""
     suffix += f"-{args.remote_attention}" if args.remote_attention else ""
     suffix += f"-ahead{args.steps_ahead}" if args.steps_ahead is not None else ""
+    suffix += f"-links-{args.nccl_links}" if args.nccl_links is not None else ""
+    suffix += f"-interval{args.split_decode_interval}" if args.split_decode_interval is not None else ""
     suffix += "-pinned" if args.instance_cpus else ""
     suffix += "-moves" if args.moves_only else ""
     suffix += "-toggled" if args.move_window and not args.no_moves else ""

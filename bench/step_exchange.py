@@ -19,6 +19,12 @@ over ``--steps`` steps, fresh random queries each step:
 
     python bench/step_exchange.py                       # the CPU: host mailbox, small shapes
     python bench/step_exchange.py --device cuda --keys 61440   # Llama-3.2-1B shapes, 120K split
+    python bench/step_exchange.py --device cuda --link nccl    # as a creditor of another host
+
+``--link nccl``: the layers cross a two-rank NCCL link (``transport/nccl_link.py``) instead of a
+shared mailbox, the two processes naming hosts of their own (``NCCL_HOSTID``), so NCCL carries
+them over its network transport (sockets on the loopback of one machine): the path of a creditor
+on another host, with this machine's loopback in place of the network.
 
 Writes ``bench/results/step_exchange-<gpu or cpu>.json``.
 """
@@ -29,6 +35,7 @@ import argparse
 import json
 import math
 import multiprocessing as mp
+import os
 import platform
 import statistics
 import tempfile
@@ -54,6 +61,8 @@ def creditor_main(conn, args_dict: dict, host_dir: str) -> None:
     from infinite_llm.kernels import run_micro_attention
 
     a = argparse.Namespace(**args_dict)
+    if a.link == "nccl":
+        as_host("creditor")
     device = torch.device(a.device)
     if device.type == "cuda":
         device = torch.device("cuda", device.index or 0)  # the current device wants an index
@@ -94,6 +103,13 @@ def creditor_main(conn, args_dict: dict, host_dir: str) -> None:
         conn.send("queued")
         server.check_deadlines()
     server.close_all()
+
+
+def as_host(name: str) -> None:
+    """Before this process's first NCCL call: a host of its own, over the loopback."""
+    os.environ["NCCL_HOSTID"] = f"infinite-llm-bench-{name}"
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("NCCL_IB_DISABLE", "1")
 
 
 def server_slice(a):
@@ -142,7 +158,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
     parser.add_argument("--tag", default="")
+    parser.add_argument("--link", choices=("mailbox", "nccl"), default="mailbox",
+                        help="a shared mailbox (one host), or an NCCL link (as between hosts)")
     args = parser.parse_args()
+    if args.link == "nccl" and args.device == "cpu":
+        parser.error("--link nccl needs --device cuda")
     if args.keys is None:
         args.keys = 61440 if args.device != "cpu" else 512
     if args.steps is None:
@@ -169,10 +189,23 @@ def main() -> None:
     creditor = ctx.Process(target=creditor_main, args=(child, vars(args), host_dir), daemon=True)
     creditor.start()
     dtype_name = TORCH_DTYPE_NAMES[dtype]
-    parent.send(StepMailboxOpen(1, 2, args.layers, args.rows, args.heads, args.head_dim, dtype_name, "bench"))
-    opened = receive(parent, creditor)
     layout = layout_of(args.layers, args.rows, args.heads, args.head_dim, dtype_name)
-    mailbox = open_mailbox(layout, opened.nbytes, device, opened.device[0] if opened.device else None, opened.host_path)
+    link = None
+    if args.link == "nccl":
+        as_host("home")
+        from infinite_llm.transport.nccl_link import NcclLink, new_unique_id
+        from infinite_llm.transport.step_mailbox import make_local_mailbox
+        unique_id = new_unique_id()
+        parent.send(StepMailboxOpen(1, 2, args.layers, args.rows, args.heads, args.head_dim, dtype_name, "bench",
+                                    nccl_id=unique_id.hex()))
+        opened = receive(parent, creditor)
+        link = NcclLink(unique_id, 0, device)  # returns once the creditor made its end too
+        mailbox = make_local_mailbox(layout, device)
+    else:
+        parent.send(StepMailboxOpen(1, 2, args.layers, args.rows, args.heads, args.head_dim, dtype_name, "bench"))
+        opened = receive(parent, creditor)
+        mailbox = open_mailbox(layout, opened.nbytes, device, opened.device[0] if opened.device else None,
+                               opened.host_path)
     slices = (server_slice(args),)
     flags = stream_flags() if device.type == "cuda" else None
     n, L = args.rows, args.layers
@@ -193,13 +226,19 @@ def main() -> None:
 
     def send_q(layer: int, q: torch.Tensor) -> None:
         mailbox.q[layer, :n].copy_(q)
-        if flags is not None:
+        if link is not None:
+            link.send(mailbox.q[layer, :n])
+        elif flags is not None:
             flags.write(flag_address(mailbox.q_flags, layer), FLAG_READY)
         else:
             mailbox.q_flags[layer] = FLAG_READY
 
     def take_result(layer: int) -> AttentionState:
-        if flags is not None:
+        if link is not None:
+            with link.group():
+                link.recv(mailbox.out[layer, :n])
+                link.recv(mailbox.lse[layer, :n])
+        elif flags is not None:
             address = flag_address(mailbox.result_flags, layer)
             flags.wait(address, FLAG_READY)
             flags.write(address, FLAG_EMPTY)
@@ -215,7 +254,8 @@ def main() -> None:
         """One step's layers through the mailbox: (per-layer time, StepBegin's round trip)."""
         qs = torch.randn(L, n, args.heads, args.head_dim, device=device, dtype=dtype)
         t0 = time.perf_counter()
-        parent.send(StepBegin(1, 2, opened.mailbox_id, next(step_ids), L, slices, n))
+        parent.send(StepBegin(1, 2, opened.mailbox_id, next(step_ids), L, slices, n,
+                              wire_rows=n if link is not None else 0))
         assert receive(parent, creditor) == "queued"
         begin_s = time.perf_counter() - t0
         timer = Timer(device)
@@ -268,7 +308,8 @@ def main() -> None:
     gpu = torch.cuda.get_device_name().replace(" ", "-") if device.type == "cuda" else "cpu"
     q_bytes = n * args.heads * args.head_dim * dtype.itemsize
     report = {
-        "device": gpu, "machine": platform.node(), "torch": torch.__version__, "layers": L, "rows": n,
+        "device": gpu, "machine": platform.node(), "torch": torch.__version__, "link": args.link,
+        "layers": L, "rows": n,
         "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim, "creditor_keys": args.keys,
         "steps": args.steps, "query_bytes": q_bytes, "result_bytes": q_bytes + n * args.heads * 4,
         "median_us_per_layer": {k: 1e6 * v for k, v in med.items() if k != "begin"} | {"serve": 1e6 * serve_s},
@@ -277,7 +318,8 @@ def main() -> None:
         "exchange_vs_copy_plus_serve": med["exchange"] / (med["copy"] + serve_s),
         "split_vs_local": med["local"] / med["split"],
     }
-    out = Path(args.out_dir) / f"step_exchange-{gpu}{args.tag}.json"
+    link_tag = "-nccl" if args.link == "nccl" else ""
+    out = Path(args.out_dir) / f"step_exchange-{gpu}{link_tag}{args.tag}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))

@@ -33,6 +33,7 @@ MIN_TIMEOUT_S = 0.01  # the shortest wait a timeout may set, s
 
 
 REMOTE_ATTENTION_MODES = ("auto", "mailboxes", "messages")
+NCCL_LINK_MODES = ("auto", "always", "never")  # daemon/step_attention.NCCL_LINK_MODES
 
 @dataclass(frozen=True)
 class Timeouts:
@@ -116,9 +117,14 @@ class InstanceConfig:
     # How a home attends over KV that an instance of its own host holds: "mailboxes", one
     # StepBegin message per step and the layers through a mailbox in the creditor's memory
     # (daemon/step_server, daemon/step_attention); "messages", an AttendRequest per layer;
-    # "auto", mailboxes on a GPU and messages on the CPU. Creditors on other hosts, and any
-    # that cannot share a mailbox, are attended by messages either way.
+    # "auto", mailboxes on a GPU and messages on the CPU. Creditors that cannot share a mailbox
+    # are attended by messages, or by an NCCL link (``nccl_links``).
     remote_attention: str = "auto"
+    # With mailboxes, on a GPU: which creditors the layers reach by a two-rank NCCL link instead
+    # of shared memory (transport/nccl_link.py): "auto" those of other hosts, "always" every one
+    # (GPUs of one host, where NCCL goes over NVLink), "never" none (messages for other hosts).
+    # A creditor with nccl_links "never" refuses links too.
+    nccl_links: str = "auto"
     # Through a mailbox: the steps a creditor keeps queued past the current one for the same
     # slices (0 or 1). With 1 a home's next step finds its creditors' layers queued already, and
     # its StepBegin is off the step's path; 0 queues each step when its StepBegin arrives.
@@ -173,6 +179,8 @@ class InstanceConfig:
         for name in ("share_kv", "creditor_cuda_graphs", "peer_device_pools", "peer_pull_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.nccl_links not in NCCL_LINK_MODES:
+            raise ConfigError(f"nccl_links must be one of {', '.join(NCCL_LINK_MODES)}, got {self.nccl_links!r}")
         if self.remote_attention not in REMOTE_ATTENTION_MODES:
             raise ConfigError(f"remote_attention must be one of {', '.join(REMOTE_ATTENTION_MODES)}, "
                               f"got {self.remote_attention!r}")

@@ -385,7 +385,8 @@ class InstanceDaemon:
             self.remote = MailboxRemoteAttention(
                 self.remote, self.transport, self.peers, num_layers=mc.num_layers, num_heads=mc.num_heads,
                 head_dim=mc.head_dim, dtype=_TORCH_DTYPE[dtype], device=device, max_rows=c.max_num_seqs,
-                timeout_s=c.timeouts.peer_request_s, host_id=host_id(), steps_ahead=c.steps_ahead)
+                timeout_s=c.timeouts.peer_request_s, host_id=host_id(), steps_ahead=c.steps_ahead,
+                nccl_links=c.nccl_links)
         self.lender = TransportLender(self.transport, self.peers, self.metrics, c.timeouts.peer_request_s,
                                        share_kv=c.share_kv)
         self.lender.run_id = self.run_id
@@ -412,7 +413,8 @@ class InstanceDaemon:
         # tables are written on the mailboxes' streams, behind their steps.
         self.step_server = StepServer(CreditorAttention(self.ledger, self.pool, mc.num_heads, cuda_graphs=False),
                                       host_id=host_id(), timeout_s=c.timeouts.peer_request_s,
-                                      host_dir=c.peer_shared_memory_dir, cuda_graphs=c.creditor_cuda_graphs)
+                                      host_dir=c.peer_shared_memory_dir, cuda_graphs=c.creditor_cuda_graphs,
+                                      nccl_links=c.nccl_links != "never")
         self.metrics.watch_creditor(self.creditor)
         self.metrics.watch_transport(self.transport)
         self.block_nbytes = self.pool[0].numel() * self.pool.element_size()
@@ -1470,6 +1472,10 @@ class InstanceDaemon:
             # and creditors told to let a step queued ahead go.
             "home_steps_answer_first": remote.steps_answer_first if remote else 0,
             "home_stand_downs": remote.stand_downs if remote else 0,
+            # Creditors reached by an NCCL link (other hosts), and steps that went over one.
+            "home_links_made": remote.links_made if remote else 0,
+            "home_steps_on_links": remote.steps_on_links if remote else 0,
+            "creditor_links_made": server.links_made if server else 0,
             # Split decode steps run as one graph, remote parts included, and graphs captured.
             "home_step_graph_replays": graphs.replays if graphs else 0,
             "home_step_graph_captures": graphs.captures if graphs else 0,

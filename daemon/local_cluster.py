@@ -115,13 +115,14 @@ class LocalCluster:
                  extra_env: dict[str, str] | None = None, max_num_batched_tokens: int = 128,
                  device: str = "cpu", pool_blocks_per_instance: list[int] | None = None,
                  devices: list[str] | None = None, gmanager_perf_model: Path | None = None,
-                 gmanager_args: list[str] | None = None, instance_args: list[list[str]] | None = None) -> None:
+                 gmanager_args: list[str] | None = None, instance_args: list[list[str]] | None = None,
+                 instance_env: list[dict[str, str]] | None = None) -> None:
         """``root`` holds the logs and the state folder; the sockets go to a folder of their own
         that every user may traverse, as /run/infinite-llm is, so that tests can call as others.
         ``devices``: one device per instance (say ``cuda:0``, ``cuda:1``), else ``device`` for all.
         ``gmanager_perf_model``: also run a gManager with this perf model (and ``gmanager_args``),
         elected through the same state folder. ``instance_args``: flags of each instance's own,
-        after ``extra_args``."""
+        after ``extra_args``; ``instance_env``: its environment's own, over ``extra_env``."""
         self.root = root
         self.socket_dir = Path(tempfile.mkdtemp(prefix="infllm-"))
         self.socket_dir.chmod(0o755)
@@ -142,6 +143,9 @@ class LocalCluster:
         instance_args = instance_args or [[] for _ in range(num_instances)]
         if len(instance_args) != num_instances:
             raise ValueError(f"{len(instance_args)} argument lists for {num_instances} instances")
+        instance_env = instance_env or [{} for _ in range(num_instances)]
+        if len(instance_env) != num_instances:
+            raise ValueError(f"{len(instance_env)} environments for {num_instances} instances")
         self.gmanager: subprocess.Popen | None = None
         self.gmanager_socket = self.socket_dir / "gmanager.sock"
         if gmanager_perf_model is not None:
@@ -159,9 +163,11 @@ class LocalCluster:
                     "--max-num-batched-tokens", str(max_num_batched_tokens), "--device", devices[inst_id - 1],
                     "--http-port", "0", "--socket-path", str(socket_path), "--state-dir", str(self.state_dir),
                     "--peer-host", "127.0.0.1", *(extra_args or []), *instance_args[inst_id - 1]]
-            self._launch[inst_id] = (args, env)
+            own_env = dict(env, **instance_env[inst_id - 1])
+            self._launch[inst_id] = (args, own_env)
             with open(log_path, "w") as log:
-                process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=own_env,
+                                           start_new_session=True)
             self.instances[inst_id] = Instance(inst_id, process, socket_path, log_path)
 
     def restart(self, inst_id: int, extra_env: dict[str, str] | None = None, timeout_s: float = START_TIMEOUT_S) -> Instance:

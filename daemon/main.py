@@ -59,6 +59,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict]
     parser.add_argument("--remote-attention", choices=("auto", "mailboxes", "messages"), dest="remote_attention",
                         help="creditors of this host: one message a step and the layers through a mailbox "
                              "(mailboxes), or a message a layer (messages); auto: mailboxes on a GPU (default)")
+    parser.add_argument("--nccl-links", choices=("auto", "always", "never"), dest="nccl_links",
+                        help="with mailboxes on a GPU, creditors reached by an NCCL link: those of other hosts "
+                             "(auto, default), every one (always), none (never)")
     parser.add_argument("--steps-ahead", type=int, dest="steps_ahead",
                         help="through a mailbox, steps a creditor keeps queued past the current one (0 or 1, default 1)")
     parser.add_argument("--http-host", dest="http_host")

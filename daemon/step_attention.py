@@ -22,6 +22,13 @@ awaits the ``StepBegin``'s answer, which the creditor gives once the step queued
 go and this one is queued. A creditor this home's step no longer attends over, and every one
 once this home goes idle, is told to stand down (``StepStandDown``).
 
+A creditor on another host gets a *link* instead of a shared mailbox (``nccl_links``): the home
+asks for one once a creditor refused a shared mailbox as on another host (or at once, with
+``nccl_links="always"``), and both ends make a two-rank NCCL communicator
+(``transport/nccl_link.py``). The mailbox's slots are then each side's own memory and its
+flags are NCCL's sends and receives, queued and captured as the flags were: the step is still
+one graph, and no step is queued ahead (a send waits on the device for its receive instead).
+
 A creditor with no mailbox yet is attended by messages while one is opened in the background;
 one that cannot share a mailbox (another host, turned off) is asked again only after
 ``REOPEN_AFTER_S``.
@@ -31,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -41,6 +49,7 @@ from infinite_llm.engine.dist_attention import AttendBatch, DevicePart, RemoteAt
 from infinite_llm.kernels import AttentionState
 from infinite_llm.transport.errors import TransportError
 from infinite_llm.transport.interface import Transport
+from infinite_llm.transport.nccl_link import NcclError, NcclLink, NcclUnavailable, new_unique_id
 from infinite_llm.transport.messages import (
     Ack,
     ErrorReply,
@@ -54,11 +63,13 @@ from infinite_llm.transport.step_mailbox import (
     FLAG_ABORTED,
     FLAG_EMPTY,
     FLAG_READY,
+    OTHER_HOST,
     STATUS_OK,
     Mailbox,
     MailboxUnavailable,
     flag_address,
     layout_of,
+    make_local_mailbox,
     open_mailbox,
     stream_flags,
 )
@@ -73,6 +84,9 @@ REOPEN_AFTER_S = 30.0
 # A host home's poll of a result flag: turns of the event loop first, then sleeps of this long, s.
 HOST_SPIN_S = 0.002
 HOST_POLL_S = 0.0002
+# Which creditors are reached by NCCL links: "auto" those of other hosts, "always" every one
+# (GPUs of one machine, tests), "never" none (they are attended by messages).
+NCCL_LINK_MODES = ("auto", "always", "never")
 
 
 @dataclass
@@ -83,6 +97,12 @@ class _Opened:
     # (slices, rows) of the step the creditor keeps queued ahead for this home, None for none.
     ahead_key: tuple | None = None
     standing_down: asyncio.Future | None = None  # the last StepStandDown's answer
+    link: NcclLink | None = None  # a creditor of another host: the layers go by NCCL
+
+
+def _abort_in_background(link: NcclLink) -> None:
+    # ncclCommAbort may take a while to tear down its proxy: not on the event loop.
+    threading.Thread(target=link.abort, daemon=True, name="step-link-abort").start()
 
 
 class _MailboxPart(DevicePart):
@@ -96,13 +116,32 @@ class _MailboxPart(DevicePart):
         self._q_flags, self._result_flags = mailbox.q_flags, mailbox.result_flags
         self._flags = stream_flags()
 
-    def announce_query(self, layer: int) -> None:
+    def announce_query(self, layer: int, rows: int) -> None:
         self._flags.write(flag_address(self._q_flags, layer), FLAG_READY)
 
-    def await_result(self, layer: int) -> None:
+    def await_result(self, layer: int, rows: int) -> None:
         result_flag = flag_address(self._result_flags, layer)
         self._flags.wait(result_flag, FLAG_READY)
         self._flags.write(result_flag, FLAG_EMPTY)
+
+
+class _LinkPart(DevicePart):
+    """A creditor of another host as a step graph's part: the slots are this home's own memory,
+    the query sent and the result received over the NCCL link, which a graph captures."""
+
+    def __init__(self, opened: _Opened) -> None:
+        mailbox = opened.mailbox
+        self.key = (opened.inst_id, opened.mailbox_id)
+        self.q, self.out, self.lse = mailbox.q, mailbox.out, mailbox.lse
+        self._link = opened.link
+
+    def announce_query(self, layer: int, rows: int) -> None:
+        self._link.send(self.q[layer, :rows])
+
+    def await_result(self, layer: int, rows: int) -> None:
+        with self._link.group():
+            self._link.recv(self.out[layer, :rows])
+            self._link.recv(self.lse[layer, :rows])
 
 
 @dataclass
@@ -126,7 +165,9 @@ class MailboxRemoteAttention(RemoteAttention):
     def __init__(self, messages: TransportRemoteAttention, transport: Transport, peers: PeerDirectory, *,
                  num_layers: int, num_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
                  max_rows: int, timeout_s: float, host_id: str, clock: Callable[[], float] = time.monotonic,
-                 steps_ahead: int = 1) -> None:
+                 steps_ahead: int = 1, nccl_links: str = "auto") -> None:
+        if nccl_links not in NCCL_LINK_MODES:
+            raise ValueError(f"nccl_links is one of {', '.join(NCCL_LINK_MODES)}, not {nccl_links!r}")
         self.messages = messages
         self.transport = transport
         self.peers = peers
@@ -147,6 +188,9 @@ class MailboxRemoteAttention(RemoteAttention):
         self._side_stream: torch.cuda.Stream | None = None
         self._tasks: set[asyncio.Task] = set()
         self.steps_ahead = steps_ahead
+        self.nccl_links = nccl_links if device.type == "cuda" else "never"
+        self.links_made = 0
+        self.steps_on_links = 0
         self.steps_on_mailboxes = 0
         self.steps_failed = 0
         self.steps_answer_first = 0  # steps whose queries waited for their StepBegin's answer
@@ -156,6 +200,10 @@ class MailboxRemoteAttention(RemoteAttention):
     @property
     def step_timeout_s(self) -> float:
         return self.timeout_s
+
+    @property
+    def device_part_rows(self) -> int:
+        return self.max_rows
 
     def has_mailbox(self, inst_id: int) -> bool:
         return inst_id in self._opened
@@ -173,29 +221,73 @@ class MailboxRemoteAttention(RemoteAttention):
 
     async def _open(self, peer: Peer) -> None:
         try:
-            request = StepMailboxOpen(self.peers.own_inst_id, peer.inst_id, self.num_layers, self.max_rows,
-                                      self.num_heads, self.head_dim, TORCH_DTYPE_NAMES[self.dtype], self.host_id)
-            reply = await self.transport.request(peer.address, request, timeout_s=self.timeout_s)
-            if not isinstance(reply, StepMailboxOpened):
-                raise MailboxUnavailable(reply.detail if isinstance(reply, ErrorReply) else
-                                         f"answered {type(reply).__name__}")
-            layout = layout_of(self.num_layers, self.max_rows, self.num_heads, self.head_dim,
-                               TORCH_DTYPE_NAMES[self.dtype])
-            mailbox = open_mailbox(layout, reply.nbytes, self.device, reply.device[0] if reply.device else None,
-                                   reply.host_path)
-            self._opened[peer.inst_id] = _Opened(reply.mailbox_id, mailbox, peer.inst_id)
-            log.info("instance %d: step mailbox %d open, its layers go through it", peer.inst_id, reply.mailbox_id)
-        except (MailboxUnavailable, TransportError, ValueError) as e:
+            if self.nccl_links == "always":
+                opened = await self._open_link(peer)
+            else:
+                try:
+                    opened = await self._open_shared(peer)
+                except MailboxUnavailable as e:
+                    if self.nccl_links != "auto" or not str(e).startswith(OTHER_HOST):
+                        raise
+                    opened = await self._open_link(peer)
+            self._opened[peer.inst_id] = opened
+            log.info("instance %d: step %s %d open, its layers go through it", peer.inst_id,
+                     "link" if opened.link is not None else "mailbox", opened.mailbox_id)
+        except (MailboxUnavailable, NcclUnavailable, NcclError, TransportError, ValueError, TimeoutError) as e:
             log.info("instance %d: no step mailbox (%s); attending by messages", peer.inst_id, e)
             self._refused_until[peer.inst_id] = self.clock() + REOPEN_AFTER_S
         finally:
             self._opening.pop(peer.inst_id, None)
+
+    def _layout(self):
+        return layout_of(self.num_layers, self.max_rows, self.num_heads, self.head_dim, TORCH_DTYPE_NAMES[self.dtype])
+
+    def _open_request(self, peer: Peer, nccl_id: str = "") -> StepMailboxOpen:
+        return StepMailboxOpen(self.peers.own_inst_id, peer.inst_id, self.num_layers, self.max_rows,
+                               self.num_heads, self.head_dim, TORCH_DTYPE_NAMES[self.dtype], self.host_id,
+                               nccl_id=nccl_id)
+
+    async def _open_shared(self, peer: Peer) -> _Opened:
+        reply = await self.transport.request(peer.address, self._open_request(peer), timeout_s=self.timeout_s)
+        if not isinstance(reply, StepMailboxOpened) or reply.nccl:
+            raise MailboxUnavailable(reply.detail if isinstance(reply, ErrorReply) else
+                                     f"answered {type(reply).__name__}")
+        mailbox = open_mailbox(self._layout(), reply.nbytes, self.device, reply.device[0] if reply.device else None,
+                               reply.host_path)
+        return _Opened(reply.mailbox_id, mailbox, peer.inst_id)
+
+    async def _open_link(self, peer: Peer) -> _Opened:
+        """A two-rank NCCL link with the creditor (this home rank 0), both ends made at once:
+        each blocks until the other joined, here on a thread."""
+        layout = self._layout()
+        unique_id = new_unique_id()
+        reply = await self.transport.request(peer.address, self._open_request(peer, unique_id.hex()),
+                                             timeout_s=self.timeout_s)
+        if not isinstance(reply, StepMailboxOpened) or not reply.nccl:
+            raise MailboxUnavailable(reply.detail if isinstance(reply, ErrorReply) else
+                                     f"answered {type(reply).__name__} without a link")
+        if reply.nbytes != layout.nbytes:
+            raise MailboxUnavailable(f"a link's mailbox of {reply.nbytes} bytes for a layout of {layout.nbytes}")
+        mailbox = make_local_mailbox(layout, self.device)
+        making = asyncio.ensure_future(asyncio.to_thread(NcclLink, unique_id, 0, self.device))
+        try:
+            # A creditor that died meanwhile leaves the thread waiting: it is left behind.
+            link = await asyncio.wait_for(asyncio.shield(making), self.timeout_s)
+        except (asyncio.TimeoutError, asyncio.CancelledError):
+            making.add_done_callback(lambda f: f.cancelled() or f.exception() or f.result().abort())
+            self._background(self.transport.send(peer.address,
+                                                 StepMailboxClose(self.peers.own_inst_id, reply.mailbox_id)))
+            raise TimeoutError(f"the NCCL link was not made within {self.timeout_s} s") from None
+        self.links_made += 1
+        return _Opened(reply.mailbox_id, mailbox, peer.inst_id, link=link)
 
     def _drop(self, inst_id: int, why: str) -> None:
         opened = self._opened.pop(inst_id, None)
         if opened is None:
             return
         self._parts.pop((inst_id, opened.mailbox_id), None)
+        if opened.link is not None:
+            _abort_in_background(opened.link)
         log.warning("instance %d: step mailbox %d dropped: %s", inst_id, opened.mailbox_id, why)
         try:
             peer = self.peers.by_inst(inst_id)
@@ -216,7 +308,7 @@ class MailboxRemoteAttention(RemoteAttention):
         task.add_done_callback(done)
 
     # ---- a step ----------------------------------------------------------------------------
-    def _begin(self, batch: AttendBatch) -> _StepOnMailbox | None:
+    def _begin(self, batch: AttendBatch, wire_rows: int = 0) -> _StepOnMailbox | None:
         peer = self.peers.by_engine(batch.instance_id)
         opened = self._opened.get(peer.inst_id)
         if opened is None:
@@ -228,18 +320,24 @@ class MailboxRemoteAttention(RemoteAttention):
         key = (slices, batch.num_rows_host)
         standing_down = opened.standing_down is not None and not opened.standing_down.done()
         answer_first = (opened.ahead_key is not None and opened.ahead_key != key) or standing_down
+        # A link's sends wait on the device for their receives: nothing is queued ahead there.
+        ahead = self.steps_ahead if opened.link is None else 0
         message = StepBegin(self.peers.own_inst_id, peer.inst_id, opened.mailbox_id, batch.step_id,
-                            self.num_layers, slices, batch.num_rows_host, ahead=self.steps_ahead)
+                            self.num_layers, slices, batch.num_rows_host, ahead=ahead,
+                            wire_rows=0 if opened.link is None else max(wire_rows, batch.num_rows_host))
         reply = self.transport.request_soon(peer.address, message, timeout_s=self.timeout_s)
-        opened.ahead_key = key if self.steps_ahead else None
+        opened.ahead_key = key if ahead else None
         step = _StepOnMailbox(opened, peer, asyncio.ensure_future(reply), batch.num_rows_host,
                               self.clock() + self.timeout_s, answer_first=answer_first)
         self.steps_answer_first += answer_first
         self._steps[(batch.step_id, batch.instance_id)] = step
-        self.steps_on_mailboxes += 1
+        if opened.link is None:
+            self.steps_on_mailboxes += 1
+        else:
+            self.steps_on_links += 1
         return step
 
-    def begin_device_step(self, batches) -> list[DevicePart] | None:
+    def begin_device_step(self, batches, wire_rows=None) -> list[DevicePart] | None:
         """Every batch's creditor with a device mailbox open: a StepBegin to each, and their
         parts for the step's graph. Else None, nothing sent (and mailboxes opened where
         missing, for the steps to come)."""
@@ -253,12 +351,17 @@ class MailboxRemoteAttention(RemoteAttention):
         if any(o is None or not o.mailbox.is_cuda for o in opened) or \
                 any(batch.num_rows_host > self.max_rows for batch in batches):
             return None
+        if wire_rows is None:
+            wire_rows = [batch.num_rows_host for batch in batches]
         parts = []
-        for batch, o in zip(batches, opened):
-            if self._begin(batch) is None:  # not reached: checked above
+        for batch, o, rows in zip(batches, opened, wire_rows):
+            if self._begin(batch, rows) is None:  # not reached: checked above
                 raise RuntimeError(f"step {batch.step_id}: mailbox {o.mailbox_id} could not begin")
             key = (o.inst_id, o.mailbox_id)
-            parts.append(self._parts.get(key) or self._parts.setdefault(key, _MailboxPart(o)))
+            part = self._parts.get(key)
+            if part is None:
+                part = self._parts[key] = _MailboxPart(o) if o.link is None else _LinkPart(o)
+            parts.append(part)
         return parts
 
     async def device_step_ready(self, step_id: int) -> None:
@@ -293,7 +396,9 @@ class MailboxRemoteAttention(RemoteAttention):
     def _put_query(self, step: _StepOnMailbox, layer: int, q: torch.Tensor) -> None:
         mailbox, n = step.opened.mailbox, step.num_rows
         mailbox.q[layer, :n].copy_(q)
-        if mailbox.is_cuda:
+        if step.opened.link is not None:
+            step.opened.link.send(mailbox.q[layer, :n])
+        elif mailbox.is_cuda:
             stream_flags().write(flag_address(mailbox.q_flags, layer), FLAG_READY)
         else:
             mailbox.q_flags[layer] = FLAG_READY
@@ -310,7 +415,12 @@ class MailboxRemoteAttention(RemoteAttention):
         """The layer's part: on a GPU queued behind a stream wait (returns at once); on the host
         once its flag is set."""
         mailbox, n = step.opened.mailbox, step.num_rows
-        if mailbox.is_cuda:
+        if step.opened.link is not None:
+            link = step.opened.link
+            with link.group():
+                link.recv(mailbox.out[layer, :n])
+                link.recv(mailbox.lse[layer, :n])
+        elif mailbox.is_cuda:
             flags = stream_flags()
             result_flag = flag_address(mailbox.result_flags, layer)
             flags.wait(result_flag, FLAG_READY)
@@ -337,6 +447,11 @@ class MailboxRemoteAttention(RemoteAttention):
         released = False
         for (sid, _), step in self._steps.items():
             if sid != step_id or not step.opened.mailbox.is_cuda:
+                continue
+            if step.opened.link is not None:
+                # Its receives end only with the link; the mailbox is dropped at finish_step.
+                _abort_in_background(step.opened.link)
+                step.released = released = True
                 continue
             if self._side_stream is None:
                 self._side_stream = torch.cuda.Stream(self.device)
@@ -365,7 +480,9 @@ class MailboxRemoteAttention(RemoteAttention):
                 problem = e
             if problem is None and step.released:
                 problem = TimeoutError(f"the step's parts did not come within {self.timeout_s} s")
-            if problem is None and int(step.opened.mailbox.status[0]) != STATUS_OK:
+            if problem is None and step.opened.link is not None and step.opened.link.aborted:
+                problem = RuntimeError("the step's NCCL link was aborted")
+            if problem is None and step.opened.link is None and int(step.opened.mailbox.status[0]) != STATUS_OK:
                 problem = TimeoutError("the creditor gave the step up (its watchdog)")
             if problem is not None:
                 self.steps_failed += 1

@@ -23,6 +23,15 @@ a query of that step, and it accepts no step's results before its ``StepBegin``'
 step queued ahead whose plan changed meanwhile (the home's segments here changed) is refused
 there and its mailbox given up.
 
+A home on another host (or one that asks for it) opens a *link* instead
+(``StepMailboxOpen.nccl_id``): the mailbox stays in this process's memory and each layer's
+query comes in, and its result goes out, by NCCL point-to-point on the mailbox's stream
+(``transport/nccl_link.py``), captured in the step's graph as the flags are. A send waits for
+its matching receive, so a link needs no step queued ahead: its home's step starts at once and
+its first query waits on the device until this step is queued. No step is queued ahead on a
+link (a queued receive cannot be let go without its home's send), and one given up is ended by
+aborting the link.
+
 A step that is not over by its deadline (``timeout_s`` from its ``StepBegin``: the home died,
 or stopped mid-step) is given up by the watchdog (``check_deadlines``, called by the daemon
 every fraction of the timeout): the mailbox's status says so, its query flags are set
@@ -40,7 +49,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -58,8 +67,10 @@ from infinite_llm.transport.messages import (
     StepMailboxOpened,
     StepStandDown,
 )
+from infinite_llm.transport.nccl_link import NcclLink, NcclUnavailable
 from infinite_llm.transport.step_mailbox import (
     FLAG_ABORTED,
+    OTHER_HOST,
     FLAG_EMPTY,
     FLAG_READY,
     STATUS_TIMED_OUT,
@@ -67,6 +78,7 @@ from infinite_llm.transport.step_mailbox import (
     MailboxUnavailable,
     flag_address,
     layout_of,
+    make_local_mailbox,
     make_mailbox,
     remove_host_file,
     stream_flags,
@@ -82,6 +94,9 @@ MAX_MAILBOXES = 64
 # How long a StepBegin waits for the home's last step to be marked over here, s: the home saw its
 # last result, so only the worker's (or stream's) last instructions are left.
 LAST_STEP_GRACE_S = 0.05
+# How long a StepBegin on a link waits for the link's making to end here, s: its home made
+# its end of the link, which returns once both ends joined.
+LINK_READY_GRACE_S = 1.0
 # A host worker's poll: spins this long, then sleeps this long between looks, s.
 HOST_SPIN_S = 0.002
 HOST_POLL_S = 0.0002
@@ -123,6 +138,11 @@ class _Served:
     work: queue.Queue | None = None  # a host mailbox's steps: (plan, num_rows, _Step), None to stop
     abort: threading.Event = field(default_factory=threading.Event)
     aborted: bool = False
+    # A home on another host: the per-layer exchange by NCCL, not through shared memory.
+    on_link: bool = False
+    link: NcclLink | None = None  # once made
+    link_made: threading.Event = field(default_factory=threading.Event)  # made, or failed to be
+    link_problem: str = ""
 
 
 class StepServer:
@@ -131,7 +151,7 @@ class StepServer:
 
     def __init__(self, planner: CreditorAttention, *, host_id: str, timeout_s: float,
                  host_dir: Path | None = None, clock: Callable[[], float] = time.monotonic,
-                 cuda_graphs: bool = True, max_mailboxes: int = MAX_MAILBOXES) -> None:
+                 cuda_graphs: bool = True, max_mailboxes: int = MAX_MAILBOXES, nccl_links: bool = True) -> None:
         self.planner = planner
         self.pool = planner.kv_pool
         self.host_id = host_id
@@ -140,6 +160,7 @@ class StepServer:
         self.clock = clock
         self.cuda_graphs = cuda_graphs and self.pool.is_cuda
         self.max_mailboxes = max_mailboxes
+        self.nccl_links = nccl_links and self.pool.is_cuda
         self._served: dict[int, _Served] = {}  # mailbox id -> it
         self._retired: list[_Served] = []  # given up, freed once their work is done
         self._ids = itertools.count(1)
@@ -148,6 +169,7 @@ class StepServer:
         self.timeouts = 0  # steps given up by the watchdog
         self.steps_assigned_ahead = 0  # steps whose layers were queued before their StepBegin came
         self.steps_let_go = 0  # steps queued ahead that no step used
+        self.links_made = 0  # NCCL links with homes (of other hosts), made
 
     @property
     def num_mailboxes(self) -> int:
@@ -174,9 +196,12 @@ class StepServer:
 
     def open(self, message: StepMailboxOpen) -> StepMailboxOpened:
         """A new mailbox for the home (replacing its earlier one). MailboxUnavailable where the
-        home is on another host or its model is not this pool's."""
-        if message.host_id != self.host_id:
-            raise MailboxUnavailable("the home is on another host")
+        home is on another host (and asks for no NCCL link), NCCL is not here, or its model is
+        not this pool's. A link is made on a thread of its own, as the home makes its end."""
+        if message.nccl_id and not self.nccl_links:
+            raise MailboxUnavailable("no NCCL links here" + ("" if self.pool.is_cuda else ": the pool is on the host"))
+        if message.host_id != self.host_id and not message.nccl_id:
+            raise MailboxUnavailable(OTHER_HOST)
         _, num_layers, _, _, num_kv_heads, head_dim = self.pool.shape
         dtype = TORCH_DTYPE_NAMES.get(self.pool.dtype)
         if (message.num_layers, message.head_dim, message.dtype) != (num_layers, head_dim, dtype) \
@@ -193,6 +218,11 @@ class StepServer:
         if len(self._served) >= self.max_mailboxes:
             raise MailboxUnavailable(f"{self.max_mailboxes} mailboxes are open here")
         mailbox_id = next(self._ids)
+        if message.nccl_id:
+            served = self._open_link(message, layout, mailbox_id)
+            log.info("step link %d opened for instance %d (NCCL, %d bytes)", mailbox_id, message.home_inst_id,
+                     layout.nbytes)
+            return StepMailboxOpened(mailbox_id, layout.nbytes, (), "", nccl=True)
         mailbox, offer, host_path = make_mailbox(layout, self.pool.device, mailbox_id, self.host_dir)
         served = _Served(mailbox_id, message.home_inst_id, mailbox, host_path,
                          torch.cuda.Stream(self.pool.device, priority=-16) if self.pool.is_cuda else None)
@@ -206,6 +236,33 @@ class StepServer:
                  layout.nbytes, "device" if offer is not None else host_path)
         return StepMailboxOpened(mailbox_id, layout.nbytes, (offer,) if offer is not None else (), host_path)
 
+    def _open_link(self, message: StepMailboxOpen, layout, mailbox_id: int) -> _Served:
+        try:
+            unique_id = bytes.fromhex(message.nccl_id)
+        except ValueError:
+            raise MailboxUnavailable("nccl_id is not hex") from None
+        served = _Served(mailbox_id, message.home_inst_id, make_local_mailbox(layout, self.pool.device), "",
+                         torch.cuda.Stream(self.pool.device, priority=-16), on_link=True)
+
+        def make() -> None:
+            try:
+                link = NcclLink(unique_id, 1, self.pool.device)
+            except (NcclUnavailable, OSError) as e:
+                served.link_problem = str(e)
+                log.warning("step link %d of instance %d: %s", mailbox_id, message.home_inst_id, e)
+            else:
+                if served.aborted or self._served.get(mailbox_id) is not served:
+                    link.abort()  # given up while it was being made
+                else:
+                    served.link = link
+                    self.links_made += 1
+            finally:
+                served.link_made.set()
+        self._served[mailbox_id] = served
+        # Blocks until the home made its end: off the event loop.
+        threading.Thread(target=make, daemon=True, name=f"step-link-{mailbox_id}").start()
+        return served
+
     def begin(self, message: StepBegin) -> Ack:
         """Queue the step's layers (or assign it the step queued ahead for it), and the next
         one's where ``message.ahead``. StepRefused where the mailbox is not here, the step is
@@ -218,6 +275,15 @@ class StepServer:
         if message.num_layers != layout.num_layers or message.num_rows > layout.max_rows:
             raise StepRefused(f"a step of {message.num_layers} layers and {message.num_rows} rows for a mailbox of "
                               f"{layout.num_layers} and {layout.max_rows}")
+        if served.on_link:
+            if not served.link_made.wait(LINK_READY_GRACE_S) or served.link is None:
+                problem = served.link_problem or f"not made within {LINK_READY_GRACE_S} s"
+                self._retire(served, f"its NCCL link failed: {problem}")
+                raise StepRefused(f"step {message.step_id}: the NCCL link of mailbox {message.mailbox_id}: {problem}")
+            if message.wire_rows < message.num_rows or message.wire_rows > layout.max_rows:
+                raise StepRefused(f"step {message.step_id}: {message.wire_rows} rows on the wire for "
+                                  f"{message.num_rows} rows and a mailbox of {layout.max_rows}")
+            message = replace(message, ahead=0)  # a receive queued ahead could not be let go
         now = self.clock()
         served.last_begin = now
         served.last_step_id = max(served.last_step_id, message.step_id)
@@ -266,7 +332,8 @@ class StepServer:
             with torch.cuda.stream(served.stream):
                 # The plan's tables are rewritten on this stream: after the last step's layers.
                 step.plan = self.planner.plan_for(message.home_inst_id, message.slices)
-                self._queue_layers(served, step.plan.plan, message.num_rows)
+                self._queue_layers(served, step.plan.plan, message.num_rows,
+                                   message.wire_rows if served.on_link else 0)
                 step.done.record(served.stream)
         return step
 
@@ -342,7 +409,14 @@ class StepServer:
         queued = [st for st in (served.step, served.ahead) if st is not None and not _is_done(st.done)]
         in_flight = bool(queued)
         mailbox = served.mailbox
-        if served.stream is not None:
+        if served.on_link:
+            # Its queued receives and sends end with the link (NCCL has no other way out), and
+            # its home's, which it sees closed, end by its own watchdog or close.
+            served.aborted = True
+            if served.link is not None:
+                threading.Thread(target=served.link.abort, daemon=True,
+                                 name=f"step-link-{served.mailbox_id}-abort").start()
+        elif served.stream is not None:
             if in_flight:
                 flags = stream_flags()
                 side = torch.cuda.Stream(self.pool.device)
@@ -353,7 +427,7 @@ class StepServer:
             served.abort.set()
             served.work.put(None)
         served.retired_steps, served.ahead = queued, None
-        served.aborted = in_flight
+        served.aborted = served.aborted or in_flight
         remove_host_file(served.host_path)  # the mappings stay valid until their memory is dropped
         log.info("step mailbox %d of instance %d closed: %s", served.mailbox_id, served.home_inst_id, why)
         self._retired.append(served)
@@ -367,10 +441,11 @@ class StepServer:
         self._retired = kept
 
     # ---- the layers -------------------------------------------------------------------------
-    def _queue_layers(self, served: _Served, plan: MicroAttentionPlan, num_rows: int) -> None:
+    def _queue_layers(self, served: _Served, plan: MicroAttentionPlan, num_rows: int, wire_rows: int = 0) -> None:
         """The step's layers on ``served.stream`` (current): eagerly the first time a plan
-        serves this many rows, then from the graph captured the second time."""
-        key = (id(plan), num_rows)
+        serves this many rows, then from the graph captured the second time. ``wire_rows``:
+        the rows each layer's transfers carry on a link."""
+        key = (id(plan), num_rows, wire_rows)
         captured = served.graphs.get(key)
         if captured is not None and captured[1] is plan:
             captured[0].replay()
@@ -383,7 +458,8 @@ class StepServer:
             served.graphs = {k: v for k, v in served.graphs.items() if v[1] is plan}
             graph = torch.cuda.CUDAGraph()
             try:
-                graph_capture.capture(graph, served.graph_pool, lambda: self._layers(served.mailbox, plan, num_rows))
+                graph_capture.capture(graph, served.graph_pool,
+                                      lambda: self._layers(served, plan, num_rows, wire_rows))
             except Exception as exc:  # noqa: BLE001  (serving goes on, eagerly)
                 log.warning("step mailbox %d: capturing the step failed, serving eagerly: %s", served.mailbox_id, exc)
                 self.cuda_graphs = False
@@ -401,10 +477,20 @@ class StepServer:
             # is overwritten by the step itself before its flag says it is there.)
             self._attend(served.mailbox, plan, 0, num_rows)
             torch.cuda.current_stream().synchronize()
-        self._layers(served.mailbox, plan, num_rows)
+        self._layers(served, plan, num_rows, wire_rows)
         served.eager = {k for k in served.eager if k[0] == id(plan)} | {key}
 
-    def _layers(self, mailbox: Mailbox, plan: MicroAttentionPlan, num_rows: int) -> None:
+    def _layers(self, served: _Served, plan: MicroAttentionPlan, num_rows: int, wire_rows: int) -> None:
+        mailbox = served.mailbox
+        if served.on_link:
+            link = served.link
+            for layer in range(mailbox.layout.num_layers):
+                link.recv(mailbox.q[layer, :wire_rows])
+                self._attend(mailbox, plan, layer, num_rows)
+                with link.group():  # rows past num_rows carry what they held: the home drops them
+                    link.send(mailbox.out[layer, :wire_rows])
+                    link.send(mailbox.lse[layer, :wire_rows])
+            return
         flags = stream_flags()
         for layer in range(mailbox.layout.num_layers):
             q_flag = flag_address(mailbox.q_flags, layer)

@@ -363,25 +363,36 @@ class SplitDecodeGraphs:
                 return False
         return step.batches[home_instance_id].block_tables.shape[1] <= self.widths[-1]
 
-    def _key(self, step: StepAttention, home_instance_id: int, remote_ids: list[int],
-             device_parts: list) -> tuple:
+    def wire_rows(self, step: StepAttention, home_instance_id: int, remote_ids: list[int], max_rows: int) -> list[int]:
+        """Per remote part (in ``remote_ids``' order), the rows the step's graph writes and
+        reads of it, each layer: its rows padded to the graph's shape."""
+        _, _, remote_entries = self._rows(step, home_instance_id, remote_ids, [max_rows] * len(remote_ids))
+        return list(remote_entries)
+
+    def _rows(self, step: StepAttention, home_instance_id: int, remote_ids: list[int],
+              max_rows: list[int]) -> tuple[bool, int, tuple[int, ...]]:
+        """(two_parts, home entries, remote entries) of the graph for ``step``."""
         n = step.num_tokens
         batch = _size_for(n, self.batch_sizes)
         home_batch = step.batches[home_instance_id]
-        width = _size_for(home_batch.block_tables.shape[1], self.widths)
         home_place = step.placements[home_instance_id]
         # The common split: every row has one part here and one on the only creditor (the
         # merge is the same whichever holds the older keys).
         two_parts = (step.num_parts == 2 and len(remote_ids) == 1 and home_place.all_rows
                      and step.placements[remote_ids[0]].all_rows
                      and {home_place.part, step.placements[remote_ids[0]].part} == {0, 1}
-                     and batch <= device_parts[0].max_rows)
+                     and batch <= max_rows[0])
         if two_parts:
-            home_entries, remote_entries = batch, (batch,)
-        else:
-            home_entries = _size_for(home_batch.num_entries, ENTRY_SIZES)
-            remote_entries = tuple(min(_size_for(step.batches[i].num_entries, ENTRY_SIZES), part.max_rows)
-                                   for i, part in zip(remote_ids, device_parts))
+            return True, batch, (batch,)
+        return False, _size_for(home_batch.num_entries, ENTRY_SIZES), tuple(
+            min(_size_for(step.batches[i].num_entries, ENTRY_SIZES), rows) for i, rows in zip(remote_ids, max_rows))
+
+    def _key(self, step: StepAttention, home_instance_id: int, remote_ids: list[int],
+             device_parts: list) -> tuple:
+        batch = _size_for(step.num_tokens, self.batch_sizes)
+        width = _size_for(step.batches[home_instance_id].block_tables.shape[1], self.widths)
+        two_parts, home_entries, remote_entries = self._rows(step, home_instance_id, remote_ids,
+                                                             [part.max_rows for part in device_parts])
         return (batch, width, home_entries, step.num_parts, two_parts,
                 tuple((part.key, entries) for part, entries in zip(device_parts, remote_entries)))
 
@@ -423,13 +434,13 @@ class SplitDecodeGraphs:
                     else:
                         part.q[layer, :part_rows.num_entries].copy_(q.index_select(0, part_rows.gather))
                     if live:
-                        part.announce_query(layer)
+                        part.announce_query(layer, part_rows.num_entries)
                 local = run_micro_attention(plan, q if two_parts else q.index_select(0, home.gather), pool, layer,
                                             sm_scale=model.sm_scale, out_dtype=torch.float32)
                 if two_parts:
                     part = device_parts[0]
                     if live:
-                        part.await_result(layer)
+                        part.await_result(layer, batch)
                     out = merge_two_attention_states(
                         local, AttentionState(part.out[layer, :batch], part.lse[layer, :batch]), out_dtype=q.dtype)
                 else:
@@ -438,9 +449,9 @@ class SplitDecodeGraphs:
                     out_parts[home.parts, home.scatter] = local.out
                     lse_parts[home.parts, home.scatter] = local.lse
                     for part, part_rows in zip(device_parts, remote):
-                        if live:
-                            part.await_result(layer)
                         entries = part_rows.num_entries
+                        if live:
+                            part.await_result(layer, entries)
                         out_parts[part_rows.parts, part_rows.scatter] = part.out[layer, :entries].float()
                         lse_parts[part_rows.parts, part_rows.scatter] = part.lse[layer, :entries]
                     out = merge_attention_states(out_parts, lse_parts, out_dtype=q.dtype).out[:batch]

@@ -128,11 +128,16 @@ class RemoteAttention(abc.ABC):
     def abandon_step(self, step_id: int) -> None:
         """The step failed before ``finish_step``: let go of what its queued parts hold."""
 
-    def begin_device_step(self, batches: Sequence[AttendBatch]) -> list[DevicePart] | None:
+    # The rows a device part holds per layer (DevicePart.max_rows), None where there are none.
+    device_part_rows: int | None = None
+
+    def begin_device_step(self, batches: Sequence[AttendBatch],
+                          wire_rows: Sequence[int] | None = None) -> list[DevicePart] | None:
         """Where every batch's creditor takes this step's layers on the device (a mailbox the
         home's stream writes and waits on): the step begun with each of them and their parts, in
         the order of ``batches``. None, and nothing begun, where any of them cannot (the step
-        then goes layer by layer through ``start``)."""
+        then goes layer by layer through ``start``). ``wire_rows``: per batch, the rows the
+        step's graph writes and reads of its part (its rows padded)."""
         return None
 
     async def device_step_ready(self, step_id: int) -> None:
@@ -151,8 +156,10 @@ class DevicePart(abc.ABC):
 
     Per layer: the rows of the query written into ``q[layer, :rows]``, ``announce_query``;
     later ``await_result`` and the part read from ``out[layer, :rows]`` and
-    ``lse[layer, :rows]``. The creditor attends for the rows its ``StepBegin`` named, the
-    batch's entries in order. The tensors stay where they are while ``key`` is live.
+    ``lse[layer, :rows]``. ``rows`` is the graph's (the step's rows padded, the same every
+    layer, as ``wire_rows`` of ``begin_device_step`` said); the creditor attends for the rows
+    its ``StepBegin`` named, the batch's entries in order, and what the padding rows hold is not
+    read. The tensors stay where they are while ``key`` is live.
     """
 
     key: Hashable  # unique for the life of the memory below
@@ -165,12 +172,13 @@ class DevicePart(abc.ABC):
         return self.q.shape[1]
 
     @abc.abstractmethod
-    def announce_query(self, layer: int) -> None:
-        """Queue on the current stream: the layer's query rows are there."""
+    def announce_query(self, layer: int, rows: int) -> None:
+        """Queue on the current stream: the layer's ``rows`` query rows are there."""
 
     @abc.abstractmethod
-    def await_result(self, layer: int) -> None:
-        """Queue on the current stream: wait for the layer's part, then mark it taken."""
+    def await_result(self, layer: int, rows: int) -> None:
+        """Queue on the current stream: wait for the layer's part (``rows`` rows), then mark
+        it taken."""
 
 
 class InProcessRemoteAttention(RemoteAttention):

@@ -531,7 +531,10 @@ class LLMEngine:
         if not decode or graphs is None or len(layout.batches) == 1 or not graphs.can_run(layout, self.home_instance_id):
             return None
         graphs.forget_parts(self.remote.live_device_parts())
-        return self.remote.begin_device_step([b for i, b in layout.batches.items() if i != self.home_instance_id])
+        remote_ids = [i for i in layout.batches if i != self.home_instance_id]
+        max_rows = self.remote.device_part_rows
+        wire_rows = None if max_rows is None else graphs.wire_rows(layout, self.home_instance_id, remote_ids, max_rows)
+        return self.remote.begin_device_step([layout.batches[i] for i in remote_ids], wire_rows)
 
     async def _until_device_done(self, step_id: int) -> None:
         """Let the event loop turn while the device runs the step's queued kernels, instead of

@@ -23,6 +23,7 @@ in etcd); instances refuse epochs older than the newest they have seen.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import ClassVar, Protocol, runtime_checkable
@@ -694,19 +695,26 @@ class StepMailboxOpen:
     head_dim: int  # elements
     dtype: str  # the queries' and outputs' dtype name
     host_id: str  # the home's host (its boot id): a mailbox is shared only on one host
+    # The home's NCCL unique id, hex (transport/nccl_link.py): asks for a link of two NCCL ranks
+    # instead of shared memory (a creditor on another host). "" for a shared mailbox.
+    nccl_id: str = ""
 
     def __post_init__(self) -> None:
         _require_not_negative("home_inst_id and creditor_inst_id", self.home_inst_id, self.creditor_inst_id)
         _require(0 < self.num_layers <= 4096 and 0 < self.max_rows <= 65536, "num_layers and max_rows out of range")
         _require(0 < self.num_heads <= 1024 and 0 < self.head_dim <= 1024, "num_heads and head_dim out of range")
         _require(len(self.host_id) <= 128 and len(self.dtype) <= 32, "host_id and dtype are short")
+        _require(self.nccl_id == "" or _NCCL_ID.fullmatch(self.nccl_id) is not None,
+                 "nccl_id is 256 hex digits or empty")
 
 
 @dataclass(frozen=True)
 class StepMailboxOpened:
     """Creditor -> home: the mailbox, made in the creditor's memory and shared through CUDA IPC
     (``device``: one offer of a uint8 tensor of ``nbytes``) or, for a creditor on the host, a
-    shared-memory file (``host_path``)."""
+    shared-memory file (``host_path``); or, answering an open with ``nccl_id``, kept in the
+    creditor's memory alone and reached through the NCCL link (``nccl``), which the creditor
+    is making as it answers."""
 
     TYPE: ClassVar[str] = "step_mailbox_opened"
     VERSION: ClassVar[int] = 1
@@ -715,10 +723,12 @@ class StepMailboxOpened:
     nbytes: int  # the mailbox's size, bytes (its layout follows from the open request)
     device: tuple[DevicePoolOffer, ...]  # one offer for a device mailbox, none for a host one
     host_path: str  # the shared-memory file of a host mailbox, "" for a device one
+    nccl: bool = False  # reached through the NCCL link the open asked for: no offer, no path
 
     def __post_init__(self) -> None:
         _require(self.mailbox_id > 0 and self.nbytes > 0, "mailbox_id and nbytes are > 0")
-        _require((len(self.device) == 1) != bool(self.host_path), "a device offer or a host path, not both")
+        _require((len(self.device) == 1) + bool(self.host_path) + bool(self.nccl) == 1,
+                 "one of a device offer, a host path and an NCCL link")
         _require(len(self.host_path) <= 4096, "host_path is short")
 
 
@@ -746,6 +756,9 @@ class StepBegin:
     # arrives. A home awaits the Ack of a StepBegin whose slices or rows differ from the last
     # one's before it writes any query of that step (docs/design.md, "Steps queued ahead").
     ahead: int = 0
+    # Rows of each layer's query and result on an NCCL link (>= num_rows: the home's graph
+    # sends a padded batch, and a receive must be the size of its send); 0 for a mailbox.
+    wire_rows: int = 0
 
     def __post_init__(self) -> None:
         if (self.home_inst_id | self.creditor_inst_id | self.step_id | self.mailbox_id) < 0:
@@ -753,11 +766,14 @@ class StepBegin:
         _require(self.num_layers > 0, "num_layers must be > 0")
         _require(self.num_rows > 0, "a step has at least one row")
         _require(0 <= self.ahead <= MAX_STEPS_AHEAD, f"ahead is 0 .. {MAX_STEPS_AHEAD}")
+        _require(self.wire_rows == 0 or self.wire_rows >= self.num_rows, "wire_rows is 0 or >= num_rows")
         _require_rows_covered(self.slices, self.num_rows)
 
 
 # Steps a creditor may keep queued past the current one (StepBegin.ahead).
 MAX_STEPS_AHEAD = 1
+# An NCCL unique id (ncclUniqueId, 128 bytes) as StepMailboxOpen carries it.
+_NCCL_ID = re.compile(r"[0-9a-f]{256}")
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,11 @@ FLAG_STRIDE_WORDS = 16
 _ALIGN = 256
 
 
+# A creditor's refusal of a shared mailbox to a home of another host begins with this: the
+# home then asks for an NCCL link instead (transport/nccl_link.py).
+OTHER_HOST = "the home is on another host"
+
+
 class MailboxUnavailable(Exception):
     """A mailbox could not be made, shared or opened here (another host, a driver without
     stream memory operations, a malformed offer): the step's layers go by messages."""
@@ -263,6 +268,14 @@ def make_mailbox(layout: MailboxLayout, device: torch.device, mailbox_id: int,
     except OSError as e:
         raise MailboxUnavailable(f"cannot make {path}: {e}") from None
     return Mailbox(layout, memory), None, str(path)
+
+
+def make_local_mailbox(layout: MailboxLayout, device: torch.device) -> Mailbox:
+    """A mailbox in this process's memory alone (flags ``EMPTY``): one end of an NCCL link,
+    whose slots the link's sends read and its receives write."""
+    if device.type != "cuda":
+        raise MailboxUnavailable("an NCCL link needs a GPU on both ends")
+    return Mailbox(layout, torch.zeros(layout.nbytes, dtype=torch.uint8, device=device))
 
 
 def remove_host_file(path: str) -> None:

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from infinite_llm.bench.cluster_multigpu import cluster_devices, result_suffix
+
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "cluster_multigpu.py"
 
 
@@ -44,3 +46,17 @@ def test_a_trace_the_cluster_cannot_hold_is_refused() -> None:
     proc = subprocess.run([sys.executable, str(BENCH), "--pool-blocks", "48", "--long-tokens", "2000,3000"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and "do not fit 2 pools" in proc.stderr
+
+
+def test_instances_sharing_one_gpu_say_so_in_the_file_name() -> None:
+    assert cluster_devices(True, 2, mps=True, gpu_count=4) == ["cuda:0", "cuda:0"]
+    assert cluster_devices(True, 3, mps=False, gpu_count=2) == ["cuda:0", "cuda:1", "cuda:0"]
+    assert cluster_devices(False, 2, mps=False, gpu_count=0) == ["cpu", "cpu"]
+    assert result_suffix("NVIDIA-H100-80GB-HBM3", 2, mps=True) == "NVIDIA-H100-80GB-HBM3-mps-x2"
+    assert result_suffix("NVIDIA-H200", 2, mps=False) == "NVIDIA-H200-x2"
+    assert result_suffix(None, 2, mps=False) == "cpu"
+
+
+def test_mps_needs_a_gpu() -> None:
+    proc = subprocess.run([sys.executable, str(BENCH), "--mps"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "--mps needs --device cuda" in proc.stderr

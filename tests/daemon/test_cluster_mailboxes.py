@@ -109,3 +109,39 @@ def test_on_a_gpu_a_split_decode_step_is_one_graph_and_matches_one_instance(tmp_
     for i, c in creditors.items():
         assert c["creditor_steps_timed_out"] == 0, (i, c)
         assert c["creditor_graph_replays"] >= NEW_TOKENS // 4, (i, c)
+
+
+# Creditors reached by NCCL links, as those of other hosts are: each daemon names a host of its
+# own (NCCL_HOSTID), so NCCL carries the layers over its network transport (sockets on the
+# loopback here), and the home's step is still one graph.
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("num_instances,pool_blocks", [(2, 48), (3, POOL_BLOCKS)])
+def test_on_a_gpu_creditors_of_other_hosts_take_the_step_over_nccl_links(tmp_path, num_instances, pool_blocks):
+    model = os.environ.get("INFLLM_GPU_TEST_MODEL")
+    cluster = LocalCluster(tmp_path, num_instances=num_instances, pool_blocks=pool_blocks, device="cuda",
+                           extra_args=["--remote-attention", "mailboxes", "--nccl-links", "always", "--dtype", "float32"]
+                           + (["--model", model] if model else []),
+                           extra_env={"NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1"},
+                           instance_env=[{"NCCL_HOSTID": f"infinite-llm-test-host-{i}"}
+                                         for i in range(1, num_instances + 1)])
+    try:
+        cluster.wait_ready()
+        tokens, text, seen_on = generate_split(cluster)
+        again, _, _ = generate_split(cluster)
+        home = cluster[1].status()["step_protocol"]
+        creditors = {i: cluster[i].status()["step_protocol"] for i in range(2, num_instances + 1)}
+    finally:
+        cluster.stop()
+    assert seen_on >= set(range(1, num_instances + 1)), f"the request's segments were seen only on {seen_on}"
+    reference = reference_tokens("cuda", model)
+    assert tokens == reference and again == reference
+    assert home["home_steps_failed"] == 0, home
+    assert home["home_links_made"] == num_instances - 1, home
+    assert home["home_steps_on_links"] >= NEW_TOKENS, home
+    assert home["home_step_graph_replays"] >= NEW_TOKENS, home
+    for i, c in creditors.items():
+        assert c["creditor_links_made"] == 1, (i, c)
+        assert c["creditor_steps_timed_out"] == 0, (i, c)
+        assert c["creditor_steps_assigned_ahead"] == 0, (i, c)  # nothing is queued ahead on a link
+        assert c["creditor_graph_replays"] >= NEW_TOKENS // 2, (i, c)

@@ -240,6 +240,57 @@ def test_bad_step_messages_get_error_replies(tmp_path) -> None:
     run(scenario())
 
 
+def test_a_link_asked_of_a_creditor_on_the_host_is_refused_and_the_home_attends_by_messages(tmp_path) -> None:
+    async def scenario():
+        pair = Pair(tmp_path)
+        await pair.start()
+        try:
+            reply = await pair.home_transport.request(
+                pair.creditor_transport.address,
+                StepMailboxOpen(HOME, CREDITOR, NUM_LAYERS, 4, NUM_HEADS, HEAD_DIM, "float32", "host-b",
+                                nccl_id="0" * 256), timeout_s=TIMEOUT_S)
+        except RemoteError as e:
+            reply = ErrorReply(e.code, e.detail)
+        assert isinstance(reply, ErrorReply) and reply.code == ErrorCode.STEP_MAILBOX_UNAVAILABLE
+        assert "no NCCL links here" in reply.detail
+        assert pair.server.num_mailboxes == 0
+        # A home on the host never asks for a link: a creditor of another host refuses the
+        # mailbox, and its steps go by messages, exactly.
+        assert pair.remote.nccl_links == "never"
+        pair.remote.host_id = "host-b"
+        await pair.step(1)
+        for _ in range(200):
+            if not pair.remote._opening:
+                break
+            await asyncio.sleep(0.001)
+        await pair.step(2)
+        assert not pair.remote.has_mailbox(CREDITOR) and pair.attend_requests == 2 * NUM_LAYERS
+        assert pair.remote.links_made == 0 and pair.remote.steps_on_links == 0
+        await pair.close()
+    run(scenario())
+
+
+@pytest.mark.parametrize("fields", [dict(nccl_id="xyz"), dict(nccl_id="0" * 255)])
+def test_an_open_request_with_a_malformed_nccl_id_is_refused_when_made(fields) -> None:
+    with pytest.raises(ValueError, match="nccl_id"):
+        StepMailboxOpen(1, 2, 2, 4, 4, 8, "float32", "h", **fields)
+
+
+def test_a_step_begin_of_fewer_wire_rows_than_rows_is_refused_when_made() -> None:
+    slices = (AttendSlice(7, 0, 2, 0, 4),)
+    with pytest.raises(ValueError, match="wire_rows"):
+        StepBegin(HOME, CREDITOR, 1, 1, NUM_LAYERS, slices, 2, wire_rows=1)
+    assert StepBegin(HOME, CREDITOR, 1, 1, NUM_LAYERS, slices, 2, wire_rows=4).wire_rows == 4
+
+
+def test_an_opened_answer_is_one_of_an_offer_a_path_and_a_link() -> None:
+    assert StepMailboxOpened(3, 64, (), "", nccl=True).nccl
+    with pytest.raises(ValueError):
+        StepMailboxOpened(3, 64, (), "/dev/shm/x", nccl=True)
+    with pytest.raises(ValueError):
+        StepMailboxOpened(3, 64, (), "")
+
+
 @pytest.mark.parametrize("field, value", [("num_layers", 0), ("max_rows", 0), ("home_inst_id", -1)])
 def test_an_open_request_out_of_range_is_refused_when_made(field, value) -> None:
     fields = dict(home_inst_id=1, creditor_inst_id=2, num_layers=2, max_rows=4, num_heads=4, head_dim=8,

@@ -42,7 +42,7 @@ class PoolPart(DevicePart):
         self.plan = _plan(batch, self.pool, num_heads)
         self.num_rows = batch.num_rows_host
 
-    def announce_query(self, layer: int) -> None:
+    def announce_query(self, layer: int, rows: int) -> None:
         n = self.num_rows
         state = run_micro_attention(self.plan, self.q[layer, :n], self.pool, layer, sm_scale=self.sm_scale,
                                     out_dtype=self.pool.dtype)
@@ -50,7 +50,7 @@ class PoolPart(DevicePart):
         self.lse[layer, :n] = state.lse
         self.layers_served += 1
 
-    def await_result(self, layer: int) -> None:
+    def await_result(self, layer: int, rows: int) -> None:
         pass  # served at once, in order
 
 
@@ -64,7 +64,7 @@ class PoolsOnDevice(InProcessRemoteAttention):
         self.parts = {i: PoolPart(i, p, mc.num_layers, mc.num_heads, mc.head_dim, engine.model.sm_scale)
                       for i, p in creditors.items()}
 
-    def begin_device_step(self, batches):
+    def begin_device_step(self, batches, wire_rows=None):
         if any(b.num_rows_host > MAX_ROWS for b in batches):
             return None
         for batch in batches:
