@@ -38,11 +38,14 @@ class PoolPart(DevicePart):
         self.num_rows = 0
         self.layers_served = 0
 
-    def begin(self, batch, num_heads: int) -> None:
+    def begin(self, batch, num_heads: int, wire_rows: int) -> None:
         self.plan = _plan(batch, self.pool, num_heads)
         self.num_rows = batch.num_rows_host
+        self.wire_rows = wire_rows
 
     def announce_query(self, layer: int, rows: int) -> None:
+        # What the step's StepBegin told an NCCL link: a send and its receive are one size.
+        assert rows == self.wire_rows >= self.num_rows, (rows, self.wire_rows, self.num_rows)
         n = self.num_rows
         state = run_micro_attention(self.plan, self.q[layer, :n], self.pool, layer, sm_scale=self.sm_scale,
                                     out_dtype=self.pool.dtype)
@@ -51,7 +54,7 @@ class PoolPart(DevicePart):
         self.layers_served += 1
 
     def await_result(self, layer: int, rows: int) -> None:
-        pass  # served at once, in order
+        assert rows == self.wire_rows, (rows, self.wire_rows)  # served at once, in order
 
 
 class PoolsOnDevice(InProcessRemoteAttention):
@@ -64,11 +67,13 @@ class PoolsOnDevice(InProcessRemoteAttention):
         self.parts = {i: PoolPart(i, p, mc.num_layers, mc.num_heads, mc.head_dim, engine.model.sm_scale)
                       for i, p in creditors.items()}
 
+    device_part_rows = MAX_ROWS
+
     def begin_device_step(self, batches, wire_rows=None):
         if any(b.num_rows_host > MAX_ROWS for b in batches):
             return None
-        for batch in batches:
-            self.parts[batch.instance_id].begin(batch, self._num_heads)
+        for batch, rows in zip(batches, wire_rows):
+            self.parts[batch.instance_id].begin(batch, self._num_heads, rows)
         return [self.parts[b.instance_id] for b in batches]
 
     def live_device_parts(self):
