@@ -345,6 +345,9 @@ def split_case(num_instances: int, context_blocks: int, prompt: str, new_tokens:
             latencies = latency_means(before, histogram_totals(cluster))
             for sampler in samplers:
                 sampler.wait(timeout=py_spy[1] + 60)
+            # How the steps went (mailboxes or links, graphs, steps queued ahead, failures).
+            step_protocol = {str(i): cluster[i].status().get("step_protocol", {})
+                             for i in range(1, num_instances + 1)}
         finally:
             cluster.stop()  # a clean stop: the daemons write their traces
             if os.environ.get("INFLLM_BENCH_LOGS"):  # the daemons' logs kept, for a run to be looked into
@@ -354,7 +357,7 @@ def split_case(num_instances: int, context_blocks: int, prompt: str, new_tokens:
                     shutil.copy(log_path, keep / log_path.name)
     row = {"instances": num_instances, "devices": instance_devices(device, num_instances, spread), "pools": pools,
            "placement": placement, "decode_tokens_per_s": rate,
-           "decode_tokens": tokens, "latencies": latencies}
+           "decode_tokens": tokens, "latencies": latencies, "step_protocol": step_protocol}
     if wire_trace_dir is not None and decoding_since:
         row["attend_breakdown"] = attend_breakdown(wire_trace_dir, decoding_since[0])
     if py_spy is not None:
