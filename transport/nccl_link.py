@@ -153,6 +153,25 @@ class NcclLink:
         self._comm = comm
         self._lock = threading.Lock()  # abort (watchdog) against queuing (event loop)
         self.aborted = False
+        try:
+            self._connect()
+        except BaseException:
+            self.abort()
+            raise
+
+    def _connect(self) -> None:
+        """One byte each way, now, while the peer's making of its end does the same: NCCL
+        connects a pair's channels at their first transfer (and loads its kernels at their first
+        launch), which blocks the host until the peer connects too. Later, inside a graph's
+        capture on the event loop's thread, that wait could be for a peer whose StepBegin that
+        very thread has yet to send."""
+        with torch.cuda.device(self.device):
+            stream = torch.cuda.Stream(self.device)
+            byte = torch.zeros(2, dtype=torch.uint8, device=self.device)
+            with self.group():
+                self.send(byte[:1], stream)
+                self.recv(byte[1:], stream)
+            stream.synchronize()
 
     @property
     def usable(self) -> bool:

@@ -145,3 +145,42 @@ def test_on_a_gpu_creditors_of_other_hosts_take_the_step_over_nccl_links(tmp_pat
         assert c["creditor_steps_timed_out"] == 0, (i, c)
         assert c["creditor_steps_assigned_ahead"] == 0, (i, c)  # nothing is queued ahead on a link
         assert c["creditor_graph_replays"] >= NEW_TOKENS // 2, (i, c)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_a_creditor_killed_mid_step_ends_its_link_and_the_request_goes_on(tmp_path):
+    """kill -9 a creditor reached by an NCCL link while the home's steps wait on it: its link is
+    aborted (NCCL has no timeout of its own), the step fails as a lost part does, the home
+    recomputes the KV the creditor held, and the request ends as the undisturbed run did."""
+    import signal
+
+    from infinite_llm.daemon.local_cluster import Generation, wait_for
+
+    model = os.environ.get("INFLLM_GPU_TEST_MODEL")
+    cluster = LocalCluster(tmp_path, num_instances=3, pool_blocks=40, device="cuda",
+                           extra_args=["--remote-attention", "mailboxes", "--nccl-links", "always", "--dtype", "float32",
+                                       "--heartbeat-interval-s", "0.5"] + (["--model", model] if model else []),
+                           extra_env={"NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1"},
+                           instance_env=[{"NCCL_HOSTID": f"infinite-llm-test-host-{i}"} for i in (1, 2, 3)])
+    try:
+        cluster.wait_ready()
+        home = cluster[1]
+        prompt = passkey_prompt(50)  # 752 tokens: more than the home's 40 blocks of 16 hold
+        reference = Generation(home, prompt, max_tokens=200, timeout_s=300).join()
+        wait_for("the creditors to free the reference's KV",
+                 lambda: not any(cluster[i].status()["held_segments"] for i in (2, 3)), timeout_s=30)
+        split = Generation(home, prompt, max_tokens=200, timeout_s=300)
+        wait_for("the split request to decode over links",
+                 lambda: len(split.tokens) >= 40 and home.status()["step_protocol"]["home_steps_on_links"] >= 10,
+                 timeout_s=120)
+        holder = wait_for("a creditor to hold part of the request's KV",
+                          lambda: next((cluster[i] for i in (2, 3) if cluster[i].status()["held_segments"]), None))
+        os.killpg(holder.process.pid, signal.SIGKILL)
+        holder.process.wait(timeout=10)
+        assert split.join() == reference and split.finish_reason == "length"
+        assert home.metrics()["infllm_segments_recomputed_total"] >= 1
+        protocol = home.status()["step_protocol"]
+        assert protocol["home_links_made"] >= 2, protocol
+    finally:
+        cluster.stop()
