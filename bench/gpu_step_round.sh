@@ -62,7 +62,7 @@ for what in "$@"; do
       [ -d /tmp/smol ] || timeout 100 python3 bench/random_model.py --shape smollm2-135m --dtype float32 \
         --tokenizer .bench-assets/tokenizer --out /tmp/smol
       INFLLM_GPU_TEST_MODEL=/tmp/smol timeout ${LINK_TESTS_TIMEOUT:-300} python3 -P -m pytest -q -x -p no:cacheprovider \
-        tests/daemon/test_cluster_mailboxes.py -k "gpu and nccl" 2>&1 | tail -40 ;;
+        tests/daemon/test_cluster_mailboxes.py -k "gpu and (nccl or link)" 2>&1 | tail -40 ;;
     exchange-links)
       timeout 150 python3 bench/step_exchange.py --device cuda --link nccl --keys 61440 --steps 200
       timeout 150 python3 bench/step_exchange.py --device cuda --keys 61440 --steps 200
