@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import queue
 import time
 
 import pytest
@@ -88,7 +89,8 @@ def _rank_main(rank: int, mode: str, ids, results) -> None:
             layers(step)  # eagerly: the connection is made outside any capture
             stream.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=stream):
+            # Thread-local: NCCL's proxy thread calls CUDA meanwhile, which a global capture forbids.
+            with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
                 layers(step)
             for value in (2.0, 3.0, 5.0):
                 step.fill_(value)
@@ -114,7 +116,10 @@ def _run_pair(mode: str) -> dict:
     got = {}
     try:
         for _ in ranks:
-            rank, value = results.get(timeout=WAIT_S)
+            try:
+                rank, value = results.get(timeout=WAIT_S)
+            except queue.Empty:
+                break  # what came is reported below
             got[rank] = value
     finally:
         for process in ranks:
@@ -126,11 +131,11 @@ def _run_pair(mode: str) -> dict:
 
 def test_a_step_of_layers_crosses_a_link_as_one_graph_on_each_side() -> None:
     got = _run_pair("exchange")
-    assert got[1] == [], got
+    assert got.get(1) == [], got
     assert got[0] == [True, True, True], got
 
 
 def test_a_wait_on_a_peer_that_is_gone_ends_when_the_link_is_aborted() -> None:
     got = _run_pair("abort")
-    assert got[1] == "gone", got
+    assert got.get(1) == "gone", got
     assert got[0] == {"waited": True, "ended": True}, got
