@@ -102,11 +102,11 @@ def test_a_killed_creditor_loses_no_request(tmp_path):
         cluster.wait_ready()
         home = cluster[1]
         prompt = passkey_prompt(50)  # 752 tokens: more than the home's 40 blocks of 16 hold
-        reference = Generation(home, prompt, max_tokens=300, timeout_s=300).join()
-        assert len(reference) == 300
+        reference = Generation(home, prompt, max_tokens=160, timeout_s=300).join()
+        assert len(reference) == 160
         wait_for("the creditors to free the reference's KV",
                  lambda: not any(cluster[i].status()["held_segments"] for i in (2, 3)), timeout_s=30)
-        split = Generation(home, prompt, max_tokens=300, timeout_s=300)
+        split = Generation(home, prompt, max_tokens=160, timeout_s=300)
         wait_for("the split request to decode", lambda: len(split.tokens) >= 20, timeout_s=120)
         holder = wait_for("a creditor to hold part of the request's KV",
                           lambda: next((cluster[i] for i in (2, 3) if cluster[i].status()["held_segments"]), None))
