@@ -219,19 +219,14 @@ class NcclLink:
 
     def abort(self) -> None:
         """End the link: its operations still queued on the device end (their buffers are
-        left as they are) and it is not used again. Safe to call twice, from any thread."""
+        left as they are) and it is not used again. Safe to call twice, from any thread.
+
+        Every link ends this way, not with ``ncclCommDestroy``, which finalizes with the peer
+        (on NCCL 2.28, both ends of a link that had run a graph were still in it after 50 s),
+        where a link ends because its peer is gone or gave up."""
         with self._lock:
             if not self.usable:
                 return
             self.aborted = True
             comm, self._comm = self._comm, None
         self._lib.ncclCommAbort(comm)
-
-    def close(self) -> None:
-        """Free the link once nothing of it is queued (else ``abort``)."""
-        with self._lock:
-            if not self.usable:
-                return
-            self.aborted = True
-            comm, self._comm = self._comm, None
-        self._lib.ncclCommDestroy(comm)

@@ -33,6 +33,10 @@ def _as_another_host(rank: int) -> None:
 
 
 def _rank_main(rank: int, mode: str, ids, results) -> None:
+    import faulthandler
+    import sys
+
+    faulthandler.dump_traceback_later(WAIT_S - 10, exit=False, file=sys.stderr)  # where a hang is
     _as_another_host(rank)
     try:
         from infinite_llm.transport.nccl_link import NcclLink, new_unique_id
@@ -101,7 +105,8 @@ def _rank_main(rank: int, mode: str, ids, results) -> None:
                                                 for layer in range(NUM_LAYERS)])
                     expected_lse = expected_out.float().sum(-1) / 2
                     seen.append(bool(torch.equal(out, expected_out)) and bool(torch.equal(lse, expected_lse)))
-        link.close()
+        del graph
+        link.abort()  # as the daemons end a link (NcclLink.abort says why)
         results.put((rank, seen))
     except BaseException as exc:  # noqa: BLE001  (reported to the test)
         results.put((rank, f"failed: {type(exc).__name__}: {exc}"))
