@@ -298,10 +298,11 @@ def link_envs(extra_args: list[str], num_instances: int) -> tuple[dict[str, str]
     """With ``--nccl-links always``: each daemon a host of its own to NCCL (``NCCL_HOSTID``), so
     that the layers cross NCCL's network transport (sockets on this machine's loopback), as
     between a home and a creditor of another host. (The common env, each instance's own.)"""
+    from infinite_llm.transport.nccl_link import loopback_host_env
+
     if "--nccl-links" not in extra_args or extra_args[extra_args.index("--nccl-links") + 1] != "always":
         return {}, None
-    return ({"NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1"},
-            [{"NCCL_HOSTID": f"infinite-llm-bench-host-{i}"} for i in range(1, num_instances + 1)])
+    return {}, [loopback_host_env(f"infinite-llm-bench-host-{i}") for i in range(1, num_instances + 1)]
 
 
 def split_case(num_instances: int, context_blocks: int, prompt: str, new_tokens: int, device: str,

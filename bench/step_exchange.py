@@ -107,9 +107,9 @@ def creditor_main(conn, args_dict: dict, host_dir: str) -> None:
 
 def as_host(name: str) -> None:
     """Before this process's first NCCL call: a host of its own, over the loopback."""
-    os.environ["NCCL_HOSTID"] = f"infinite-llm-bench-{name}"
-    os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
-    os.environ.setdefault("NCCL_IB_DISABLE", "1")
+    from infinite_llm.transport.nccl_link import loopback_host_env
+
+    os.environ.update(loopback_host_env(f"infinite-llm-bench-{name}"))
 
 
 def server_slice(a):

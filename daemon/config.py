@@ -33,7 +33,9 @@ MIN_TIMEOUT_S = 0.01  # the shortest wait a timeout may set, s
 
 
 REMOTE_ATTENTION_MODES = ("auto", "mailboxes", "messages")
-NCCL_LINK_MODES = ("auto", "always", "never")  # daemon/step_attention.NCCL_LINK_MODES
+# Which creditors the layers reach by NCCL links (daemon/step_attention): "auto" those of other
+# hosts, "always" every one (GPUs of one machine, tests), "never" none.
+NCCL_LINK_MODES = ("auto", "always", "never")
 
 @dataclass(frozen=True)
 class Timeouts:

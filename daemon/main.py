@@ -10,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-from .config import ConfigError, InstanceConfig, check_device_present, load_config, read_gmanager_token
+from .config import NCCL_LINK_MODES, ConfigError, InstanceConfig, check_device_present, load_config, read_gmanager_token
 from .instance import DeviceFailed, InstanceDaemon, StartupError
 
 
@@ -59,7 +59,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict]
     parser.add_argument("--remote-attention", choices=("auto", "mailboxes", "messages"), dest="remote_attention",
                         help="creditors of this host: one message a step and the layers through a mailbox "
                              "(mailboxes), or a message a layer (messages); auto: mailboxes on a GPU (default)")
-    parser.add_argument("--nccl-links", choices=("auto", "always", "never"), dest="nccl_links",
+    parser.add_argument("--nccl-links", choices=NCCL_LINK_MODES, dest="nccl_links",
                         help="with mailboxes on a GPU, creditors reached by an NCCL link: those of other hosts "
                              "(auto, default), every one (always), none (never)")
     parser.add_argument("--steps-ahead", type=int, dest="steps_ahead",

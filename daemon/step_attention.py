@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -75,6 +74,7 @@ from infinite_llm.transport.step_mailbox import (
 )
 from infinite_llm.transport.tensors import TORCH_DTYPE_NAMES
 
+from .config import NCCL_LINK_MODES
 from .peers import Peer, PeerDirectory, PeerPartFailed, TransportRemoteAttention
 
 log = logging.getLogger(__name__)
@@ -84,9 +84,6 @@ REOPEN_AFTER_S = 30.0
 # A host home's poll of a result flag: turns of the event loop first, then sleeps of this long, s.
 HOST_SPIN_S = 0.002
 HOST_POLL_S = 0.0002
-# Which creditors are reached by NCCL links: "auto" those of other hosts, "always" every one
-# (GPUs of one machine, tests), "never" none (they are attended by messages).
-NCCL_LINK_MODES = ("auto", "always", "never")
 
 
 @dataclass
@@ -100,9 +97,11 @@ class _Opened:
     link: NcclLink | None = None  # a creditor of another host: the layers go by NCCL
 
 
-def _abort_in_background(link: NcclLink) -> None:
-    # ncclCommAbort may take a while to tear down its proxy: not on the event loop.
-    threading.Thread(target=link.abort, daemon=True, name="step-link-abort").start()
+def _receive_result(link: NcclLink, mailbox: Mailbox, layer: int, rows: int) -> None:
+    """Queue the receives of a layer's part over ``link`` into ``mailbox``'s result slots."""
+    with link.group():
+        link.recv(mailbox.out[layer, :rows])
+        link.recv(mailbox.lse[layer, :rows])
 
 
 class _MailboxPart(DevicePart):
@@ -130,7 +129,7 @@ class _LinkPart(DevicePart):
     the query sent and the result received over the NCCL link, which a graph captures."""
 
     def __init__(self, opened: _Opened) -> None:
-        mailbox = opened.mailbox
+        self._mailbox = mailbox = opened.mailbox
         self.key = (opened.inst_id, opened.mailbox_id)
         self.q, self.out, self.lse = mailbox.q, mailbox.out, mailbox.lse
         self._link = opened.link
@@ -139,9 +138,7 @@ class _LinkPart(DevicePart):
         self._link.send(self.q[layer, :rows])
 
     def await_result(self, layer: int, rows: int) -> None:
-        with self._link.group():
-            self._link.recv(self.out[layer, :rows])
-            self._link.recv(self.lse[layer, :rows])
+        _receive_result(self._link, self._mailbox, layer, rows)
 
 
 @dataclass
@@ -202,8 +199,9 @@ class MailboxRemoteAttention(RemoteAttention):
         return self.timeout_s
 
     @property
-    def device_part_rows(self) -> int:
-        return self.max_rows
+    def device_part_rows(self) -> int | None:
+        # Only a link's StepBegin carries its graph's rows (a mailbox's flags need none).
+        return self.max_rows if any(o.link is not None for o in self._opened.values()) else None
 
     def has_mailbox(self, inst_id: int) -> bool:
         return inst_id in self._opened
@@ -287,7 +285,7 @@ class MailboxRemoteAttention(RemoteAttention):
             return
         self._parts.pop((inst_id, opened.mailbox_id), None)
         if opened.link is not None:
-            _abort_in_background(opened.link)
+            opened.link.abort_soon()
         log.warning("instance %d: step mailbox %d dropped: %s", inst_id, opened.mailbox_id, why)
         try:
             peer = self.peers.by_inst(inst_id)
@@ -416,10 +414,7 @@ class MailboxRemoteAttention(RemoteAttention):
         once its flag is set."""
         mailbox, n = step.opened.mailbox, step.num_rows
         if step.opened.link is not None:
-            link = step.opened.link
-            with link.group():
-                link.recv(mailbox.out[layer, :n])
-                link.recv(mailbox.lse[layer, :n])
+            _receive_result(step.opened.link, mailbox, layer, n)
         elif mailbox.is_cuda:
             flags = stream_flags()
             result_flag = flag_address(mailbox.result_flags, layer)
@@ -450,7 +445,7 @@ class MailboxRemoteAttention(RemoteAttention):
                 continue
             if step.opened.link is not None:
                 # Its receives end only with the link; the mailbox is dropped at finish_step.
-                _abort_in_background(step.opened.link)
+                step.opened.link.abort_soon()
                 step.released = released = True
                 continue
             if self._side_stream is None:

@@ -414,8 +414,7 @@ class StepServer:
             # its home's, which it sees closed, end by its own watchdog or close.
             served.aborted = True
             if served.link is not None:
-                threading.Thread(target=served.link.abort, daemon=True,
-                                 name=f"step-link-{served.mailbox_id}-abort").start()
+                served.link.abort_soon()
         elif served.stream is not None:
             if in_flight:
                 flags = stream_flags()

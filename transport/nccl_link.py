@@ -117,6 +117,16 @@ def _load() -> ctypes.CDLL:
     raise NcclUnavailable(f"no NCCL library: {'; '.join(problems[:3])}")
 
 
+def loopback_host_env(host_name: str, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment that makes a process of this machine a host of its own to NCCL (its
+    ``NCCL_HOSTID``), reached over the loopback unless ``environ`` names another network: two
+    such processes on one GPU exchange their layers over NCCL's network transport, as a home and
+    a creditor of two machines do (tests and benches; one GPU has no two ranks otherwise)."""
+    environ = os.environ if environ is None else environ
+    return {"NCCL_HOSTID": host_name, "NCCL_SOCKET_IFNAME": environ.get("NCCL_SOCKET_IFNAME", "lo"),
+            "NCCL_IB_DISABLE": environ.get("NCCL_IB_DISABLE", "1")}
+
+
 def new_unique_id() -> bytes:
     """A fresh communicator id (rank 0's bootstrap address inside), ``UNIQUE_ID_BYTES`` long."""
     lib = nccl()
@@ -216,6 +226,11 @@ class NcclLink:
         if result.value not in (_NCCL_SUCCESS, _NCCL_IN_PROGRESS):
             return self._lib.ncclGetErrorString(result.value).decode()
         return None
+
+    def abort_soon(self) -> None:
+        """``abort`` on a thread of its own: ncclCommAbort may take a while to tear down its
+        proxy, and the event loop goes on meanwhile."""
+        threading.Thread(target=self.abort, daemon=True, name="nccl-link-abort").start()
 
     def abort(self) -> None:
         """End the link: its operations still queued on the device end (their buffers are

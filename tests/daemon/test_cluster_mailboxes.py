@@ -80,18 +80,31 @@ def test_a_split_request_decodes_through_mailboxes_and_matches_one_instance(tmp_
     assert home["home_steps_on_mailboxes"] == sum(c["creditor_steps_begun"] for c in creditors.values())
 
 
+def gpu_cluster(tmp_path, num_instances: int, pool_blocks: int, *, links: bool = False,
+                extra_args: tuple[str, ...] = ()) -> LocalCluster:
+    """Daemons on the GPU through device mailboxes (fp32); with ``links``, every creditor over an
+    NCCL link, each daemon a host of its own to NCCL (over the loopback), as between machines.
+    The GPU machine may lack the embedded model's package: a SmolLM2-shaped folder
+    (bench/random_model.py) named by INFLLM_GPU_TEST_MODEL stands in for it."""
+    from infinite_llm.transport.nccl_link import loopback_host_env
+
+    model = os.environ.get("INFLLM_GPU_TEST_MODEL")
+    args = ["--remote-attention", "mailboxes", "--dtype", "float32", *extra_args]
+    args += ["--nccl-links", "always"] if links else []
+    args += ["--model", model] if model else []
+    envs = [loopback_host_env(f"infinite-llm-test-host-{i}") for i in range(1, num_instances + 1)] if links else None
+    return LocalCluster(tmp_path, num_instances=num_instances, pool_blocks=pool_blocks, device="cuda",
+                        extra_args=args, instance_env=envs)
+
+
 # Two instances: one part here and one on the creditor per row (the two-part merge); three:
 # three parts per row (the general merge).
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("num_instances,pool_blocks", [(2, 48), (3, POOL_BLOCKS)])
 def test_on_a_gpu_a_split_decode_step_is_one_graph_and_matches_one_instance(tmp_path, num_instances, pool_blocks):
-    # The GPU machine may lack the embedded model's package: a SmolLM2-shaped folder
-    # (bench/random_model.py) named by INFLLM_GPU_TEST_MODEL stands in for it.
     model = os.environ.get("INFLLM_GPU_TEST_MODEL")
-    cluster = LocalCluster(tmp_path, num_instances=num_instances, pool_blocks=pool_blocks, device="cuda",
-                           extra_args=["--remote-attention", "mailboxes", "--dtype", "float32"]
-                           + (["--model", model] if model else []))
+    cluster = gpu_cluster(tmp_path, num_instances, pool_blocks)
     try:
         cluster.wait_ready()
         tokens, text, seen_on = generate_split(cluster)
@@ -119,12 +132,7 @@ def test_on_a_gpu_a_split_decode_step_is_one_graph_and_matches_one_instance(tmp_
 @pytest.mark.parametrize("num_instances,pool_blocks", [(2, 48), (3, POOL_BLOCKS)])
 def test_on_a_gpu_creditors_of_other_hosts_take_the_step_over_nccl_links(tmp_path, num_instances, pool_blocks):
     model = os.environ.get("INFLLM_GPU_TEST_MODEL")
-    cluster = LocalCluster(tmp_path, num_instances=num_instances, pool_blocks=pool_blocks, device="cuda",
-                           extra_args=["--remote-attention", "mailboxes", "--nccl-links", "always", "--dtype", "float32"]
-                           + (["--model", model] if model else []),
-                           extra_env={"NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1"},
-                           instance_env=[{"NCCL_HOSTID": f"infinite-llm-test-host-{i}"}
-                                         for i in range(1, num_instances + 1)])
+    cluster = gpu_cluster(tmp_path, num_instances, pool_blocks, links=True)
     try:
         cluster.wait_ready()
         tokens, text, seen_on = generate_split(cluster)
@@ -163,12 +171,7 @@ def test_on_a_gpu_a_creditor_killed_mid_step_ends_its_link_and_the_request_goes_
 
     from infinite_llm.daemon.local_cluster import Generation, wait_for
 
-    model = os.environ.get("INFLLM_GPU_TEST_MODEL")
-    cluster = LocalCluster(tmp_path, num_instances=3, pool_blocks=40, device="cuda",
-                           extra_args=["--remote-attention", "mailboxes", "--nccl-links", "always", "--dtype", "float32",
-                                       "--heartbeat-interval-s", "0.5"] + (["--model", model] if model else []),
-                           extra_env={"NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1"},
-                           instance_env=[{"NCCL_HOSTID": f"infinite-llm-test-host-{i}"} for i in (1, 2, 3)])
+    cluster = gpu_cluster(tmp_path, 3, 40, links=True, extra_args=("--heartbeat-interval-s", "0.5"))
     try:
         cluster.wait_ready()
         home = cluster[1]

@@ -27,9 +27,9 @@ WAIT_S = 60.0
 
 
 def _as_another_host(rank: int) -> None:
-    os.environ["NCCL_HOSTID"] = f"infinite-llm-test-host-{rank}"
-    os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
-    os.environ.setdefault("NCCL_IB_DISABLE", "1")
+    from infinite_llm.transport.nccl_link import loopback_host_env
+
+    os.environ.update(loopback_host_env(f"infinite-llm-test-host-{rank}"))
 
 
 def _rank_main(rank: int, mode: str, ids, results) -> None:
