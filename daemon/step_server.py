@@ -54,7 +54,7 @@ from pathlib import Path
 
 import torch
 
-from infinite_llm.kernels import MicroAttentionPlan, run_micro_attention
+from infinite_llm.kernels import AttentionState, MicroAttentionPlan, run_micro_attention
 from infinite_llm.transport import graph_capture
 from infinite_llm.transport.messages import (
     Ack,
@@ -499,10 +499,11 @@ class StepServer:
             flags.write(flag_address(mailbox.result_flags, layer), FLAG_READY)
 
     def _attend(self, mailbox: Mailbox, plan: MicroAttentionPlan, layer: int, num_rows: int) -> None:
-        state = run_micro_attention(plan, mailbox.q[layer, :num_rows], self.pool, layer,
-                                    sm_scale=self.planner.sm_scale, out_dtype=self.pool.dtype)
-        mailbox.out[layer, :num_rows].copy_(state.out)
-        mailbox.lse[layer, :num_rows].copy_(state.lse)
+        # Written into the result slots by the kernels themselves: no copy between the
+        # attention and the flag the home waits on.
+        run_micro_attention(plan, mailbox.q[layer, :num_rows], self.pool, layer,
+                            sm_scale=self.planner.sm_scale, out_dtype=mailbox.out.dtype,
+                            into=AttentionState(mailbox.out[layer, :num_rows], mailbox.lse[layer, :num_rows]))
 
     def _host_worker(self, served: _Served) -> None:
         """A host mailbox's steps, one at a time, on this thread: the event loop's thread only

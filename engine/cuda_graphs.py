@@ -305,7 +305,7 @@ class _SplitStep:
     home_lens: torch.Tensor  # [home entries] int32; 0 for padded entries
     home: _PartRows
     remote: list[_PartRows]  # per device part, in the key's order
-    two_parts: bool  # every row: one part here, one on the only creditor, in row order (either older)
+    aligned: bool  # every row: one part here and one on each creditor, in row order (any order of age)
     logits: torch.Tensor  # [batch, vocab] float32
     graph: torch.cuda.CUDAGraph | None  # None: the step runs eagerly (``run``)
     plan: MicroAttentionPlan  # the graph reads its tensors: kept alive with it
@@ -371,19 +371,19 @@ class SplitDecodeGraphs:
 
     def _rows(self, step: StepAttention, home_instance_id: int, remote_ids: list[int],
               max_rows: list[int]) -> tuple[bool, int, tuple[int, ...]]:
-        """(two_parts, home entries, remote entries) of the graph for ``step``."""
+        """(aligned, home entries, remote entries) of the graph for ``step``."""
         n = step.num_tokens
         batch = _size_for(n, self.batch_sizes)
         home_batch = step.batches[home_instance_id]
-        home_place = step.placements[home_instance_id]
-        # The common split: every row has one part here and one on the only creditor (the
-        # merge is the same whichever holds the older keys).
-        two_parts = (step.num_parts == 2 and len(remote_ids) == 1 and home_place.all_rows
-                     and step.placements[remote_ids[0]].all_rows
-                     and {home_place.part, step.placements[remote_ids[0]].part} == {0, 1}
-                     and batch <= max_rows[0])
-        if two_parts:
-            return True, batch, (batch,)
+        # The common split: every row has one part here and one on each creditor (one request,
+        # or requests split alike). Its parts merge two at a time, where they lie, with no
+        # gather or scatter (the merge is the same whichever holds the older keys).
+        places = [step.placements[i] for i in (home_instance_id, *remote_ids)]
+        aligned = (len(places) > 1 and step.num_parts == len(places) and all(place.all_rows for place in places)
+                   and sorted(place.part for place in places if place.part is not None) == list(range(len(places)))
+                   and all(batch <= rows for rows in max_rows))
+        if aligned:
+            return True, batch, (batch,) * len(remote_ids)
         return False, _size_for(home_batch.num_entries, ENTRY_SIZES), tuple(
             min(_size_for(step.batches[i].num_entries, ENTRY_SIZES), rows) for i, rows in zip(remote_ids, max_rows))
 
@@ -391,13 +391,13 @@ class SplitDecodeGraphs:
              device_parts: list) -> tuple:
         batch = _size_for(step.num_tokens, self.batch_sizes)
         width = _size_for(step.batches[home_instance_id].block_tables.shape[1], self.widths)
-        two_parts, home_entries, remote_entries = self._rows(step, home_instance_id, remote_ids,
-                                                             [part.max_rows for part in device_parts])
-        return (batch, width, home_entries, step.num_parts, two_parts,
+        aligned, home_entries, remote_entries = self._rows(step, home_instance_id, remote_ids,
+                                                           [part.max_rows for part in device_parts])
+        return (batch, width, home_entries, step.num_parts, aligned,
                 tuple((part.key, entries) for part, entries in zip(device_parts, remote_entries)))
 
     def _capture(self, key: tuple, device_parts: list) -> _SplitStep:
-        batch, width, home_entries, num_parts, two_parts, remote_key = key
+        batch, width, home_entries, num_parts, aligned, remote_key = key
         model, c, dev = self.model, self.model.config, self.model.device
         pool = self.kv_pool
 
@@ -427,22 +427,28 @@ class SplitDecodeGraphs:
             hidden = model.embed(token_ids)
             for layer in range(c.num_layers):
                 q, k, v = model.pre_attention(layer, hidden, positions)
-                write_kv(k, v, pool, layer, slots, check_bounds=dev.type != "cuda")
+                # The creditors' queries first: their attention starts while this stream writes
+                # the new keys (which only the home's own part reads) and attends here.
                 for part, part_rows in zip(device_parts, remote):
-                    if two_parts:
+                    if aligned:
                         part.q[layer, :batch].copy_(q)
                     else:
                         part.q[layer, :part_rows.num_entries].copy_(q.index_select(0, part_rows.gather))
                     if live:
                         part.announce_query(layer, part_rows.num_entries)
-                local = run_micro_attention(plan, q if two_parts else q.index_select(0, home.gather), pool, layer,
+                write_kv(k, v, pool, layer, slots, check_bounds=dev.type != "cuda")
+                local = run_micro_attention(plan, q if aligned else q.index_select(0, home.gather), pool, layer,
                                             sm_scale=model.sm_scale, out_dtype=torch.float32)
-                if two_parts:
-                    part = device_parts[0]
-                    if live:
-                        part.await_result(layer, batch)
-                    out = merge_two_attention_states(
-                        local, AttentionState(part.out[layer, :batch], part.lse[layer, :batch]), out_dtype=q.dtype)
+                if aligned:
+                    merged = local
+                    for i, part in enumerate(device_parts):
+                        if live:
+                            part.await_result(layer, batch)
+                        last = i == len(device_parts) - 1
+                        merged = merge_two_attention_states(
+                            merged, AttentionState(part.out[layer, :batch], part.lse[layer, :batch]),
+                            out_dtype=q.dtype if last else torch.float32, with_lse=not last)
+                    out = merged
                 else:
                     out_parts.zero_()
                     lse_parts.fill_(float("-inf"))
@@ -474,7 +480,7 @@ class SplitDecodeGraphs:
             self.captures += 1
         else:
             graph = None
-        return _SplitStep(token_ids, positions, slots, home_tables, home_lens, home, remote, two_parts,
+        return _SplitStep(token_ids, positions, slots, home_tables, home_lens, home, remote, aligned,
                           logits, graph, plan, list(device_parts), step)
 
     def forget_parts(self, live_keys: set) -> None:
@@ -516,7 +522,7 @@ class SplitDecodeGraphs:
         captured.home_tables[:entries, :width].copy_(home_batch.block_tables)
         captured.home_lens[:entries].copy_(home_batch.kv_lens)
         captured.home_lens[entries:].zero_()
-        if not captured.two_parts:
+        if not captured.aligned:
             for instance_id, part_rows in [(home_instance_id, captured.home), *zip(remote_ids, captured.remote)]:
                 placement, e = step.placements[instance_id], step.batches[instance_id].num_entries
                 part_rows.gather[:e].copy_(placement.rows)

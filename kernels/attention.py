@@ -366,6 +366,7 @@ def run_micro_attention(
     sm_scale: float | None = None,
     out_dtype: torch.dtype = torch.float32,
     return_lse: bool = True,
+    into: AttentionState | None = None,
 ) -> AttentionState:
     """Run a planned MicroAttention for one layer.
 
@@ -378,6 +379,10 @@ def run_micro_attention(
         out_dtype: dtype of the returned partial output (float32 keeps merges exact).
         return_lse: False when the caller needs the output alone (the whole sequence is
             here): the log-sum-exp is then left unwritten (its tensor holds garbage).
+        into: where the result goes (a creditor's mailbox slots), ``AttentionState(out
+            [num_q_tokens, num_heads, head_dim] out_dtype, lse [num_q_tokens, num_heads]
+            float32)``, each contiguous in its last dimension: the kernels write there, so no
+            copy follows the attention on the path a home waits on. None: new tensors.
 
     Returns:
         ``AttentionState(out [num_q_tokens, num_heads, head_dim] out_dtype,
@@ -411,14 +416,35 @@ def run_micro_attention(
         raise ValueError(f"out_dtype must be float16, bfloat16 or float32, got {out_dtype}")
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(head_dim)
+    if into is not None:
+        _check_into(into, num_q_tokens, num_heads, head_dim, out_dtype, q.device)
 
     if plan.backend == "torch":
         out, lse = micro_attention_torch(
             q, kv_pool, layer, plan.block_tables, plan.kv_lens, plan.query_start_loc,
             plan.kv_start_pos, plan.q_pos, sm_scale, out_dtype,
         )
-        return AttentionState(out, lse)
-    return _micro_attention_triton(plan, q, kv_pool, layer, sm_scale, out_dtype, return_lse)
+        if into is None:
+            return AttentionState(out, lse)
+        into.out.copy_(out)
+        into.lse.copy_(lse)
+        return into
+    return _micro_attention_triton(plan, q, kv_pool, layer, sm_scale, out_dtype, return_lse, into)
+
+
+def _check_into(into: AttentionState, num_rows: int, num_heads: int, head_dim: int,
+                out_dtype: torch.dtype, device: torch.device) -> None:
+    out, lse = into.out, into.lse
+    if tuple(out.shape) != (num_rows, num_heads, head_dim) or tuple(lse.shape) != (num_rows, num_heads):
+        raise ValueError(f"into holds out {tuple(out.shape)} and lse {tuple(lse.shape)}; the attention "
+                         f"writes out {(num_rows, num_heads, head_dim)} and lse {(num_rows, num_heads)}")
+    if out.dtype != out_dtype or lse.dtype != torch.float32:
+        raise ValueError(f"into holds out {out.dtype} and lse {lse.dtype}; the attention writes "
+                         f"out {out_dtype} and lse torch.float32")
+    if out.device != device or lse.device != device:
+        raise ValueError(f"into is on {out.device} and {lse.device}, the query on {device}")
+    if out.stride(-1) != 1 or lse.stride(-1) != 1:
+        raise ValueError("into's out and lse must be contiguous in their last dimension")
 
 
 def _micro_attention_triton(
@@ -429,19 +455,28 @@ def _micro_attention_triton(
     sm_scale: float,
     out_dtype: torch.dtype,
     return_lse: bool,
+    into: AttentionState | None = None,
 ) -> AttentionState:
     from .triton_kernels import micro_attention_kernel
 
     num_q_tokens, num_heads, head_dim = q.shape
     splits = plan.num_splits
     if splits == 1:
-        out = torch.empty(num_q_tokens, num_heads, head_dim, dtype=out_dtype, device=q.device)
-        lse = torch.empty(num_q_tokens, num_heads, dtype=torch.float32, device=q.device)
+        if into is None:
+            out = torch.empty(num_q_tokens, num_heads, head_dim, dtype=out_dtype, device=q.device)
+            lse = torch.empty(num_q_tokens, num_heads, dtype=torch.float32, device=q.device)
+        else:
+            out, lse = into.out, into.lse
+            return_lse = True
         out_split, lse_split = out.unsqueeze(0), lse.unsqueeze(0)
     else:
         out_split = torch.empty(splits, num_q_tokens, num_heads, head_dim, dtype=torch.float32, device=q.device)
         lse_split = torch.empty(splits, num_q_tokens, num_heads, dtype=torch.float32, device=q.device)
     if num_q_tokens == 0 or plan.num_q_tiles == 0:
+        if into is not None:
+            into.out.zero_()
+            into.lse.fill_(float("-inf"))
+            return into
         if splits > 1:
             return AttentionState(out_split[0].to(out_dtype), lse_split[0])
         return AttentionState(out, lse)
@@ -485,7 +520,8 @@ def _micro_attention_triton(
     )
     if splits == 1:
         return AttentionState(out, lse)
-    return _merge_triton(out_split, lse_split, lse_is_log2=False, out_dtype=out_dtype, write_lse=return_lse)
+    return _merge_triton(out_split, lse_split, lse_is_log2=False, out_dtype=out_dtype,
+                         write_lse=return_lse or into is not None, into=into)
 
 
 def micro_attention(
@@ -550,12 +586,16 @@ def _merge_triton(
     lse_is_log2: bool,
     out_dtype: torch.dtype,
     write_lse: bool,
+    into: AttentionState | None = None,
 ) -> AttentionState:
     from .triton_kernels import merge_attention_states_kernel
 
     num_parts, num_tokens, num_heads, head_dim = out_parts.shape
-    out = torch.empty(num_tokens, num_heads, head_dim, dtype=out_dtype, device=out_parts.device)
-    lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=out_parts.device)
+    if into is None:
+        out = torch.empty(num_tokens, num_heads, head_dim, dtype=out_dtype, device=out_parts.device)
+        lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=out_parts.device)
+    else:
+        out, lse = into.out, into.lse
     if num_tokens == 0 or num_heads == 0:
         return AttentionState(out, lse)
     merge_attention_states_kernel[(num_tokens, num_heads)](
@@ -640,7 +680,8 @@ def merge_two_attention_states(
     *,
     out_dtype: torch.dtype,
     backend: Backend = "auto",
-) -> torch.Tensor:
+    with_lse: bool = False,
+) -> torch.Tensor | AttentionState:
     """The merged output of two partial states of the same rows (a home's own part and one
     creditor's, the common decode case), read where each lies: one launch, no stacking.
 
@@ -649,10 +690,13 @@ def merge_two_attention_states(
             float32 natural log)``; the two outs may differ in float dtype, each is contiguous in
             its last dimension; ``-inf`` marks an empty part.
         out_dtype: dtype of the merged output.
+        with_lse: return the merged state, log-sum-exp included, for a merge with a further
+            part (a row held by the home and several creditors).
 
     Returns:
         ``[num_tokens, num_heads, head_dim]`` out_dtype: what :func:`merge_attention_states`
-        returns for the parts ``[a, b]``.
+        returns for the parts ``[a, b]``; with ``with_lse``, ``AttentionState(out, lse
+        [num_tokens, num_heads] float32)``.
     """
     if a.out.dim() != 3 or b.out.shape != a.out.shape:
         raise ValueError(f"the parts' outputs must share one shape [num_tokens, num_heads, head_dim], got "
@@ -668,26 +712,27 @@ def merge_two_attention_states(
     if out_dtype not in _ATTENTION_DTYPES:
         raise ValueError(f"out_dtype must be float16, bfloat16 or float32, got {out_dtype}")
     if _resolve_backend(backend, a.out.device) == "torch":
-        out, _ = merge_attention_states_torch(torch.stack([a.out.float(), b.out.float()]),
-                                              torch.stack([a.lse, b.lse]), False, out_dtype)
-        return out
+        out, lse = merge_attention_states_torch(torch.stack([a.out.float(), b.out.float()]),
+                                                torch.stack([a.lse, b.lse]), False, out_dtype)
+        return AttentionState(out, lse) if with_lse else out
     from .triton_kernels import merge_two_states_kernel
 
     out_a, out_b, lse_a, lse_b = (t if t.stride(-1) == 1 else t.contiguous() for t in (a.out, b.out, a.lse, b.lse))
     num_tokens, num_heads, head_dim = out_a.shape
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=out_dtype, device=out_a.device)
-    if num_tokens == 0 or num_heads == 0:
-        return out
-    merge_two_states_kernel[(num_tokens, num_heads)](
-        out_a, lse_a, out_b, lse_b, out,
-        out_a.stride(0), out_a.stride(1), lse_a.stride(0),
-        out_b.stride(0), out_b.stride(1), lse_b.stride(0),
-        out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=max(16, _next_pow2(head_dim)),
-        num_warps=1 if head_dim <= 64 else 2,
-    )
-    return out
+    lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=out_a.device) if with_lse else None
+    if num_tokens > 0 and num_heads > 0:
+        merge_two_states_kernel[(num_tokens, num_heads)](
+            out_a, lse_a, out_b, lse_b, out, lse if with_lse else lse_a,
+            out_a.stride(0), out_a.stride(1), lse_a.stride(0),
+            out_b.stride(0), out_b.stride(1), lse_b.stride(0),
+            out.stride(0), out.stride(1), lse.stride(0) if with_lse else 0,
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=max(16, _next_pow2(head_dim)),
+            WRITE_LSE=with_lse,
+            num_warps=1 if head_dim <= 64 else 2,
+        )
+    return AttentionState(out, lse) if with_lse else out
 
 
 def _check_same_parts(name: str, parts: list[torch.Tensor]) -> None:

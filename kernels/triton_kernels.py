@@ -241,6 +241,7 @@ def merge_two_states_kernel(
     out_b_ptr,  # [num_tokens, num_heads, head_dim], any float dtype
     lse_b_ptr,  # [num_tokens, num_heads] float32
     out_ptr,  # [num_tokens, num_heads, head_dim]
+    lse_ptr,  # [num_tokens, num_heads] float32, natural log (WRITE_LSE only)
     stride_oa_tok,
     stride_oa_head,
     stride_la_tok,
@@ -249,12 +250,15 @@ def merge_two_states_kernel(
     stride_lb_tok,
     stride_o_tok,
     stride_o_head,
+    stride_l_tok,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
 ):
     """One program merges the two parts of one (token, head) row: the home's own part and one
     creditor's, read where each lies (no stacking). The arithmetic of
-    ``merge_attention_states_kernel`` for two parts, in the same order."""
+    ``merge_attention_states_kernel`` for two parts, in the same order; with ``WRITE_LSE``
+    the merged log-sum-exp too, so that merges chain (a part more per creditor)."""
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -272,9 +276,13 @@ def merge_two_states_kernel(
     o_a = tl.where(weight_a > 0.0, o_a.to(tl.float32), 0.0)
     o_b = tl.where(weight_b > 0.0, o_b.to(tl.float32), 0.0)
     acc = o_a * weight_a + o_b * weight_b
-    out = acc / tl.where(denom > 0.0, denom, 1.0)
+    seen = denom > 0.0
+    out = acc / tl.where(seen, denom, 1.0)
     tl.store(out_ptr + tok * stride_o_tok + head * stride_o_head + offs_d, out.to(out_ptr.dtype.element_ty),
              mask=d_valid)
+    if WRITE_LSE:
+        lse_out = tl.where(seen, safe_max + tl.log(tl.where(seen, denom, 1.0)), float("-inf"))
+        tl.store(lse_ptr + tok * stride_l_tok + head, lse_out)
 
 
 @triton.jit

@@ -114,6 +114,23 @@ def test_one_request_split_in_two_merges_two_parts(smollm2, prompt_token_ids, si
     assert remote.parts[1].layers_served == graphs.eager_steps * engine.model_config.num_layers
 
 
+def test_one_request_over_three_pools_merges_its_parts_in_a_chain(smollm2, prompt_token_ids, single_pool_tokens):
+    """A request with parts at home and on two creditors: every row in row order on all three,
+    so the step merges two parts at a time where they lie (no gather or scatter)."""
+    engine, graphs, remote = engine_with_step_bodies(smollm2, EngineConfig(
+        block_size=4, pool_blocks=(256, 64, 64), max_num_batched_tokens=512, spill_to_creditors=False))
+
+    def lend(engine, step):
+        if step in (2, 3):
+            engine.lend("0", 1, 1 if step == 2 else 2)
+
+    tokens, _ = _greedy(engine, prompt_token_ids[:1], 10, lend)
+    assert tokens == single_pool_tokens[:1]
+    aligned_three = [key for key in graphs._steps if key[3] == 3 and key[4] and len(key[5]) == 2]
+    assert aligned_three, list(graphs._steps)
+    assert all(part.layers_served > 0 for part in remote.parts.values())
+
+
 @pytest.mark.parametrize("num_requests", [3, 4])  # 3: a padded row in a batch of 4
 def test_requests_over_three_pools_merge_every_rows_parts(smollm2, prompt_token_ids, single_pool_tokens, num_requests):
     """Requests in a batch: "0" with parts on both creditors and at home (three parts), "1" on

@@ -237,6 +237,23 @@ def test_merge_two_states_equals_the_general_merge(backend: str, dtype_b: torch.
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_merges_of_two_chain_into_the_merge_of_all(backend: str) -> None:
+    """A row held by the home and two creditors: two merges of two (the first keeping its
+    log-sum-exp) give the merge of the three parts, empty parts and rows included."""
+    out_parts, lse_parts, _ = partial_states(3, 6, 4, 24, torch.float32, seed=11)
+    parts = [AttentionState(out_parts[p], lse_parts[p]) for p in range(3)]
+    first = merge_two_attention_states(parts[0], parts[1], out_dtype=torch.float32, backend=backend, with_lse=True)
+    want_two = merge_attention_states(out_parts[:2], lse_parts[:2], out_dtype=torch.float32, backend=backend)
+    assert torch.equal(first.out, want_two.out)
+    assert torch.allclose(first.lse, want_two.lse, rtol=0, atol=1e-6)
+    assert torch.equal(torch.isneginf(first.lse), torch.isneginf(want_two.lse))
+    got = merge_two_attention_states(first, parts[2], out_dtype=torch.float32, backend=backend)
+    want_out, _ = merge_float64(out_parts, lse_parts)
+    assert not torch.isnan(got).any()
+    assert torch.allclose(got.double(), want_out, rtol=1e-5, atol=1e-6)
+
+
 def test_merge_two_states_refuses_parts_that_disagree() -> None:
     a = AttentionState(torch.zeros(3, 2, 8), torch.zeros(3, 2))
     with pytest.raises(ValueError, match="one shape"):

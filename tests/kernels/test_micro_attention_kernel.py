@@ -317,3 +317,44 @@ def test_triton_on_cuda_matches_reference(dtype: torch.dtype) -> None:
             assert_states_match(
                 AttentionState(got.out.cpu(), got.lse.cpu()), AttentionState(want.out.cpu(), want.lse.cpu()), dtype
             )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_result_written_into_given_slots(backend: str, num_splits: int) -> None:
+    """``into``: the result lands in slices of a larger buffer (a creditor's mailbox slots),
+    the same as a fresh result, and nothing around the slices is touched."""
+    case = Case((45, 19, 0), (1, 1, 1), 2, 2, 64, 8)
+    inputs = build(case, torch.bfloat16, seed=4)
+    b = inputs.batch
+    plan = plan_micro_attention(
+        b.block_tables, b.kv_lens, inputs.query_start_loc, num_heads=4, num_kv_heads=2, head_dim=64,
+        block_size=8, num_blocks=b.kv_pool.shape[0], backend=backend, num_splits=num_splits, config=SMALL_TILES,
+    )
+    want = run_micro_attention(plan, inputs.q, b.kv_pool, b.layer, out_dtype=torch.bfloat16)
+    out_slots = torch.full((2, 5, 4, 64), 7.0, dtype=torch.bfloat16)
+    lse_slots = torch.full((2, 5, 4), 7.0)
+    into = AttentionState(out_slots[1, 1:4], lse_slots[1, 1:4])
+    got = run_micro_attention(plan, inputs.q, b.kv_pool, b.layer, out_dtype=torch.bfloat16, into=into)
+    assert got.out.data_ptr() == into.out.data_ptr() and got.lse.data_ptr() == into.lse.data_ptr()
+    assert torch.equal(got.out, want.out) and torch.equal(got.lse, want.lse)
+    assert torch.isneginf(got.lse[2]).all() and not got.out[2].any()
+    out_slots[1, 1:4] = 7.0
+    lse_slots[1, 1:4] = 7.0
+    assert (out_slots == 7.0).all() and (lse_slots == 7.0).all()
+
+
+def test_result_slots_of_the_wrong_shape_or_dtype_are_refused() -> None:
+    case = Case((20,), (1,), 1, 2, 64, 8)
+    inputs = build(case, torch.float32, seed=4)
+    b = inputs.batch
+    plan = plan_micro_attention(
+        b.block_tables, b.kv_lens, inputs.query_start_loc, num_heads=2, num_kv_heads=1, head_dim=64,
+        block_size=8, num_blocks=b.kv_pool.shape[0], backend="torch",
+    )
+    with pytest.raises(ValueError, match="into holds out"):
+        run_micro_attention(plan, inputs.q, b.kv_pool, b.layer,
+                            into=AttentionState(torch.empty(2, 2, 64), torch.empty(2, 2)))
+    with pytest.raises(ValueError, match="into holds out torch.bfloat16"):
+        run_micro_attention(plan, inputs.q, b.kv_pool, b.layer,
+                            into=AttentionState(torch.empty(1, 2, 64, dtype=torch.bfloat16), torch.empty(1, 2)))
