@@ -787,6 +787,7 @@ def batch_run(cluster: LocalCluster, prompts: list[list[int]], new_tokens: int, 
         if "split_at" not in result:
             let_go.set()
             raise RuntimeError(f"the split move did not return ({errors or 'see the leader thread above'})")
+    protocol_before = {i: cluster[i].status().get("step_protocol", {}) for i in cluster.ids}
     threads = [threading.Thread(target=stream, args=(p, events), daemon=True) for p, events in zip(prompts, streams)]
     for thread in threads:
         thread.start()
@@ -826,6 +827,13 @@ def batch_run(cluster: LocalCluster, prompts: list[list[int]], new_tokens: int, 
     else:
         row.update(batch_steps(streams))
     row["batch_placements"] = sorted({tuple(v) for v in where.values()})
+    # What the step protocol counted over the run, per instance (the counters that grew): how
+    # many of the home's steps went as one graph, and what its creditors did meanwhile.
+    row["step_protocol"] = {}
+    for i, before in protocol_before.items():
+        after = cluster[i].status().get("step_protocol", {})
+        row["step_protocol"][str(i)] = {k: v - before.get(k, 0) for k, v in after.items()
+                                        if isinstance(v, int) and not isinstance(v, bool) and v != before.get(k, 0)}
     del row["window"]
     return row
 

@@ -6,16 +6,22 @@
 # `batch` and `cluster` need `model` before them (issue #35's goals 3 and 4, about 200 s each at most):
 #   batch: [BATCH=8] [BATCH_MODE=mailboxes] [BATCH_TIMEOUT=200]: BATCH short requests on the home,
 #     decoding alone and beside one 32K request split over two daemons (bench/daemon.py --batch-beside-split)
-#   cluster: [CLUSTER_RATES=64] [CLUSTER_REQUESTS=32] [CLUSTER_TIMEOUT=200]: the mixed trace on two instances
+#   cluster: [CLUSTER_RATES=64] [CLUSTER_REQUESTS=32] [CLUSTER_TIMEOUT=200] [CLUSTER_REPLAY_TIMEOUT=90]: the mixed trace on two instances
 #     sharing the GPU (bench/cluster_multigpu.py --mps), shared KV against static instances
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 UCX_WARN_UNUSED_ENV_VARS=n
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-# Two processes share the GPU through MPS (each instance is a process of its own).
-export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
-mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
-nvidia-cuda-mps-control -d && echo "MPS started"
+# Two processes share the GPU through MPS (each instance is a process of its own). NO_MPS=1:
+# without it (a killed MPS client takes the GPU's other clients down: the kill test needs this).
+if [ "${NO_MPS:-0}" = 1 ]; then
+  [ -n "${CUDA_MPS_PIPE_DIRECTORY:-}" ] && echo quit | nvidia-cuda-mps-control 2>/dev/null
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY; sleep 1; echo "without MPS"
+else
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+  mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
+  nvidia-cuda-mps-control -d && echo "MPS started"
+fi
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 for what in "$@"; do
   case $what in
@@ -54,7 +60,7 @@ for what in "$@"; do
     cluster)
       timeout ${CLUSTER_TIMEOUT:-200} python3 bench/cluster_multigpu.py --device cuda --mps --instances 2 \
         --model /tmp/llama1b --pool-blocks 1024 --requests ${CLUSTER_REQUESTS:-32} --rates ${CLUSTER_RATES:-64} \
-        --warm-up --timeout-s 90
+        --warm-up --timeout-s ${CLUSTER_REPLAY_TIMEOUT:-90}
       cp bench/results/cluster_multigpu-*-mps-x2.json "$OUT"/ ;;
     links)
       # Creditors as of other hosts: NCCL links between processes naming hosts of their own.

@@ -1479,6 +1479,9 @@ class InstanceDaemon:
             # Split decode steps run as one graph, remote parts included, and graphs captured.
             "home_step_graph_replays": graphs.replays if graphs else 0,
             "home_step_graph_captures": graphs.captures if graphs else 0,
+            # Split decode steps that went layer by layer instead (a creditor without a device
+            # mailbox, a shape no graph takes).
+            "home_split_steps_by_layer": self.engine.split_decode_steps_by_layer if self.engine is not None else 0,
             "creditor_mailboxes": server.num_mailboxes if server else 0,
             "creditor_steps_begun": server.steps_begun if server else 0,
             "creditor_graph_replays": server.graph_replays if server else 0,

@@ -150,6 +150,8 @@ class LLMEngine:
         self.decode_graphs: PiecewiseDecodeGraphs | None = None
         self.local_decode_graphs: LocalDecodeGraphs | None = None
         self.split_decode_graphs: SplitDecodeGraphs | None = None
+        # Decode steps with remote parts that ran layer by layer (not as one split graph).
+        self.split_decode_steps_by_layer = 0
         if self.device.type == "cuda" and config.cuda_graphs:
             sizes = tuple(b for b in DEFAULT_BATCH_SIZES if b < config.max_num_seqs) + (config.max_num_seqs,)
             self.decode_graphs = PiecewiseDecodeGraphs(self.model, sizes)
@@ -503,6 +505,8 @@ class LLMEngine:
             finally:
                 self.remote.end_step(step_id)
         else:
+            if decode and len(layout.batches) > 1:
+                self.split_decode_steps_by_layer += 1
             # Planned only here: the whole-step graph above reads the layout's tables itself.
             attention = DistAttention(layout, self.pools[self.home_instance_id], self.home_instance_id, self.remote,
                                       num_heads=self.model_config.num_heads, sm_scale=self.model.sm_scale)
