@@ -1485,6 +1485,8 @@ class InstanceDaemon:
             "creditor_mailboxes": server.num_mailboxes if server else 0,
             "creditor_steps_begun": server.steps_begun if server else 0,
             "creditor_graph_replays": server.graph_replays if server else 0,
+            # False once a capture failed here: the creditor's steps then go eagerly.
+            "creditor_graphs_on": server.cuda_graphs if server else False,
             "creditor_steps_timed_out": server.timeouts if server else 0,
             # Steps found queued ahead when their StepBegin came, and steps queued ahead let go.
             "creditor_steps_assigned_ahead": server.steps_assigned_ahead if server else 0,
