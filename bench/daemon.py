@@ -787,7 +787,7 @@ def batch_run(cluster: LocalCluster, prompts: list[list[int]], new_tokens: int, 
         if "split_at" not in result:
             let_go.set()
             raise RuntimeError(f"the split move did not return ({errors or 'see the leader thread above'})")
-    protocol_before = {i: cluster[i].status().get("step_protocol", {}) for i in cluster.ids}
+    protocol_before = {i: cluster[i].status().get("step_protocol", {}) for i in cluster.instances}
     threads = [threading.Thread(target=stream, args=(p, events), daemon=True) for p, events in zip(prompts, streams)]
     for thread in threads:
         thread.start()
