@@ -34,7 +34,8 @@ MOVED_BLOCKS = 5
 
 # Each home attends over the other's KV by a message a layer, or through step mailboxes (one
 # StepBegin a step; each instance's creditor work on a thread of its own beside its own step).
-@pytest.fixture(scope="module", params=["messages", "mailboxes"])
+# The message path is what every other cluster test on the CPU runs: its pair is under `slow`.
+@pytest.fixture(scope="module", params=[pytest.param("messages", marks=pytest.mark.slow), "mailboxes"])
 def pair(tmp_path_factory, request):
     cluster = LocalCluster(tmp_path_factory.mktemp("pair"), num_instances=2, pool_blocks=POOL_BLOCKS,
                            extra_args=["--remote-attention", request.param])

@@ -63,6 +63,9 @@ def cluster(tmp_path_factory):
         gmanager.stop()
 
 
+# About 80 s on a 2-core machine: under `slow`. The default run drains through infctl
+# (tests/cli/test_infctl.py) and the gManager's drain logic on its own (test_gmanager_drain.py).
+@pytest.mark.slow
 def test_drain_moves_lent_segments_and_requests_away_with_unchanged_outputs(cluster, reference_engine):
     cluster, gmanager = cluster
     long_len = len(reference_engine.tokenizer.encode(LONG_PROMPT))
