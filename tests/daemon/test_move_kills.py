@@ -154,6 +154,10 @@ def _check_seeds(cluster: LocalCluster, seeds: range) -> None:
     assert any(o["failpoint_hit"] for o in outcomes), "no seed reached its failpoint"
 
 
+# About 80 s with its cluster's start on a 2-core machine: under `slow`, with the 50 seeds. The
+# default run kills creditors, homes and APB hosts for real in test_cluster_faults.py,
+# test_cluster_apb.py and test_stop_handover.py.
+@pytest.mark.slow
 def test_kills_at_random_stages_of_moves_lose_nothing(cluster):
     _check_seeds(cluster, range(2))
 
