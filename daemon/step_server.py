@@ -453,12 +453,7 @@ class StepServer:
         if self.cuda_graphs and key in served.eager:
             # A plan replaced takes its graphs with it (keys of plans no longer kept are dropped).
             served.graphs = {k: v for k, v in served.graphs.items() if v[1] is plan}
-            if not served.graphs:
-                # Its pool too: once no graph holds a pool, the allocator refuses (an internal
-                # assert) another capture into it until its memory has been released.
-                served.graph_pool = None
-            if served.graph_pool is None:
-                served.graph_pool = torch.cuda.graph_pool_handle()
+            served.graph_pool = graph_capture.pool_for_capture(served.graph_pool, held=bool(served.graphs))
             graph = torch.cuda.CUDAGraph()
             try:
                 graph_capture.capture(graph, served.graph_pool,

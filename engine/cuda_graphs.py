@@ -465,6 +465,8 @@ class SplitDecodeGraphs:
             logits.copy_(model.logits(hidden))
 
         if self.use_graphs:
+            # Every earlier graph may be gone (dropped with its mailboxes, or evicted).
+            self._pool = graph_capture.pool_for_capture(self._pool, held=bool(self._steps))
             graph = torch.cuda.CUDAGraph()
             stream = torch.cuda.Stream(device=dev)
             stream.wait_stream(torch.cuda.current_stream(dev))
@@ -487,13 +489,6 @@ class SplitDecodeGraphs:
         """Drop the graphs over a device part that is no longer live (its memory may be gone)."""
         for key in [k for k in self._steps if any(part_key not in live_keys for part_key, _ in k[-1])]:
             del self._steps[key]
-        self._renew_pool_if_unheld()
-
-    def _renew_pool_if_unheld(self) -> None:
-        # Once no graph holds the pool, the allocator refuses (an internal assert) another
-        # capture into it until its memory has been released: the next capture takes a new one.
-        if not self._steps and self.use_graphs:
-            self._pool = torch.cuda.graph_pool_handle()
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, step: StepAttention, home_instance_id: int,
                 remote_ids: list[int], device_parts: list, logits_rows: torch.Tensor) -> torch.Tensor:
@@ -512,7 +507,6 @@ class SplitDecodeGraphs:
         if captured is None:
             while len(self._steps) >= self.max_graphs:
                 del self._steps[min(self._steps, key=lambda k: self._steps[k].last_used)]
-            self._renew_pool_if_unheld()
             captured = self._steps[key] = self._capture(key, device_parts)
         self._uses += 1
         captured.last_used = self._uses

@@ -60,3 +60,11 @@ def _abandon(graph: torch.cuda.CUDAGraph, memory_pool: tuple[int, int], begun: b
         torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), memory_pool)
     except (RuntimeError, AttributeError, TypeError):
         pass  # undone already (capture_end got that far), or never begun
+
+
+def pool_for_capture(memory_pool: tuple[int, int] | None, held: bool) -> tuple[int, int]:
+    """The pool a new capture should use: ``memory_pool`` while a live graph still holds it
+    (``held``), else a new one. Once no graph holds a pool, the allocator refuses (an internal
+    assert, ``use_count > 0``) any further capture into it until its memory has been released;
+    an owner that drops all its graphs (a plan replaced, mailboxes gone) starts a new pool."""
+    return memory_pool if held and memory_pool is not None else torch.cuda.graph_pool_handle()
