@@ -20,12 +20,14 @@ PROMPTS = ["The capital of France is", "def add(a, b):\n    return"]
 
 
 @pytest.fixture(scope="module")
-def hf_folder(tmp_path_factory):
+def hf_folder(tmp_path_factory, hf_smollm2):
+    # hf_smollm2 is the session's one float32 load of the GGUF (about 17 s on two cores); it is
+    # only read here.
     transformers = pytest.importorskip("transformers")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     path = embedded_model_path()
     folder = tmp_path_factory.mktemp("smollm2-hf")
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    model = hf_smollm2
     # transformers will not re-save a GGUF-quantised model: write the float32 tensors and the
     # config (without its GGUF quantisation entry) as a plain Hugging Face folder.
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
