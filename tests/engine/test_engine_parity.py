@@ -1,5 +1,7 @@
 """The engine against Hugging Face ``transformers`` running the same GGUF file (float32)."""
 
+import concurrent.futures
+
 import torch
 
 from infinite_llm.engine.config import EngineConfig
@@ -22,17 +24,22 @@ def _hf_greedy(model, prompt: list[int], num_tokens: int) -> tuple[list[int], to
 
 
 def test_greedy_tokens_and_logits_match_transformers(smollm2, hf_smollm2, prompt_token_ids):
-    engine = LLMEngine(smollm2, EngineConfig(pool_blocks=(1024,), max_num_batched_tokens=1024))
-    for prompt in prompt_token_ids:
-        num_tokens = 4 if len(prompt) > 1000 else 12
-        expected, expected_logits = _hf_greedy(hf_smollm2, prompt, num_tokens)
-        request_id = engine.add_request(prompt, SamplingParams(max_tokens=num_tokens, ignore_eos=True))
-        first_logits = None
-        tokens = []
-        while engine.has_unfinished:
-            for output in engine.step():
-                if first_logits is None:
-                    first_logits = engine.last_step_logits[request_id].clone()
-                tokens += output.new_token_ids
-        assert tokens == expected, f"prompt of {len(prompt)} tokens"
-        torch.testing.assert_close(first_logits, expected_logits.float(), atol=LOGITS_ATOL, rtol=LOGITS_RTOL)
+    # The oracle runs in a thread of its own beside the engine: each is one torch thread (the
+    # one_thread fixture's setting reaches every thread), so on two cores the 4K prompt's two
+    # prefills (about 20 s each) overlap instead of following each other.
+    num_tokens = [4 if len(prompt) > 1000 else 12 for prompt in prompt_token_ids]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        oracle = [pool.submit(_hf_greedy, hf_smollm2, prompt, n) for prompt, n in zip(prompt_token_ids, num_tokens)]
+        engine = LLMEngine(smollm2, EngineConfig(pool_blocks=(1024,), max_num_batched_tokens=1024))
+        for prompt, n, hf in zip(prompt_token_ids, num_tokens, oracle):
+            request_id = engine.add_request(prompt, SamplingParams(max_tokens=n, ignore_eos=True))
+            first_logits = None
+            tokens = []
+            while engine.has_unfinished:
+                for output in engine.step():
+                    if first_logits is None:
+                        first_logits = engine.last_step_logits[request_id].clone()
+                    tokens += output.new_token_ids
+            expected, expected_logits = hf.result()
+            assert tokens == expected, f"prompt of {len(prompt)} tokens"
+            torch.testing.assert_close(first_logits, expected_logits.float(), atol=LOGITS_ATOL, rtol=LOGITS_RTOL)
