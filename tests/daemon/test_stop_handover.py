@@ -11,6 +11,7 @@ them, ends that request with an error.
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import re
 import signal
@@ -101,8 +102,27 @@ def cluster(tmp_path_factory):
         gmanager.stop()
 
 
+def undisturbed_tokens() -> list[int]:
+    """The undisturbed run: one engine with room for everything, in this process."""
+    torch.set_num_threads(1)
+    engine = LLMEngine(load_checkpoint(None, show_progress=False),
+                       EngineConfig(block_size=16, pool_blocks=(64,), max_num_batched_tokens=128))
+    (expected,) = engine.generate([HANDOVER_PROMPT], SamplingParams(max_tokens=HANDOVER_TOKENS, ignore_eos=True))
+    return list(expected.token_ids)
+
+
 def test_sigterm_hands_held_segments_over_and_the_request_finishes_unchanged(cluster):
-    cluster, gmanager = cluster
+    # The undisturbed run goes on in a worker thread (one torch thread) while the cluster
+    # decodes and hands over, which keeps the two cores only partly busy.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        expected = pool.submit(undisturbed_tokens)
+        tokens = hand_over_while_decoding(*cluster)
+        assert tokens == expected.result()
+
+
+def hand_over_while_decoding(cluster: LocalCluster, gmanager: GManagerProcess) -> list[int]:
+    """SIGTERM to instance 2 while it holds blocks of instance 1's decoding request; the
+    request's tokens."""
     run = Generation(cluster[1], HANDOVER_PROMPT, HANDOVER_TOKENS)
     wait_for("instance 1's request decodes with KV on instance 2",
              lambda: decoding_with_kv_on(cluster[1], run, creditor=2))
@@ -128,12 +148,7 @@ def test_sigterm_hands_held_segments_over_and_the_request_finishes_unchanged(clu
              lambda: cluster[3].status()["pool"]["num_blocks_held_for_others"] == 0, timeout_s=10)
     wait_for("the gManager forgets instance 2",
              lambda: all(i["instance_id"] != 2 for i in gmanager.status()["instances"]), timeout_s=30)
-    # The undisturbed run: one engine with room for everything, in this process.
-    torch.set_num_threads(1)
-    engine = LLMEngine(load_checkpoint(None, show_progress=False),
-                       EngineConfig(block_size=16, pool_blocks=(64,), max_num_batched_tokens=128))
-    (expected,) = engine.generate([HANDOVER_PROMPT], SamplingParams(max_tokens=HANDOVER_TOKENS, ignore_eos=True))
-    assert tokens == list(expected.token_ids)
+    return tokens
 
 
 def test_sigterm_without_a_leader_exits_at_the_deadline_and_says_what_is_lost(cluster):
