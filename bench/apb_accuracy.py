@@ -193,13 +193,15 @@ def chunk_bounds(num_tokens: int, hosts: int) -> list[tuple[int, int]]:
     return list(zip(cuts[:-1], cuts[1:]))
 
 
-def apb_config(method: Method, doc_len: int, anchor_frac: float, passing_frac: float, seed: int) -> APBConfig:
+def apb_config(method: Method, doc_len: int, anchor_frac: float, passing_frac: float, seed: int,
+               anchor_min: int = 0, passing_min: int = 0) -> APBConfig:
     """The method's APB settings for a document of ``doc_len`` tokens: anchor and passing
-    lengths as fractions of the longest chunk (the anchor no longer than host 0's chunk)."""
+    lengths as fractions of the longest chunk, at least ``anchor_min`` and ``passing_min``
+    tokens (the anchor no longer than host 0's chunk)."""
     bounds = chunk_bounds(doc_len, method.hosts)
     longest = max(b - a for a, b in bounds)
-    anchor_len = min(round(anchor_frac * longest), bounds[0][1])
-    passing_len = 0 if method.kind == "nopass" else round(passing_frac * longest)
+    anchor_len = min(max(round(anchor_frac * longest), anchor_min), bounds[0][1])
+    passing_len = 0 if method.kind == "nopass" else max(round(passing_frac * longest), passing_min)
     scorer = "random" if method.kind == "random" else "attention"
     return APBConfig(anchor_len=anchor_len, passing_len=passing_len, scorer=scorer, seed=seed)
 
@@ -372,7 +374,8 @@ async def run(ns: argparse.Namespace, model: LlamaModel, tokenizer: Tokenizer, m
                         config = None
                         context = (await exact_prefill(model, doc_ids)).kv
                     else:
-                        config = apb_config(method, doc_ids.shape[0], ns.anchor_frac, ns.passing_frac, seed)
+                        config = apb_config(method, doc_ids.shape[0], ns.anchor_frac, ns.passing_frac, seed,
+                                            ns.anchor_min, ns.passing_min)
                         context = await apb_context(model, doc_ids, query_ids, method.hosts, config)
                     new_ids = await greedy_decode(model, context, query_ids, ns.new_tokens, tokenizer.eos_token_ids)
                     del context
@@ -410,6 +413,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--anchor-frac", type=float, default=0.25, help="anchor block, a fraction of a chunk")
     parser.add_argument("--passing-frac", type=float, default=0.125,
                         help="passing block per host and KV head, a fraction of a chunk (1: nothing dropped)")
+    parser.add_argument("--anchor-min", type=int, default=0, help="anchor block at least this many tokens")
+    parser.add_argument("--passing-min", type=int, default=0,
+                        help="passing block at least this many keys per host and KV head (not for nopass)")
     parser.add_argument("--new-tokens", type=int, default=12, help="greedy decoding steps at most")
     parser.add_argument("--prompt-format", choices=PROMPT_FORMATS, default=PROMPT_FORMAT)
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
@@ -427,12 +433,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--samples and --new-tokens must be at least 1")
     if not 0.0 <= ns.anchor_frac <= 1.0 or ns.passing_frac < 0.0:
         parser.error("--anchor-frac must be in [0, 1] and --passing-frac >= 0")
+    if ns.anchor_min < 0 or ns.passing_min < 0:
+        parser.error("--anchor-min and --passing-min must be >= 0")
     return ns
 
 
 # Settings every part of a merged table must share (the seeds may differ: parts may split samples).
 _MERGE_KEYS = ("bench", "model", "device", "torch", "dtype", "prompt_format", "methods", "anchor_frac",
-               "passing_frac", "new_tokens")
+               "passing_frac", "anchor_min", "passing_min", "new_tokens")
 
 
 def result_document(meta: dict, rows: list[dict], records: list[dict], methods: list[Method],
@@ -531,7 +539,8 @@ def main(argv: list[str] | None = None) -> None:
         "torch": torch.__version__, "dtype": ns.dtype, "prompt_format": ns.prompt_format,
         "tasks": tasks, "lengths": lengths, "methods": [m.name for m in methods], "samples": ns.samples,
         "seed": ns.seed, "seeds": [ns.seed + i for i in range(ns.samples)], "anchor_frac": ns.anchor_frac,
-        "passing_frac": ns.passing_frac, "new_tokens": ns.new_tokens,
+        "passing_frac": ns.passing_frac, "anchor_min": ns.anchor_min, "passing_min": ns.passing_min,
+        "new_tokens": ns.new_tokens,
     }
     out = Path(ns.out or Path(__file__).parent / "results" / f"apb_accuracy-{device_slug(device)}.json")
     out.parent.mkdir(parents=True, exist_ok=True)

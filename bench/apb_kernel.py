@@ -5,7 +5,8 @@ whose prefix is a quarter-chunk anchor plus 2048 passing keys (``prefix_len = n 
 times, side by side in one run:
 
 * ``prefix_causal_attention``, the one Triton kernel (autotuned; ``--sweep`` also times each
-  tile config on its own);
+  tile config on its own). On Hopper both of its kernels are timed, the one that moves tiles by
+  tensor descriptors (TMA, ``descriptors=True``) and the default one of per-thread pointer loads;
 * the same work through ``scaled_dot_product_attention(enable_gqa=True)``: two calls, the prefix
   unmasked and the chunk causal, without the merge (a lower bound on that path);
 * what ``engine/seq_parallel.apb_prefill`` runs today: two ``attention_with_lse`` calls
@@ -106,9 +107,9 @@ class Case:
         self.k4 = self.k.transpose(0, 1).unsqueeze(0)
         self.v4 = self.v.transpose(0, 1).unsqueeze(0)
 
-    def triton(self, config: PrefixAttentionConfig | None = None):
+    def triton(self, config: PrefixAttentionConfig | None = None, descriptors: bool | None = None):
         return prefix_causal_attention(self.q, self.k, self.v, prefix_len=self.prefix_len, sm_scale=self.sm_scale,
-                                       config=config)
+                                       config=config, descriptors=descriptors)
 
     def sdpa_two_calls(self) -> tuple[torch.Tensor, torch.Tensor]:
         p = self.prefix_len
@@ -137,11 +138,13 @@ EXTRA_SWEEP = [(128, 64, 4, 4), (128, 64, 8, 4), (128, 128, 8, 3), (128, 128, 4,
                (256, 64, 8, 3)]
 
 
-def sweep_configs() -> list[PrefixAttentionConfig]:
-    """The autotune list's configs, then :data:`EXTRA_SWEEP`'s."""
-    from infinite_llm.kernels.prefix_attention_kernel import CUDA_CONFIGS
+def sweep_configs(descriptors: bool = False) -> list[PrefixAttentionConfig]:
+    """The autotune list's configs (of the pointer or the descriptor kernel), then
+    :data:`EXTRA_SWEEP`'s."""
+    from infinite_llm.kernels.prefix_attention_kernel import CUDA_CONFIGS, CUDA_DESCRIPTOR_CONFIGS
 
-    listed = [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in CUDA_CONFIGS]
+    configs = CUDA_DESCRIPTOR_CONFIGS if descriptors else CUDA_CONFIGS
+    listed = [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in configs]
     return [PrefixAttentionConfig(block_m=m, block_n=n, num_warps=w, num_stages=st)
             for m, n, w, st in dict.fromkeys(listed + EXTRA_SWEEP)]
 
@@ -161,30 +164,49 @@ def measure(case: Case, device: torch.device, sweep: bool) -> dict:
             "flash_two_calls_merged": (merged.float() - ref.out.float()).abs().max().item(),
         },
     }
-    ref_out = ref.out.float() if sweep and device.type == "cuda" else None
+    ref_out_all = ref.out.float()
+    ref_out = ref_out_all if sweep and device.type == "cuda" else None
     del ref, got, merged
     timings = {
         "triton": median_ms(case.triton, device),
         "sdpa_two_calls": median_ms(case.sdpa_two_calls, device),
         "flash_two_calls_merged": median_ms(case.flash_two_calls_merged, device),
     }
+    # The two Triton kernels side by side where the device takes descriptors (auto picks one).
+    with_descriptors = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    if with_descriptors:
+        pointers = case.triton(descriptors=False)
+        row["max_abs_error_vs_reference"]["triton_pointers"] = (pointers.out.float() - ref_out_all).abs().max().item()
+        del pointers
+        timings["triton_pointers"] = median_ms(lambda: case.triton(descriptors=False), device)
+        timings["triton_descriptors"] = median_ms(lambda: case.triton(descriptors=True), device)
     if sweep and device.type == "cuda":
-        for cfg in sweep_configs():
-            name = f"triton_{cfg.block_m}x{cfg.block_n}_w{cfg.num_warps}_s{cfg.num_stages}"
-            try:
-                timings[name] = median_ms(lambda: case.triton(cfg), device)
-                err = (case.triton(cfg).out.float() - ref_out).abs().max().item()
-                row["max_abs_error_vs_reference"][name] = err
-            except Exception as exc:  # a config that does not fit this GPU's shared memory
-                row.setdefault("failed_configs", {})[name] = repr(exc)[:200]
+        for descriptors in ([False, True] if with_descriptors else [False]):
+            for cfg in sweep_configs(descriptors):
+                kind = "desc" if descriptors else "ptr"
+                name = f"triton_{kind}_{cfg.block_m}x{cfg.block_n}_w{cfg.num_warps}_s{cfg.num_stages}"
+                try:
+                    timings[name] = median_ms(lambda: case.triton(cfg, descriptors), device)
+                    err = (case.triton(cfg, descriptors).out.float() - ref_out).abs().max().item()
+                    row["max_abs_error_vs_reference"][name] = err
+                except Exception as exc:  # a config that does not fit this GPU's shared memory
+                    row.setdefault("failed_configs", {})[name] = repr(exc)[:200]
     row["ms"] = timings
     row["tflops"] = {name: flops / (ms * 1e-3) / 1e12 for name, ms in timings.items()}
     row["triton_over_sdpa"] = timings["sdpa_two_calls"] / timings["triton"]
     row["triton_over_flash_merged"] = timings["flash_two_calls_merged"] / timings["triton"]
+    for name in ("triton_pointers", "triton_descriptors"):
+        if name in timings:
+            row[f"{name}_over_sdpa"] = timings["sdpa_two_calls"] / timings[name]
     if device.type == "cuda":
-        from infinite_llm.kernels.prefix_attention_kernel import prefix_causal_attention_autotuned
+        from infinite_llm.kernels.prefix_attention_kernel import (
+            prefix_causal_attention_autotuned,
+            prefix_causal_attention_desc_autotuned,
+        )
 
         row["autotuned_config"] = str(prefix_causal_attention_autotuned.best_config)
+        if with_descriptors:
+            row["autotuned_descriptor_config"] = str(prefix_causal_attention_desc_autotuned.best_config)
     return row
 
 
@@ -248,7 +270,11 @@ def main() -> None:
         print(f"{r['n']:>6} {r['prefix_len']:>6} {t['triton']:>11.1f} {t['sdpa_two_calls']:>8.1f} "
               f"{t['flash_two_calls_merged']:>14.1f} {r['triton_over_sdpa']:>11.2f} {r['triton_over_flash_merged']:>13.2f} "
               f"{r['max_abs_error_vs_reference']['triton']:>8.1e}")
-        extra = {k: v for k, v in t.items() if k.startswith("triton_")}
+        if "triton_pointers" in t:
+            print(f"        pointers {t['triton_pointers']:.0f} TF/s ({r['triton_pointers_over_sdpa']:.2f}x sdpa), "
+                  f"descriptors {t['triton_descriptors']:.0f} TF/s ({r['triton_descriptors_over_sdpa']:.2f}x sdpa)")
+        extra = {k: v for k, v in t.items() if k.startswith("triton_") and k not in ("triton_pointers",
+                                                                                     "triton_descriptors")}
         if extra:
             print("        sweep: " + "  ".join(f"{k[7:]} {v:.0f}" for k, v in extra.items()))
     print(f"wrote {out}")

@@ -19,7 +19,7 @@
 # lives as long as the warm machine, and installs the wheel once every piece has come (call 1:
 # part-00 and kernel work; call 2, on the still-warm machine: part-01 and accuracy).
 # Env: ACC_TIMEOUT (s, per accuracy process, default 420), SAMPLES (50), SPLIT (2),
-# ACC_ARGS (more apb_accuracy.py args).
+# ACC_ARGS (more apb_accuracy.py args), ACC_VARIANTS ("tag=args;tag=args": a table per variant).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -77,25 +77,35 @@ if [ ${#lengths[@]} -gt 0 ]; then
   export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log OMP_NUM_THREADS=2
   mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
   nvidia-cuda-mps-control -d && echo "MPS started"
-  mkdir -p /tmp/acc
+  # ACC_VARIANTS="tag=args;tag2=args": one table per variant of the settings, all at once.
+  IFS=';' read -ra variants <<< "${ACC_VARIANTS:-default=${ACC_ARGS:-}}"
   pids=()
   samples=${SAMPLES:-50}; split=${SPLIT:-2}; per=$(( (samples + split - 1) / split ))
-  for n in "${lengths[@]}"; do
-    for task in passkey multikey; do
-      for ((seed = 0; seed < samples; seed += per)); do
-        count=$(( samples - seed < per ? samples - seed : per ))
-        timeout ${ACC_TIMEOUT:-420} python3 bench/apb_accuracy.py --tasks $task --lengths $n \
-          --samples $count --seed $seed ${ACC_ARGS:-} \
-          --out /tmp/acc/apb_accuracy-$task-$n-s$seed.json > /tmp/acc/$task-$n-s$seed.log 2>&1 &
-        pids+=($!)
+  for variant in "${variants[@]}"; do
+    tag=${variant%%=*}; args=${variant#*=}
+    mkdir -p /tmp/acc/$tag
+    for n in "${lengths[@]}"; do
+      for task in passkey multikey; do
+        for ((seed = 0; seed < samples; seed += per)); do
+          count=$(( samples - seed < per ? samples - seed : per ))
+          timeout ${ACC_TIMEOUT:-420} python3 bench/apb_accuracy.py --tasks $task --lengths $n \
+            --samples $count --seed $seed $args \
+            --out /tmp/acc/$tag/apb_accuracy-$task-$n-s$seed.json > /tmp/acc/$tag/$task-$n-s$seed.log 2>&1 &
+          pids+=($!)
+        done
       done
     done
   done
-  for p in "${pids[@]}"; do wait $p; echo "accuracy process $p: rc $?"; done
+  failed=0
+  for p in "${pids[@]}"; do wait $p || failed=$((failed + 1)); done
+  echo "accuracy processes: ${#pids[@]}, failed: $failed"
   echo quit | nvidia-cuda-mps-control
-  tail -n 3 /tmp/acc/*.log > "$OUT/accuracy-tails.log"
-  tail -c 4000 /tmp/acc/*.log
-  python3 bench/apb_accuracy.py --merge /tmp/acc/apb_accuracy-*.json --out "$OUT/apb_accuracy-merged.json"
+  for variant in "${variants[@]}"; do
+    tag=${variant%%=*}
+    echo "== variant $tag: ${variant#*=}"
+    python3 bench/apb_accuracy.py --merge /tmp/acc/$tag/apb_accuracy-*.json --out "$OUT/apb_accuracy-$tag.json" \
+      2>&1 | grep -vE "^wrote" | tail -${ACC_TABLE_LINES:-14}
+  done
   tar czf "$OUT/accuracy-parts.tgz" -C /tmp/acc .
 fi
 if [ -n "${testpid:-}" ]; then wait $testpid; tail -n 2 "$OUT/kerneltests.log"; fi

@@ -94,6 +94,7 @@ def prefix_causal_attention(
     sm_scale: float,
     backend: Backend = "auto",
     config: PrefixAttentionConfig | None = None,
+    descriptors: bool | None = None,
 ) -> AttentionState:
     """Attention of a chunk's rows over a prefix they all see and, causally, their own keys.
 
@@ -113,6 +114,10 @@ def prefix_causal_attention(
             ``TRITON_INTERPRET=1``), "triton" or "torch".
         config: tile sizes of the Triton kernel; default: autotuned over a few on CUDA,
             :data:`INTERPRETER_CONFIG` under the interpreter.
+        descriptors: True: the Triton kernel that moves its tiles by tensor descriptors (TMA on
+            Hopper) rather than by per-thread pointer loads; it needs each token's heads
+            contiguous, head_dim a power of two >= 16, 16-byte aligned rows, and float16 or
+            bfloat16 (a ValueError otherwise). None or False: the pointer kernel.
 
     Returns:
         ``AttentionState(out [n, num_heads, head_dim] in q's dtype, lse [n, num_heads] float32,
@@ -133,7 +138,78 @@ def prefix_causal_attention(
                               torch.empty(0, num_heads, dtype=torch.float32, device=q.device))
     if resolved == "torch":
         return prefix_causal_attention_torch(q, k, v, prefix_len=prefix_len, sm_scale=float(sm_scale))
+    if descriptors is None:
+        # The pointer kernel stays the default until the descriptor kernel is measured faster
+        # on the GPU (bench/apb_kernel.py times both).
+        descriptors = False
+    elif descriptors:
+        problem = _descriptor_layout_problem(q, k, v)
+        if problem is not None:
+            raise ValueError(f"descriptors=True: {problem}")
+    if descriptors:
+        return _prefix_causal_attention_descriptors(q, k, v, prefix_len, float(sm_scale), config)
     return _prefix_causal_attention_triton(q, k, v, prefix_len, float(sm_scale), config)
+
+
+# A tensor descriptor's global strides and base address must be multiples of 16 bytes.
+_DESCRIPTOR_ALIGN = 16
+
+
+def _descriptor_layout_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
+    """Why the descriptor kernel cannot read these tensors in place, or None if it can."""
+    head_dim = q.shape[-1]
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"the descriptor kernel takes float16 or bfloat16, got {q.dtype}"
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        return f"the descriptor kernel needs head_dim a power of two >= 16, got {head_dim}"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(-1) != 1 or t.stride(1) != head_dim:
+            return f"{name}'s heads of one token must be contiguous (strides {list(t.stride())})"
+        if (t.stride(0) * t.element_size()) % _DESCRIPTOR_ALIGN or t.data_ptr() % _DESCRIPTOR_ALIGN:
+            return f"{name}'s rows must start on {_DESCRIPTOR_ALIGN}-byte boundaries (strides {list(t.stride())})"
+    return None
+
+
+def _prefix_causal_attention_descriptors(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    prefix_len: int,
+    sm_scale: float,
+    config: PrefixAttentionConfig | None,
+) -> AttentionState:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from .prefix_attention_kernel import prefix_causal_attention_desc_autotuned, prefix_causal_attention_desc_kernel
+    n, num_heads, head_dim = q.shape
+    num_keys, num_kv_heads, _ = k.shape
+    out = torch.empty(n, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    lse = torch.empty(n, num_heads, dtype=torch.float32, device=q.device)
+    cfg = config if config is not None else (None if q.device.type == "cuda" else INTERPRETER_CONFIG)
+    block_m, block_n = (cfg.block_m, cfg.block_n) if cfg is not None else (128, 64)  # autotune resets them
+
+    def descriptor(t: torch.Tensor, rows: int, heads: int, block_rows: int) -> TensorDescriptor:
+        # [rows, heads * head_dim] over the tensor's own memory (its rows may be strided).
+        return TensorDescriptor(t, shape=[rows, heads * head_dim], strides=[t.stride(0), 1],
+                                block_shape=[block_rows, head_dim])
+
+    args = (
+        descriptor(q, n, num_heads, block_m), descriptor(k, num_keys, num_kv_heads, block_n),
+        descriptor(v, num_keys, num_kv_heads, block_n), descriptor(out, n, num_heads, block_m), lse,
+        sm_scale * math.log2(math.e), n, prefix_len, lse.stride(0),
+    )
+    constants = dict(QUERY_GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
+                     DOT_IN_FP32=q.device.type != "cuda")
+    if cfg is None:
+        def grid(meta: dict) -> tuple[int, int]:
+            return _cdiv(n, meta["BLOCK_M"]), num_heads
+        prefix_causal_attention_desc_autotuned[grid](*args, **constants)
+        return AttentionState(out, lse)
+    prefix_causal_attention_desc_kernel[(_cdiv(n, cfg.block_m), num_heads)](
+        *args, **constants, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return AttentionState(out, lse)
 
 
 def _auto_backend(backend: Backend, device: torch.device) -> Backend:

@@ -112,6 +112,53 @@ def test_half_precision_inputs(dtype: torch.dtype) -> None:
     assert_close(got, want, dtype)
 
 
+# --- the descriptor (TMA) kernel against the reference ------------------------------------------
+
+
+def fused_inputs(n: int, prefix_len: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 seed: int, device: str = "cpu"):
+    """q, k, v as APB prefill hands them over: views of one fused ``[tokens, q|k|v heads,
+    head_dim]`` projection, rows strided, each token's heads contiguous."""
+    gen = torch.Generator().manual_seed(seed)
+    qkv = randn(prefix_len + n, num_heads + 2 * num_kv_heads, head_dim, dtype=dtype, gen=gen).to(device)
+    return (qkv[prefix_len:, :num_heads], qkv[:, num_heads:num_heads + num_kv_heads],
+            qkv[:, num_heads + num_kv_heads:])
+
+
+@pytest.mark.parametrize("config", [
+    pytest.param(None, id="default-tiles"),
+    pytest.param(PrefixAttentionConfig(block_m=16, block_n=16), id="16x16"),
+    pytest.param(PrefixAttentionConfig(block_m=16, block_n=32), id="keys-wider-than-rows"),
+])
+@pytest.mark.parametrize("n, prefix_len", [(1, 0), (33, 40), (70, 16)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@NEEDS_INTERPRETER
+def test_descriptor_kernel_matches_torch_reference(dtype: torch.dtype, n: int, prefix_len: int,
+                                                   config: PrefixAttentionConfig | None) -> None:
+    """Row blocks past the last row and key blocks past the last key (zeros loaded there, nothing
+    stored), fused strided inputs read in place."""
+    q, k, v = fused_inputs(n, prefix_len, 4, 2, 32, dtype, seed=n + prefix_len)
+    want = prefix_causal_attention_torch(q, k, v, prefix_len=prefix_len, sm_scale=32**-0.5)
+    got = prefix_causal_attention(q, k, v, prefix_len=prefix_len, sm_scale=32**-0.5, backend="triton",
+                                  config=config, descriptors=True)
+    assert_close(got, want, dtype)
+
+
+@pytest.mark.parametrize("change, message", [
+    pytest.param("float32", "float16 or bfloat16", id="fp32"),
+    pytest.param("head_dim_48", "power of two", id="head-dim"),
+    pytest.param("heads_strided", "contiguous", id="heads-strided"),
+])
+def test_descriptors_asked_for_where_the_layout_does_not_allow_them_raise(change: str, message: str) -> None:
+    dtype = torch.float32 if change == "float32" else torch.bfloat16
+    head_dim = 48 if change == "head_dim_48" else 32
+    q, k, v = inputs(9, 5, 4, 2, head_dim, dtype=dtype, seed=5)
+    if change == "heads_strided":
+        k = torch.cat([k, k], dim=1)[:, ::2]
+    with pytest.raises(ValueError, match=message):
+        prefix_causal_attention(q, k, v, prefix_len=5, sm_scale=0.2, backend="triton", descriptors=True)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_strided_views(backend: str) -> None:
     """q from a fused [tokens, q|k|v heads, head_dim] tensor, k and v a row range and every other
@@ -298,20 +345,27 @@ def test_triton_on_cuda_matches_reference(n: int, prefix_len: int, num_heads: in
     """The autotuned launch and each tile config it chooses from."""
     from triton.runtime.errors import OutOfResources
 
-    from infinite_llm.kernels.prefix_attention_kernel import CUDA_CONFIGS
+    from infinite_llm.kernels.prefix_attention_kernel import CUDA_CONFIGS, CUDA_DESCRIPTOR_CONFIGS
 
     q, k, v = inputs(n, prefix_len, num_heads, num_kv_heads, head_dim, dtype=dtype, seed=9, device="cuda")
     sm_scale = head_dim**-0.5
     want = prefix_causal_attention_torch(q, k, v, prefix_len=prefix_len, sm_scale=sm_scale)
     assert_close(prefix_causal_attention(q, k, v, prefix_len=prefix_len, sm_scale=sm_scale), want, dtype)
-    num_ran = 0
-    for c in CUDA_CONFIGS:
-        config = PrefixAttentionConfig(block_m=c.kwargs["BLOCK_M"], block_n=c.kwargs["BLOCK_N"],
-                                       num_warps=c.num_warps, num_stages=c.num_stages)
-        try:
-            got = prefix_causal_attention(q, k, v, prefix_len=prefix_len, sm_scale=sm_scale, config=config)
-        except OutOfResources:  # fp32 tiles of the largest config exceed shared memory; autotune skips them too
-            continue
-        assert_close(got, want, dtype)
-        num_ran += 1
-    assert num_ran >= 2
+    kernels = [(False, CUDA_CONFIGS)]
+    if torch.cuda.get_device_capability()[0] >= 9 and dtype != torch.float32 and head_dim in (64, 128):
+        kernels.append((True, CUDA_DESCRIPTOR_CONFIGS))
+        assert_close(prefix_causal_attention(q, k, v, prefix_len=prefix_len, sm_scale=sm_scale, descriptors=True),
+                     want, dtype)
+    for descriptors, configs in kernels:
+        num_ran = 0
+        for c in configs:
+            config = PrefixAttentionConfig(block_m=c.kwargs["BLOCK_M"], block_n=c.kwargs["BLOCK_N"],
+                                           num_warps=c.num_warps, num_stages=c.num_stages)
+            try:
+                got = prefix_causal_attention(q, k, v, prefix_len=prefix_len, sm_scale=sm_scale, config=config,
+                                              descriptors=descriptors)
+            except OutOfResources:  # fp32 tiles of the largest config exceed shared memory; autotune skips them too
+                continue
+            assert_close(got, want, dtype)
+            num_ran += 1
+        assert num_ran >= 2, f"descriptors={descriptors}: {num_ran} configs ran"
