@@ -18,6 +18,11 @@ SCORERS = ("attention", "random")
 # a chunk's keys per KV head to the hosts after it.
 DEFAULT_ANCHOR_FRACTION = 0.25
 DEFAULT_PASSING_FRACTION = 0.125
+# ... but never fewer tokens than these (the anchor cut to chunk 0). Short chunks lost the most
+# accuracy at the fractions alone (bench/apb_accuracy.py, SmolLM2-135M: H=4 8.0 points under
+# exact, 1.7 with these floors); long chunks, where APB saves the most, are above them anyway.
+DEFAULT_ANCHOR_MIN_TOKENS = 1024
+DEFAULT_PASSING_MIN_TOKENS = 512
 
 
 @dataclass(frozen=True)
@@ -116,6 +121,8 @@ def plan_apb(doc_len: int, num_hosts: int, block_size: int, *, min_chunk_tokens:
         return f"the document has {doc_len} tokens, too few to cut into {num_hosts} block-aligned chunks"
     first = bounds[1]
     chunk = doc_len // num_hosts
-    anchor = int(chunk * DEFAULT_ANCHOR_FRACTION) if anchor_tokens is None else anchor_tokens
-    passing = max(1, int(chunk * DEFAULT_PASSING_FRACTION)) if passing_tokens is None else passing_tokens
+    anchor = max(int(chunk * DEFAULT_ANCHOR_FRACTION), DEFAULT_ANCHOR_MIN_TOKENS) if anchor_tokens is None \
+        else anchor_tokens
+    passing = max(int(chunk * DEFAULT_PASSING_FRACTION), DEFAULT_PASSING_MIN_TOKENS) if passing_tokens is None \
+        else passing_tokens
     return APBPlan(bounds, min(anchor, first), passing)

@@ -8,7 +8,9 @@ import pytest
 
 from infinite_llm.daemon.apb_plan import (
     DEFAULT_ANCHOR_FRACTION,
+    DEFAULT_ANCHOR_MIN_TOKENS,
     DEFAULT_PASSING_FRACTION,
+    DEFAULT_PASSING_MIN_TOKENS,
     APBPlan,
     PrefillOptions,
     plan_apb,
@@ -59,35 +61,41 @@ def test_the_home_takes_the_last_chunk_which_ends_at_the_documents_end():
 def test_default_anchor_and_passing(doc_len, num_hosts, block_size):
     plan = plan_apb(doc_len, num_hosts, block_size, min_chunk_tokens=1)
     chunk = doc_len // num_hosts
-    assert plan.anchor_len == min(int(chunk * DEFAULT_ANCHOR_FRACTION), plan.chunk_len(0))
-    assert plan.passing_len == max(1, int(chunk * DEFAULT_PASSING_FRACTION))
+    assert plan.anchor_len == min(max(int(chunk * DEFAULT_ANCHOR_FRACTION), DEFAULT_ANCHOR_MIN_TOKENS),
+                                  plan.chunk_len(0))
+    assert plan.passing_len == max(int(chunk * DEFAULT_PASSING_FRACTION), DEFAULT_PASSING_MIN_TOKENS)
 
 
-def test_default_fractions_are_a_quarter_and_an_eighth():
+def test_default_fractions_are_a_quarter_and_an_eighth_above_their_floors():
     assert DEFAULT_ANCHOR_FRACTION == 0.25
     assert DEFAULT_PASSING_FRACTION == 0.125
-    plan = plan_apb(4096, 4, 16, min_chunk_tokens=256)
-    assert (plan.anchor_len, plan.passing_len) == (256, 128)
+    assert (DEFAULT_ANCHOR_MIN_TOKENS, DEFAULT_PASSING_MIN_TOKENS) == (1024, 512)
+    plan = plan_apb(65536, 4, 16, min_chunk_tokens=256)  # chunks of 16K: the fractions
+    assert (plan.anchor_len, plan.passing_len) == (4096, 2048)
+    plan = plan_apb(4096, 4, 16, min_chunk_tokens=256)  # chunks of 1K: the floors, the anchor cut to chunk 0
+    assert (plan.anchor_len, plan.passing_len) == (1024, 512)
+    plan = plan_apb(2048, 4, 16, min_chunk_tokens=256)
+    assert (plan.anchor_len, plan.passing_len) == (512, 512)
 
 
-def test_default_passing_is_at_least_one_key():
+def test_default_passing_is_at_least_its_floor():
     plan = plan_apb(8, 2, 1, min_chunk_tokens=1)  # chunk of 4: an eighth is 0
-    assert plan.passing_len == 1
-    assert plan.anchor_len == 1
+    assert plan.passing_len == DEFAULT_PASSING_MIN_TOKENS
+    assert plan.anchor_len == 4  # the floor, cut to chunk 0
 
 
 def test_anchor_is_capped_at_chunk_0():
     # Host 0's chunk is the even cut rounded down to a block: 95 -> 64 here.
     plan = plan_apb(190, 2, 64, min_chunk_tokens=64)
     assert plan.bounds == (0, 64, 190)
-    assert plan.anchor_len == int(190 // 2 * DEFAULT_ANCHOR_FRACTION) == 23  # the default: within chunk 0
+    assert plan.anchor_len == 64  # the default's floor, cut to chunk 0
     plan = plan_apb(190, 2, 64, min_chunk_tokens=64, anchor_tokens=100)
     assert plan.anchor_len == 64  # an explicit one longer than chunk 0 is cut to it
     plan = plan_apb(190, 2, 64, min_chunk_tokens=64, anchor_tokens=64)
     assert plan.anchor_len == 64
 
 
-def test_default_anchor_never_needs_the_cap():
+def test_a_quarter_chunk_anchor_never_needs_the_cap():
     # Chunk 0 is at least one block and more than chunk - block: a quarter of a chunk fits.
     for doc_len, num_hosts, block_size in itertools.product(range(2, 600, 3), range(2, 6), (1, 4, 16, 64)):
         plan = plan_apb(doc_len, num_hosts, block_size, min_chunk_tokens=1)
@@ -106,9 +114,9 @@ def test_explicit_anchor_and_passing(anchor, passing):
 def test_passing_zero_is_allowed_and_kept():
     plan = plan_apb(4096, 4, 16, min_chunk_tokens=16, passing_tokens=0)
     assert plan.passing_len == 0
-    assert plan.anchor_len == 256  # the default still
+    assert plan.anchor_len == 1024  # the default still (its floor: chunks of 1K)
     plan = plan_apb(4096, 4, 16, min_chunk_tokens=16, anchor_tokens=0)
-    assert plan.anchor_len == 0 and plan.passing_len == 128
+    assert plan.anchor_len == 0 and plan.passing_len == 512
 
 
 def test_many_shapes_hold_the_invariants():

@@ -149,6 +149,7 @@ def test_descriptor_kernel_matches_torch_reference(dtype: torch.dtype, n: int, p
     pytest.param("head_dim_48", "power of two", id="head-dim"),
     pytest.param("heads_strided", "contiguous", id="heads-strided"),
 ])
+@NEEDS_INTERPRETER
 def test_descriptors_asked_for_where_the_layout_does_not_allow_them_raise(change: str, message: str) -> None:
     dtype = torch.float32 if change == "float32" else torch.bfloat16
     head_dim = 48 if change == "head_dim_48" else 32
